@@ -1,0 +1,37 @@
+"""zoo: a plugin-based training framework of the Megatron class.
+
+The public surface is small: the plugin contract (`Family`, `DatasetSpec`, `CommandSpec`,
+`hookimpl`, the spec vocabulary in `zoo.spec`, mappings in `zoo.mapping`) and the registry
+(`get_family`, `list_families`). Importing zoo loads no plugin and does not import torch.
+"""
+
+from __future__ import annotations
+
+from zoo.family import CommandSpec, DatasetSpec, Family, Ref
+from zoo.hookspecs import hookimpl
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommandSpec",
+    "DatasetSpec",
+    "Family",
+    "Ref",
+    "__version__",
+    "get_family",
+    "hookimpl",
+    "list_families",
+]
+
+
+def get_family(name: str) -> Family:
+    """The installed family called ``name`` (or an alias); loads the plugins on first use."""
+    from zoo.registry import get_registry
+
+    return get_registry().get(name).family
+
+
+def list_families() -> list[str]:
+    from zoo.registry import get_registry
+
+    return sorted(get_registry().families)

@@ -1,0 +1,323 @@
+"""The `zoo` command line.
+
+Exit codes: 0 success, 2 usage or configuration error, 1 failure while running. Every error is
+one line on stderr; ``--debug`` shows the traceback instead. Plugins add commands through the
+``zoo_commands`` hook; the core's commands cannot be shadowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from zoo.errors import ConfigError, PluginError, UnknownNameError, UsageError, ZooError, suggest
+
+CORE_COMMANDS = ("list", "info", "version", "train")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so every error takes the same one-line path."""
+
+    def error(self, message: str) -> Any:
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _registry(args: argparse.Namespace) -> Any:
+    from zoo.registry import get_registry
+
+    return get_registry(only=getattr(args, "plugins", None))
+
+
+# --------------------------------------------------------------------------------------------- list
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    reg = _registry(args)
+    if args.json:
+        print(json.dumps(_list_json(reg), indent=2))
+        return 0
+    rows = [("MODEL", "ALIASES", "FLAVORS", "TASK", "FROM")]
+    for name in sorted(reg.families):
+        e = reg.families[name]
+        f = e.family
+        rows.append((name, ",".join(f.aliases) or "-", ",".join(f.flavors), f.task, f"{e.plugin.distribution} {e.plugin.version}"))
+    if len(rows) == 1:
+        print("no model families installed (pip install zoo-gpt, or a third-party zoo plugin)")
+    else:
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if reg.datasets:
+        print("\ndatasets: " + ", ".join(f"{n} ({info.distribution})" for n, (_, info) in sorted(reg.datasets.items())))
+    problems = _problems(reg)
+    if problems:
+        print("\nproblems:")
+        for p in problems:
+            print(f"  {p}")
+    return 1 if problems and args.strict else 0
+
+
+def _problems(reg: Any) -> list[str]:
+    from zoo.registry import _conflict_message
+
+    out = [f"BROKEN {b.plugin}: {b.error}" for b in reg.broken]
+    out += [f"CONFLICT {_conflict_message(n, c)}" for n, c in sorted(reg.conflicts.items())]
+    out += [f"SHADOWED command {n!r} from {info} (a core command)" for n, (_, info) in reg.commands.items() if n in CORE_COMMANDS]
+    return out
+
+
+def _list_json(reg: Any) -> dict[str, Any]:
+    return {
+        "families": [
+            {
+                "name": n,
+                "aliases": list(e.family.aliases),
+                "flavors": list(e.family.flavors),
+                "task": e.family.task,
+                "distribution": e.plugin.distribution,
+                "version": e.plugin.version,
+                "entry_point": e.plugin.name,
+            }
+            for n, e in sorted(reg.families.items())
+        ],
+        "broken": [{"entry_point": b.plugin.name, "distribution": b.plugin.distribution, "error": b.error} for b in reg.broken],
+        "conflicts": {n: [c.distribution for c in cs] for n, cs in reg.conflicts.items()},
+        "skipped": [s.name for s in reg.skipped],
+    }
+
+
+# --------------------------------------------------------------------------------------------- info
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from zoo import spec as spec_mod
+
+    entry = _registry(args).get(args.name)
+    f = entry.family
+    print(f"{f.name}: {f.description}")
+    print(f"  from:        {entry.plugin.distribution} {entry.plugin.version} (entry point {entry.plugin.name!r})")
+    print(f"  aliases:     {', '.join(f.aliases) or '-'}")
+    print(f"  task:        {f.task}")
+    print(f"  config:      {f.config.__module__}.{f.config.__qualname__}")
+    print(f"  flavors:     {', '.join(f.flavors)}")
+    print(f"  dataset:     {f.default_dataset or '-'}")
+    print(f"  formats:     {', '.join(f.checkpoint_formats) or '-'}")
+    print(f"  generation:  {'yes' if f.generate else 'no'}")
+    if f.recipe:
+        print("  recipe:      " + ", ".join(f"{k}={v}" for k, v in f.recipe.items()))
+    for name, s in f.specs.items():
+        print(f"  layer spec {name!r}: {spec_mod.describe(s, indent=2)}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ version
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    import platform
+
+    from zoo import __version__
+
+    print(f"zoo-core {__version__}")
+    print(f"python {platform.python_version()}")
+    try:
+        from importlib.metadata import version
+
+        print(f"torch {version('torch')}")
+    except Exception:
+        print("torch not installed")
+    reg = _registry(args)
+    for info in reg.plugins:
+        print(f"plugin {info.name}: {info.distribution} {info.version}")
+    for b in reg.broken:
+        print(f"plugin {b.plugin.name}: {b.plugin.distribution} {b.plugin.version} (broken)")
+    return 0
+
+
+# -------------------------------------------------------------------------------------------- train
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The options every command that resolves a run config takes (train, and later ones)."""
+    p.add_argument("--model", "-m", help="model family (see `zoo list`)")
+    p.add_argument("--flavor", "-f", help="size of the family (default: tiny)")
+    p.add_argument("--config", "-c", action="append", default=[], metavar="FILE", help="YAML config, may repeat; later wins")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides, applied last")
+
+
+def resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
+    """Registry entry and `RunConfig` from --model/--flavor/--config/overrides."""
+    from zoo import config as cfg_mod
+
+    files = [(str(path), cfg_mod.read_yaml(path)) for path in args.config]
+    model = args.model
+    flavor = args.flavor
+    for path, tree in files:  # a resolved config.yaml names its family and flavor
+        model = model or tree.get("family")
+        flavor = flavor or tree.get("flavor")
+    if not model:
+        raise UsageError("zoo train: --model is required (see `zoo list`)")
+    entry = _registry(args).get(str(model))
+    fam = entry.family
+    flavor = str(flavor or "tiny")
+    if flavor not in fam.flavors:
+        raise UnknownNameError(
+            f"family {fam.name!r} has no flavor {flavor!r}{suggest(flavor, fam.flavors)}; flavors: {', '.join(fam.flavors)}"
+        )
+    try:
+        defaults = fam.flavors[flavor]()
+    except Exception as e:
+        raise PluginError(f"{entry.plugin}: flavor {flavor!r} of {fam.name!r} raised {type(e).__name__}: {e}") from e
+    recipe = [(f"recipe of {fam.name}", fam.recipe), (f"recipe of {fam.name}/{flavor}", fam.flavor_recipes.get(flavor, {}))]
+    run = cfg_mod.resolve(
+        family=fam.name, flavor=flavor, model_cls=fam.config, model_defaults=defaults,
+        recipe=recipe, files=files, overrides=args.overrides,
+    )
+    if run.model.layer_spec not in fam.specs:
+        raise ConfigError(
+            f"model.layer_spec={run.model.layer_spec!r} is not a layer spec of {fam.name!r}"
+            f"{suggest(str(run.model.layer_spec), fam.specs)}; specs: {', '.join(fam.specs)}"
+        )
+    return entry, run
+
+
+def count_parameters(entry: Any, run: Any) -> int:
+    """Build the model on the meta device (no memory) and count its parameters."""
+    import torch
+
+    from zoo.family import resolve
+
+    build = resolve(entry.family.build, owner=str(entry.plugin))
+    with torch.device("meta"):
+        model = build(run.model, entry.family.spec_for(run.model))
+    return sum(p.numel() for p in model.parameters())
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from zoo import distributed, layout
+
+    entry, run = resolve_run(args)
+    world = args.world_size or distributed.world_size_from_env()
+    plan = layout.plan(run.parallel, run.train, run.model, world_size=world)
+    if args.dry_run:
+        print(run.to_yaml().rstrip())
+        n = count_parameters(entry, run)
+        print(f"# model: {run.family} ({run.flavor}) from {entry.plugin.distribution} {entry.plugin.version}")
+        print(f"# parameters: {n:,} ({_human(n)})")
+        print(f"# layout: {plan.describe()}")
+        return 0
+    from zoo import train
+
+    run_dir = Path(args.run_dir or os.path.join("runs", f"{run.family}-{run.flavor}"))
+    return train.run(entry, run, plan, run_dir=run_dir)
+
+
+def _human(n: int) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def build_parser(registry: Any | None) -> _Parser:
+    parser = _Parser(prog="zoo", description="zoo: train, convert and sample models of any installed family.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--plugins", metavar="A,B", help="load only these plugins (overrides ZOO_PLUGINS)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    p = sub.add_parser("list", help="installed model families, flavors and where they come from")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a plugin is broken or conflicts")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("info", help="everything a family declares")
+    p.add_argument("name")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("version", help="versions of zoo, torch and the plugins")
+    p.set_defaults(func=cmd_version)
+
+    p = sub.add_parser("train", help="train a model (run under torchrun for several processes)")
+    add_run_arguments(p)
+    p.add_argument("--run-dir", help="where config, metrics and checkpoints go (default runs/<model>-<flavor>)")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config, parameter count and layout")
+    p.add_argument("--world-size", type=int, help="plan the layout for this many processes (dry runs)")
+    p.set_defaults(func=cmd_train)
+
+    if registry is not None:
+        from zoo.family import resolve
+
+        for name, (cmd, info) in sorted(registry.commands.items()):
+            if name in CORE_COMMANDS:
+                continue
+            p = sub.add_parser(name, help=f"{cmd.help} [{info.distribution}]")
+            try:
+                resolve(cmd.add_arguments, owner=str(info))(p)
+            except Exception as e:  # a broken plugin command must not break the others
+                p.set_defaults(func=_broken_command(f"{info}: command {name!r} is broken: {e}"))
+                continue
+            p.set_defaults(func=_plugin_command(cmd, info))
+    return parser
+
+
+def _plugin_command(cmd: Any, info: Any) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        from zoo.family import resolve
+
+        return int(resolve(cmd.run, owner=str(info))(args) or 0)
+
+    return run
+
+
+def _broken_command(message: str) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        raise PluginError(message)
+
+    return run
+
+
+def _wants_plugin_commands(argv: Sequence[str]) -> bool:
+    """Plugin commands are only loaded when the first word is not a core command or --help."""
+    words = [a for a in argv if not a.startswith("-")]
+    return bool(words) and words[0] not in CORE_COMMANDS
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("ZOO_DEBUG") == "1"
+    try:
+        registry = None
+        if _wants_plugin_commands(argv):
+            from zoo.registry import get_registry
+
+            only = None
+            if "--plugins" in argv and argv.index("--plugins") + 1 < len(argv):
+                only = argv[argv.index("--plugins") + 1]
+            registry = get_registry(only=only)
+        parser = build_parser(registry)
+        args = parser.parse_args(argv)
+        if not getattr(args, "command", None):
+            parser.print_help()
+            return 2
+        return int(args.func(args) or 0)
+    except ZooError as e:
+        if debug:
+            raise
+        print(f"zoo: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("zoo: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        print(f"zoo: error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
+        return 1

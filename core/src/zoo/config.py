@@ -1,0 +1,460 @@
+"""Run configuration: one small dataclass per concern, composed into a `RunConfig`.
+
+Layers, lowest first: the section defaults below < the family's flavor (the ``model`` section) and
+recipe < YAML files (``--config a.yaml``, in order) < command-line overrides ``section.key=value``.
+Every value is checked against the field's type when it is set, so an error names the layer it
+came from (file, recipe or command line), the key and the expected type; an unknown key suggests
+the closest valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from zoo.errors import ConfigError, suggest
+
+
+AXES = ("tp", "cp", "ep", "dp", "pp")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tp: int = 1  # tensor parallel size
+    pp: int = 1  # pipeline stages
+    vpp: int = 1  # virtual stages (model chunks) per pipeline rank, interleaved 1F1B when > 1
+    cp: int = 1  # context parallel size (ring attention)
+    ep: int = 1  # expert parallel size
+    etp: int | None = None  # expert tensor parallel size; None: same as tp
+    sequence_parallel: bool = False  # shard norm/dropout regions along the sequence inside TP
+    zero: int = 0  # 1: distributed optimizer (fp32 master weights and Adam state sharded over DP)
+    order: str = "tp-cp-ep-dp-pp"  # leftmost axis varies fastest: TP ranks are neighbours
+    bucket_size: int = 40_000_000  # gradient elements per DP bucket (Megatron's default)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+    timeout_s: float = 600.0  # collective timeout: a dead rank fails the job instead of hanging it
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "vpp", "cp", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.etp is not None and self.etp < 1:
+            raise ValueError(f"etp={self.etp} must be at least 1")
+        if self.zero not in (0, 1):
+            raise ValueError(f"zero={self.zero}: only 0 (off) and 1 (distributed optimizer) exist")
+        axes = self.order.split("-")
+        if sorted(axes) != sorted(AXES):
+            raise ValueError(f"order={self.order!r} must name each of {'-'.join(AXES)} once")
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError(f"vpp={self.vpp} needs pp > 1 (virtual stages interleave a pipeline)")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel=true needs tp > 1 (it shards inside tensor-parallel regions)")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s={self.timeout_s} must be positive")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    path: str | list[Any] | None = None  # Megatron blend "0.5 A 0.3 B" or a YAML list; None: family default
+    dataset: str | None = None  # a named dataset from a plugin; None: the family's default_dataset
+    split: str = "969,30,1"  # train,valid,test proportions of documents
+    tokenizer: str | None = None  # HF tokenizer dir, tiktoken file, "bytes"; None: the dataset's own
+    num_workers: int = 0
+    cache_dir: str | None = None  # where built indices and prepared corpora are cached
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    name: Literal["adamw"] = "adamw"
+    lr: float = 3e-4  # peak learning rate
+    weight_decay: float = 0.1  # never applied to norms, biases and embeddings' position tables
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    warmup_steps: int = 0
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1  # final lr as a fraction of the peak
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 200
+    micro_batch_size: int = 8
+    global_batch_size: int | None = None  # None: micro_batch_size x dp (no accumulation)
+    seq_length: int = 256
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    seed: int = 1234
+    recompute: Literal["none", "selective", "full"] = "none"
+    eval_interval: int = 50  # steps between validations; 0 disables
+    eval_steps: int = 10
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "micro_batch_size", "seq_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}"
+            )
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: str | None = None  # None: <run dir>/checkpoints
+    interval: int = 0  # steps between saves; 0: only at the end
+    resume: str = "none"  # "none", "auto" (latest complete checkpoint) or a checkpoint path
+    load: str | None = None  # initial weights, e.g. "hf:/path/to/model"
+    keep_last: int | None = None  # retention; None keeps all
+    async_save: bool = False
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    interval: int = 10  # steps between metric lines
+    progress: bool = True
+    tensorboard: bool = True  # written when the tensorboard package is installed
+
+
+SECTIONS: dict[str, type] = {
+    "parallel": ParallelConfig,
+    "data": DataConfig,
+    "optimizer": OptimizerConfig,
+    "schedule": ScheduleConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """The resolved configuration of one run: the family's model config plus one per concern."""
+
+    family: str
+    flavor: str
+    model: Any  # the family's config dataclass instance
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"family": self.family, "flavor": self.flavor, **{
+            name: _plain(getattr(self, name)) for name in ("model", *SECTIONS)
+        }}
+
+    def to_yaml(self) -> str:
+        buf = io.StringIO()
+        yaml.safe_dump(self.to_dict(), buf, sort_keys=False, default_flow_style=False)
+        return buf.getvalue()
+
+
+def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(x) for x in obj]
+    if isinstance(obj, Mapping):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# Typed values
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is not None:
+        return repr(tp).replace("typing.", "")
+    return getattr(tp, "__name__", repr(tp))
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """Return ``value`` as type ``tp`` or raise `_Mismatch`. Lenient only where it is lossless."""
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value in typing.get_args(tp) and type(value) in {type(a) for a in typing.get_args(tp)}:
+            return value
+        raise _Mismatch
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise _Mismatch
+        # Exact type first, so `str | list` keeps a list and `int | float` keeps an int.
+        for arg in sorted(args, key=lambda a: 0 if _exact(value, a) else 1):
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg)
+            except _Mismatch:
+                continue
+        raise _Mismatch
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):  # "1e6" is a string to YAML 1.1
+            try:
+                f = float(value.replace("_", ""))
+            except ValueError:
+                raise _Mismatch from None
+            if f.is_integer():
+                return int(f)
+        raise _Mismatch
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise _Mismatch from None
+        raise _Mismatch
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _Mismatch
+    if origin in (list, tuple) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise _Mismatch
+        args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise _Mismatch
+            items = [_coerce(v, a) for v, a in zip(value, args)]
+        else:
+            items = [_coerce(v, args[0]) if args else v for v in value]
+        return tuple(items) if (origin or tp) is tuple else items
+    if origin in (dict, Mapping) or tp is dict:
+        if not isinstance(value, Mapping):
+            raise _Mismatch
+        return dict(value)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        raise _Mismatch  # nested dataclasses are set key by key, never as a blob
+    if isinstance(tp, type):
+        if isinstance(value, tp):
+            return value
+        raise _Mismatch
+    return value
+
+
+def _exact(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp) or tp
+    if tp is type(None):
+        return value is None
+    if isinstance(origin, type):
+        if origin is int and isinstance(value, bool):
+            return False
+        return isinstance(value, origin)
+    return False
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layering
+
+
+class Layers:
+    """A nested dict of values, set key by key with type checks, then built into a `RunConfig`."""
+
+    def __init__(self, model_cls: type, model_defaults: Any) -> None:
+        self.schema: dict[str, type] = {"model": model_cls, **SECTIONS}
+        self.values: dict[str, dict[str, Any]] = {"model": _plain_shallow(model_defaults)}
+        for name, cls in SECTIONS.items():
+            self.values[name] = _plain_shallow(cls())
+
+    def keys(self) -> list[str]:
+        out: list[str] = []
+        for section, cls in self.schema.items():
+            out += _dotted_keys(cls, section)
+        return out
+
+    def set(self, dotted: str, value: Any, *, source: str) -> None:
+        parts = dotted.split(".")
+        section = parts[0]
+        if section not in self.schema or len(parts) < 2:
+            raise ConfigError(
+                f"{source}: unknown key {dotted!r}" + (suggest(dotted, self.keys()) or suggest(section, self.schema))
+                + ("" if len(parts) > 1 or section not in self.schema else " (give section.key)")
+            )
+        cls: Any = self.schema[section]
+        node = self.values[section]
+        for i, name in enumerate(parts[1:], start=1):
+            hints = _hints(cls)
+            if name not in hints or name not in {f.name for f in dataclasses.fields(cls)}:
+                raise ConfigError(f"{source}: unknown key {dotted!r}" + suggest(dotted, self.keys()))
+            tp = hints[name]
+            if i < len(parts) - 1:
+                if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+                    raise ConfigError(f"{source}: {'.'.join(parts[: i + 1])} is a {_type_name(tp)}, it has no sub-keys")
+                cls, node = tp, node[name]
+                continue
+            if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+                if not isinstance(value, Mapping):
+                    raise ConfigError(f"{source}: {dotted} is a group of keys ({_type_name(tp)}); set {dotted}.<key>")
+                for k, v in value.items():
+                    self.set(f"{dotted}.{k}", v, source=source)
+                return
+            try:
+                node[name] = _coerce(value, tp)
+            except _Mismatch:
+                raise ConfigError(
+                    f"{source}: {dotted}={_show(value)}: expected {_type_name(tp)}, got {type(value).__name__}"
+                ) from None
+
+    def update(self, tree: Mapping[str, Any], *, source: str, prefix: str = "") -> None:
+        """Set every leaf of a nested mapping (a YAML document)."""
+        for key, value in tree.items():
+            dotted = f"{prefix}{key}"
+            if isinstance(value, Mapping) and self._is_group(dotted):
+                self.update(value, source=source, prefix=dotted + ".")
+            else:
+                self.set(dotted, value, source=source)
+
+    def _is_group(self, dotted: str) -> bool:
+        parts = dotted.split(".")
+        if parts[0] not in self.schema:
+            return False
+        cls: Any = self.schema[parts[0]]
+        for name in parts[1:]:
+            tp = _hints(cls).get(name)
+            if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+                return False
+            cls = tp
+        return True
+
+    def build(self, *, family: str, flavor: str) -> RunConfig:
+        built = {name: _build(cls, self.values[name], name) for name, cls in self.schema.items()}
+        return RunConfig(family=family, flavor=flavor, **built)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _plain_shallow(obj: Any) -> dict[str, Any]:
+    """A dataclass as nested dicts of its fields (dataclass fields recurse, other values stay)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        out[f.name] = _plain_shallow(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
+    return out
+
+
+def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
+    hints = _hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name not in values:
+            continue
+        tp, v = hints[f.name], values[f.name]
+        kwargs[f.name] = _build(tp, v, f"{where}.{f.name}") if isinstance(tp, type) and dataclasses.is_dataclass(tp) else v
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:  # a config's own __post_init__ check
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _dotted_keys(cls: type, prefix: str) -> list[str]:
+    out = []
+    for name, tp in _hints(cls).items():
+        if name not in {f.name for f in dataclasses.fields(cls)}:
+            continue
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            out += _dotted_keys(tp, f"{prefix}.{name}")
+        else:
+            out.append(f"{prefix}.{name}")
+    return out
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.steps=10"`` -> ``("train.steps", 10)``; the value is read as YAML (so lists work)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(c.isspace() for c in key):
+        raise ConfigError(f"command line: {text!r} is not an override; write section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # a value YAML cannot read is taken as the literal string
+    return key.strip(), value
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a config file must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def resolve(
+    *,
+    family: str,
+    flavor: str,
+    model_cls: type,
+    model_defaults: Any,
+    recipe: Iterable[tuple[str, Mapping[str, Any]]] = (),
+    files: Iterable[tuple[str, Mapping[str, Any]]] = (),
+    overrides: Iterable[str] = (),
+) -> RunConfig:
+    """Compose the layers. ``recipe`` and ``files`` are ``(source name, mapping)`` pairs, lowest first."""
+    layers = Layers(model_cls, model_defaults)
+    for source, tree in recipe:
+        for key, value in tree.items():
+            layers.set(key, value, source=source)
+    for source, tree in files:
+        tree = {k: v for k, v in tree.items() if k not in ("family", "flavor")}
+        layers.update(tree, source=source)
+    for text in overrides:
+        key, value = parse_override(text)
+        layers.set(key, value, source=f"command line ({text})")
+    return layers.build(family=family, flavor=flavor)

@@ -1,0 +1,110 @@
+"""Process start-up and teardown: a plain process (world size 1) or one rank under `torchrun`.
+
+World size 1 is not a special case for the code above this module: it gets a `DistEnv` like any
+rank, and no process group is created (collectives are skipped when there is no group).
+Under `torchrun` (or any launcher that sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+``MASTER_PORT``) the default group is created with gloo on CPU or NCCL on CUDA, with a timeout so
+that a dead or stuck rank fails the job instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from zoo.errors import UsageError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str | None  # None when there is no process group (world size 1)
+    device: str  # "cpu" or "cuda:<local rank>"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UsageError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def world_size_from_env() -> int:
+    return _env_int("WORLD_SIZE", 1)
+
+
+def pick_backend(requested: str, device: str) -> str:
+    if requested != "auto":
+        return requested
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def pick_device(requested: str = "auto", *, local_rank: int = 0) -> str:
+    import torch
+
+    if requested == "cpu":
+        return "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("train.device=cuda but no CUDA device is available")
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        return f"cuda:{local_rank % max(torch.cuda.device_count(), 1)}"
+    return "cpu"
+
+
+def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 600.0) -> DistEnv:
+    """Join the job described by the environment; a no-op group-wise when ``WORLD_SIZE`` is 1."""
+    import torch
+    import torch.distributed as dist
+
+    world = world_size_from_env()
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    if not 0 <= rank < world:
+        raise UsageError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    dev = pick_device(device, local_rank=local_rank)
+    if dev.startswith("cuda"):
+        torch.cuda.set_device(torch.device(dev))
+    if world == 1:
+        return DistEnv(rank=0, world_size=1, local_rank=0, backend=None, device=dev)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            raise UsageError(f"WORLD_SIZE={world} but {name} is not set; launch with torchrun")
+    be = pick_backend(backend, dev)
+    if be == "nccl" and not dev.startswith("cuda"):
+        raise UsageError("parallel.backend=nccl needs CUDA devices; use gloo on CPU")
+    if not dist.is_initialized():
+        kwargs = {"device_id": torch.device(dev)} if be == "nccl" else {}
+        dist.init_process_group(
+            backend=be, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
+        )
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, backend=be, device=dev)
+
+
+def shutdown() -> None:
+    """Destroy the default group if there is one; safe to call twice or after a failure."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # a peer may already be gone; exiting matters more
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def session(*, backend: str = "auto", device: str = "auto", timeout_s: float = 600.0) -> Iterator[DistEnv]:
+    env = init(backend=backend, device=device, timeout_s=timeout_s)
+    try:
+        yield env
+    finally:
+        shutdown()

@@ -1,0 +1,44 @@
+"""Errors that the `zoo` command line turns into one clear line and an exit code.
+
+Exit codes: 2 for a usage or configuration mistake the user can fix by changing what they typed,
+1 for a failure while running. Anything else is a bug and shows its traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class ZooError(Exception):
+    """A failure the user should read as one line (exit code 1)."""
+
+    exit_code = 1
+
+
+class UsageError(ZooError):
+    """Wrong command, option, name or configuration value (exit code 2)."""
+
+    exit_code = 2
+
+
+class ConfigError(UsageError):
+    """A configuration key or value is wrong; the message names the key and where it came from."""
+
+
+class PluginError(ZooError):
+    """A plugin is broken, conflicts with another, or breaks the contract; names the plugin."""
+
+
+class UnknownNameError(UsageError):
+    """A name (family, flavor, key, command) that does not exist; the message suggests close ones."""
+
+
+def suggest(name: str, candidates: Iterable[str], *, n: int = 3) -> str:
+    """Return ' (did you mean a, b?)' for the closest candidates, or '' when nothing is close."""
+    pool = sorted(set(candidates))
+    close = difflib.get_close_matches(name, pool, n=n, cutoff=0.6)
+    if not close:
+        # Prefix matches catch abbreviations ('lla' -> 'llama') that the ratio misses.
+        close = [c for c in pool if c.startswith(name) or name.startswith(c)][:n] if name else []
+    return f" (did you mean {', '.join(close)}?)" if close else ""

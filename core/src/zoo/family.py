@@ -1,0 +1,150 @@
+"""The model-family contract: what a plugin declares so the core can build, train, convert
+and generate with a model it has never seen.
+
+A plugin's entry-point module returns `Family` objects from its `zoo_families` hook. That module
+must stay light (no torch, no model code): `zoo list` imports it. Everything heavy is named by a
+`Ref`, a ``"module:attribute"`` string resolved the first time it is used, so `import zoo`,
+`zoo --help` and `zoo list` never import a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from zoo.errors import PluginError
+from zoo.spec import ModelSpec, check_spec
+
+#: ``"package.module:attribute"`` (resolved lazily) or the object itself.
+Ref = str | Callable[..., Any]
+
+_NAME = re.compile(r"^[a-z][a-z0-9_.-]*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """A model family: one readable architecture, its sizes, and how it trains and converts.
+
+    Callables named here (directly or as `Ref`) have these signatures:
+
+    - ``build(config, spec) -> torch.nn.Module``: the plain model, on the current default device.
+      Called under ``torch.device("meta")`` for dry runs, so it must not touch data.
+    - ``loss(model, batch) -> (loss, metrics)``: the training objective for one micro-batch
+      (next-token cross entropy, EDM denoising, captioning); ``loss`` is a scalar tensor, ``metrics``
+      a dict of floats or scalar tensors to log.
+    - ``example_batch(config, *, batch_size, seq_length, generator) -> dict``: a small random
+      batch of the shape the model takes; the conformance suite and dry runs use it.
+    - ``generate(model, config, **request)``: the generation entry (tokens, images, captions).
+    - ``checkpoint_formats[fmt](config) -> zoo.mapping.MappingTable``: declarative key mapping to
+      and from an external format (``"hf"``, ``"mamba_ssm"``, ...).
+    """
+
+    name: str
+    description: str
+    task: str  # "causal_lm", "diffusion", "vlm", "contrastive", ...: what `zoo generate` does
+    config: type  # the family's model config dataclass (sizes; `layer_spec` names a spec)
+    flavors: Mapping[str, Callable[[], Any]]  # plain functions returning a config; "tiny" required
+    specs: Mapping[str, ModelSpec]  # named static layer specs; config.layer_spec picks one
+    build: Ref
+    loss: Ref
+    example_batch: Ref
+    aliases: tuple[str, ...] = ()
+    default_dataset: str | None = None  # a dataset name from a `zoo_datasets` hook
+    checkpoint_formats: Mapping[str, Ref] = field(default_factory=dict)
+    generate: Ref | None = None
+    recipe: Mapping[str, Any] = field(default_factory=dict)  # "section.key" -> default for all flavors
+    flavor_recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def spec_for(self, config: Any) -> ModelSpec:
+        name = getattr(config, "layer_spec", None)
+        if name not in self.specs:
+            from zoo.errors import suggest
+
+            raise PluginError(
+                f"family {self.name!r}: model.layer_spec={name!r} is not one of {sorted(self.specs)}"
+                + suggest(str(name), self.specs)
+            )
+        return self.specs[name]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetSpec:
+    """A named dataset a plugin (or the core) provides, e.g. the embedded text corpus or digits.
+
+    ``build(run_config, *, split, rank, world_size) -> Iterable[batch]`` is resolved lazily.
+    """
+
+    name: str
+    description: str
+    build: Ref
+    modality: str = "tokens"  # "tokens", "images", "video", "image_text"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommandSpec:
+    """A `zoo` sub-command contributed by a plugin.
+
+    ``add_arguments(parser)`` fills an ``argparse`` parser; ``run(args) -> int`` executes it and
+    returns the exit code. Both may be `Ref` strings so the command's module loads only when used.
+    """
+
+    name: str
+    help: str
+    add_arguments: Ref
+    run: Ref
+
+
+def resolve(ref: Ref, *, owner: str) -> Any:
+    """Import the object a `Ref` names; a failure names the plugin (``owner``) and the ref."""
+    if not isinstance(ref, str):
+        return ref
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise PluginError(f"{owner}: reference {ref!r} must look like 'package.module:attribute'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:  # a plugin's import can fail in any way; report it, never crash zoo
+        raise PluginError(f"{owner}: cannot import {module_name!r} for {ref!r}: {type(e).__name__}: {e}") from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise PluginError(f"{owner}: {module_name!r} has no attribute {attr!r} (from {ref!r})") from None
+    return obj
+
+
+def check_family(family: object, *, owner: str) -> None:
+    """Validate a declared family at registration; every message names the plugin (``owner``)."""
+    if not isinstance(family, Family):
+        raise PluginError(f"{owner}: zoo_families must return zoo.Family objects, got {type(family).__name__}")
+    where = f"{owner}: family {family.name!r}"
+    for name in (family.name, *family.aliases):
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise PluginError(f"{where}: name or alias {name!r} must match {_NAME.pattern}")
+    if not (isinstance(family.config, type) and dataclasses.is_dataclass(family.config)):
+        raise PluginError(f"{where}: config must be a dataclass type, got {family.config!r}")
+    field_names = {f.name for f in dataclasses.fields(family.config)}
+    if "layer_spec" not in field_names:
+        raise PluginError(f"{where}: config {family.config.__name__} needs a 'layer_spec: str' field naming one of specs")
+    if "tiny" not in family.flavors:
+        raise PluginError(f"{where}: every family needs a 'tiny' flavor that trains on a CPU in seconds")
+    if not family.specs:
+        raise PluginError(f"{where}: declares no layer specs")
+    for spec_name, spec in family.specs.items():
+        try:
+            check_spec(spec, where=f"spec {spec_name!r}")
+        except TypeError as e:
+            raise PluginError(f"{where}: {e}") from None
+    for flavor, fn in family.flavors.items():
+        if not callable(fn):
+            raise PluginError(f"{where}: flavor {flavor!r} must be a function returning a {family.config.__name__}")
+    for key in family.recipe:
+        if not isinstance(key, str) or "." not in key:
+            raise PluginError(f"{where}: recipe key {key!r} must be 'section.key'")
+    unknown = set(family.flavor_recipes) - set(family.flavors)
+    if unknown:
+        raise PluginError(f"{where}: flavor_recipes for unknown flavors {sorted(unknown)}")

@@ -1,0 +1,96 @@
+"""The parallel layout of a run, derived from the parallel config and the world size.
+
+``dp`` is never configured: it is what is left, ``world // (tp * cp * pp)`` (experts are laid out
+beside the dense grid, ``expert_dp = world // (etp * ep * pp)``). A layout that cannot work fails
+here, before any process group exists, with the reason.
+
+Model sizes are checked through the config fields families conventionally name ``num_layers``,
+``num_heads``, ``num_kv_heads``, ``vocab_size`` and ``num_experts``; a family without one of them
+is simply not checked on that point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zoo.config import ParallelConfig, TrainConfig
+from zoo.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    world_size: int
+    tp: int
+    cp: int
+    ep: int
+    dp: int
+    pp: int
+    vpp: int
+    etp: int
+    expert_dp: int
+    grad_accum: int  # micro-batches per optimizer step on each DP rank
+    global_batch_size: int
+
+    def describe(self) -> str:
+        axes = " x ".join(f"{a}={getattr(self, a)}" for a in ("tp", "cp", "dp", "pp"))
+        extra = []
+        if self.vpp > 1:
+            extra.append(f"vpp={self.vpp}")
+        if self.ep > 1 or self.etp != self.tp:
+            extra.append(f"experts: etp={self.etp} x ep={self.ep} x dp={self.expert_dp}")
+        tail = f" ({', '.join(extra)})" if extra else ""
+        return (
+            f"world {self.world_size} = {axes}{tail}; global batch {self.global_batch_size} = "
+            f"micro {self.global_batch_size // (self.dp * self.grad_accum)} x dp {self.dp} x accumulation {self.grad_accum}"
+        )
+
+
+def plan(parallel: ParallelConfig, train: TrainConfig, model: Any, *, world_size: int) -> Layout:
+    p = parallel
+    model_parallel = p.tp * p.cp * p.pp
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"parallel: world size {world_size} is not divisible by tp*cp*pp = {p.tp}*{p.cp}*{p.pp} = {model_parallel}"
+        )
+    dp = world_size // model_parallel
+    etp = p.etp if p.etp is not None else p.tp
+    if world_size % (etp * p.ep * p.pp):
+        raise ConfigError(f"parallel: world size {world_size} is not divisible by etp*ep*pp = {etp}*{p.ep}*{p.pp}")
+    expert_dp = world_size // (etp * p.ep * p.pp)
+
+    def field(name: str) -> int | None:
+        value = getattr(model, name, None)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    layers, heads, kv_heads = field("num_layers"), field("num_heads"), field("num_kv_heads")
+    vocab, experts = field("vocab_size"), field("num_experts")
+    if layers is not None and p.pp * p.vpp > layers:
+        raise ConfigError(f"parallel: pp*vpp = {p.pp}*{p.vpp} stages for {layers} layers (model.num_layers)")
+    if layers is not None and p.vpp > 1 and layers % (p.pp * p.vpp):
+        raise ConfigError(f"parallel: vpp={p.vpp} with pp={p.pp} does not divide model.num_layers={layers} evenly")
+    if heads is not None and heads % p.tp:
+        raise ConfigError(f"parallel: tp={p.tp} does not divide model.num_heads={heads}")
+    if kv_heads is not None and p.tp > 1 and kv_heads % p.tp and p.tp % kv_heads:
+        raise ConfigError(f"parallel: tp={p.tp} and model.num_kv_heads={kv_heads} must divide one another")
+    if vocab is not None and vocab % p.tp:
+        raise ConfigError(f"parallel: tp={p.tp} does not divide model.vocab_size={vocab} (pad the vocabulary)")
+    if experts is not None and experts % p.ep:
+        raise ConfigError(f"parallel: ep={p.ep} does not divide model.num_experts={experts}")
+    if p.ep > 1 and experts is None:
+        raise ConfigError(f"parallel: ep={p.ep} but the model has no experts (model.num_experts)")
+    if p.cp > 1 and train.seq_length % (2 * p.cp):
+        raise ConfigError(f"parallel: cp={p.cp} needs train.seq_length={train.seq_length} divisible by 2*cp")
+    if p.sequence_parallel and train.seq_length % p.tp:
+        raise ConfigError(f"parallel: sequence_parallel needs train.seq_length divisible by tp={p.tp}")
+
+    gbs = train.global_batch_size or train.micro_batch_size * dp
+    per_step = train.micro_batch_size * dp
+    if gbs % per_step:
+        raise ConfigError(
+            f"train: global_batch_size={gbs} is not a multiple of micro_batch_size*dp = {train.micro_batch_size}*{dp}"
+        )
+    return Layout(
+        world_size=world_size, tp=p.tp, cp=p.cp, ep=p.ep, dp=dp, pp=p.pp, vpp=p.vpp,
+        etp=etp, expert_dp=expert_dp, grad_accum=gbs // per_step, global_batch_size=gbs,
+    )

@@ -1,0 +1,357 @@
+"""Declarative checkpoint mappings between zoo's state dict and an external format.
+
+A family declares, per external format, a `MappingTable`: a tuple of rules over key templates with
+``{i}`` (layer) and ``{e}`` (expert) placeholders, expanded from the config. Rules are data; the
+transforms are a closed set (rename, transpose, fuse/split with optional per-group interleaving,
+stack experts, tie, ignore), so a table reads like the layout documentation it replaces.
+
+Coverage is strict in both directions: every target tensor is written exactly once and every
+source tensor is consumed or explicitly ignored; anything else raises `MappingError` listing the
+offending keys. The same table converts both ways, so HF -> zoo -> HF is the identity.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+from zoo.errors import ZooError
+
+Tensor: TypeAlias = Any  # torch.Tensor; kept loose so this module imports without torch
+
+
+class MappingError(ZooError):
+    """A state dict does not match the mapping; the message lists the keys at fault."""
+
+
+@dataclass(frozen=True)
+class Rename:
+    ours: str
+    theirs: str
+
+
+@dataclass(frozen=True)
+class Transpose:
+    """A 2-D weight stored transposed there (GPT-2's ``Conv1D`` keeps ``[in, out]``)."""
+
+    ours: str
+    theirs: str
+
+
+@dataclass(frozen=True)
+class Fuse:
+    """One of our tensors is several of theirs concatenated along ``dim``.
+
+    With ``groups`` (a config attribute, e.g. ``"num_kv_heads"``), each of theirs is cut into that
+    many chunks and ours holds them interleaved group by group: ``[q_0, k_0, v_0, q_1, k_1, v_1]``,
+    so that a tensor-parallel split of ours hands every rank whole GQA groups.
+    ``transpose`` applies to each of theirs (fused GPT-2 style weights).
+    """
+
+    ours: str
+    theirs: tuple[str, ...]
+    dim: int = 0
+    groups: str | None = None
+    transpose: bool = False
+    # Config attributes giving each part's size along ``dim`` when they differ (GQA: q is wider
+    # than k and v); None: equal parts.
+    sizes: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Split:
+    """Several of our tensors are one of theirs concatenated along ``dim`` (GPT-2's ``c_attn``)."""
+
+    ours: tuple[str, ...]
+    theirs: str
+    dim: int = 0
+    transpose: bool = False  # theirs is stored transposed; ``dim`` refers to our layout
+
+
+@dataclass(frozen=True)
+class StackExperts:
+    """Our ``[num_experts, ...]`` tensor is one tensor per expert there (``theirs`` holds ``{e}``)."""
+
+    ours: str
+    theirs: str
+    transpose: bool = False
+
+
+@dataclass(frozen=True)
+class Tie:
+    """Our ``ours`` is the same tensor as our ``to`` (tied embeddings); written there only as ``theirs``."""
+
+    ours: str
+    to: str
+    theirs: str | None = None  # some formats store the tied copy too; None: they omit it
+
+
+@dataclass(frozen=True)
+class Ignore:
+    """Keys of theirs that carry nothing we need (legacy buffers); a regular expression."""
+
+    theirs: str
+
+
+Rule = Rename | Transpose | Fuse | Split | StackExperts | Tie | Ignore
+
+
+@dataclass(frozen=True)
+class MappingTable:
+    rules: tuple[Rule, ...]
+    counts: Mapping[str, str] = field(default_factory=lambda: {"i": "num_layers", "e": "num_experts"})
+    # Optional prefixes of theirs that are stripped on import (GPT-2 files saved from the base model
+    # lack "transformer."; the table is written with it). Tried in order: the first that makes all
+    # keys known wins.
+    import_prefixes: tuple[tuple[str, str], ...] = ()
+
+
+def _placeholders(template: str) -> list[str]:
+    return re.findall(r"\{(\w)\}", template)
+
+
+def _expand(template: str, sizes: Mapping[str, int]) -> Iterator[tuple[dict[str, int], str]]:
+    names = sorted(set(_placeholders(template)) - {"e"})  # {e} is expanded by StackExperts itself
+    for values in itertools.product(*(range(sizes[n]) for n in names)):
+        env = dict(zip(names, values))
+        yield env, template.format_map(_Keep(env))
+
+
+class _Keep(dict):  # leaves unknown placeholders ({e}) in place
+    def __missing__(self, key: str) -> str:
+        return "{" + key + "}"
+
+
+def _sizes(table: MappingTable, config: Any) -> dict[str, int]:
+    out = {}
+    for ph, attr in table.counts.items():
+        value = getattr(config, attr, None)
+        if isinstance(value, int):
+            out[ph] = value
+    return out
+
+
+def _need(sizes: Mapping[str, int], rule: Rule) -> None:
+    for tmpl in _templates(rule):
+        for ph in _placeholders(tmpl):
+            if ph not in sizes:
+                raise MappingError(f"mapping rule {rule} uses {{{ph}}} but the config has no count for it")
+
+
+def _templates(rule: Rule) -> list[str]:
+    out: list[str] = []
+    for name in ("ours", "theirs", "to"):
+        v = getattr(rule, name, None)
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, tuple):
+            out += list(v)
+    return out
+
+
+class _Source:
+    """A dict that records which keys were read; reading a key twice is a mapping bug."""
+
+    def __init__(self, data: Mapping[str, Tensor], side: str) -> None:
+        self.data, self.side, self.used = data, side, set()
+        self.missing: list[str] = []
+
+    def take(self, key: str) -> Tensor | None:
+        if key not in self.data:
+            self.missing.append(key)
+            return None
+        self.used.add(key)
+        return self.data[key]
+
+
+class _Sink(dict):
+    def __init__(self, side: str) -> None:
+        super().__init__()
+        self.side, self.twice = side, []
+
+    def put(self, key: str, value: Tensor) -> None:
+        if key in self:
+            self.twice.append(key)
+        self[key] = value
+
+
+def _t(x: Tensor) -> Tensor:
+    return x.t().contiguous()
+
+
+def _interleave(parts: list[Tensor], groups: int, dim: int) -> Tensor:
+    import torch
+
+    chunks = [p.chunk(groups, dim=dim) if groups > 1 else (p,) for p in parts]
+    return torch.cat([c for g in range(groups) for c in (ch[g] for ch in chunks)], dim=dim)
+
+
+def _deinterleave(fused: Tensor, sizes: list[int], groups: int, dim: int) -> list[Tensor]:
+    per_group = [s // groups for s in sizes]
+    pieces = fused.split(per_group * groups, dim=dim)
+    n = len(sizes)
+    import torch
+
+    return [torch.cat([pieces[g * n + k] for g in range(groups)], dim=dim).contiguous() for k in range(n)]
+
+
+def to_external(table: MappingTable, ours: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
+    """Our state dict -> the external format, strictly."""
+    import torch
+
+    sizes = _sizes(table, config)
+    src, out = _Source(ours, "zoo"), _Sink("external")
+    for rule in table.rules:
+        _need(sizes, rule)
+        if isinstance(rule, Ignore):
+            continue
+        if isinstance(rule, Tie):
+            for _, (o, to, th) in _zip_expand(sizes, rule.ours, rule.to, rule.theirs or ""):
+                x = src.take(o)
+                if rule.theirs and x is not None:
+                    out.put(th, x)
+            continue
+        for env, o in _expand(rule.ours if isinstance(rule.ours, str) else rule.ours[0], sizes):
+            if isinstance(rule, (Rename, Transpose)):
+                x = src.take(o)
+                if x is not None:
+                    out.put(rule.theirs.format_map(_Keep(env)), _t(x) if isinstance(rule, Transpose) else x)
+            elif isinstance(rule, Fuse):
+                x = src.take(o)
+                if x is None:
+                    continue
+                groups = int(getattr(config, rule.groups)) if rule.groups else 1
+                names = [t.format_map(_Keep(env)) for t in rule.theirs]
+                widths = _fuse_widths(rule, config, x, len(names))
+                for name, piece in zip(names, _deinterleave(x, widths, groups, rule.dim)):
+                    out.put(name, _t(piece) if rule.transpose else piece)
+            elif isinstance(rule, Split):
+                parts = [src.take(p.format_map(_Keep(env))) for p in rule.ours]
+                if any(p is None for p in parts):
+                    continue
+                fused = torch.cat(parts, dim=rule.dim)
+                out.put(rule.theirs.format_map(_Keep(env)), _t(fused) if rule.transpose else fused)
+            elif isinstance(rule, StackExperts):
+                x = src.take(o)
+                if x is None:
+                    continue
+                for e in range(x.shape[0]):
+                    name = rule.theirs.format_map(_Keep({**env, "e": e}))
+                    out.put(name, _t(x[e]) if rule.transpose else x[e].contiguous())
+    _check(src, out, ignores=())
+    return dict(out)
+
+
+def from_external(table: MappingTable, theirs: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
+    """The external format -> our state dict, strictly (unknown source keys are an error)."""
+    import torch
+
+    theirs = _strip_prefix(table, theirs)
+    sizes = _sizes(table, config)
+    src, out = _Source(theirs, "external"), _Sink("zoo")
+    ties: list[tuple[str, str, str | None]] = []
+    for rule in table.rules:
+        _need(sizes, rule)
+        if isinstance(rule, Ignore):
+            continue
+        if isinstance(rule, Tie):
+            ties += [t for _, t in _zip_expand(sizes, rule.ours, rule.to, rule.theirs or "")]
+            continue
+        for env, o in _expand(rule.ours if isinstance(rule.ours, str) else rule.ours[0], sizes):
+            if isinstance(rule, (Rename, Transpose)):
+                x = src.take(rule.theirs.format_map(_Keep(env)))
+                if x is not None:
+                    out.put(o, _t(x) if isinstance(rule, Transpose) else x)
+            elif isinstance(rule, Fuse):
+                parts = [src.take(t.format_map(_Keep(env))) for t in rule.theirs]
+                if any(p is None for p in parts):
+                    continue
+                parts = [_t(p) if rule.transpose else p for p in parts]
+                groups = int(getattr(config, rule.groups)) if rule.groups else 1
+                out.put(o, _interleave(parts, groups, rule.dim))
+            elif isinstance(rule, Split):
+                x = src.take(rule.theirs.format_map(_Keep(env)))
+                if x is None:
+                    continue
+                x = _t(x) if rule.transpose else x
+                names = [p.format_map(_Keep(env)) for p in rule.ours]
+                if x.shape[rule.dim] % len(names):
+                    raise MappingError(f"{rule.theirs.format_map(_Keep(env))}: dim {rule.dim} of {tuple(x.shape)} does not split in {len(names)}")
+                for name, piece in zip(names, x.chunk(len(names), dim=rule.dim)):
+                    out.put(name, piece.contiguous())
+            elif isinstance(rule, StackExperts):
+                n = sizes.get("e")
+                if n is None:
+                    raise MappingError(f"mapping rule {rule} needs the config's expert count")
+                parts = [src.take(rule.theirs.format_map(_Keep({**env, "e": e}))) for e in range(n)]
+                if any(p is None for p in parts):
+                    continue
+                out.put(o, torch.stack([_t(p) if rule.transpose else p for p in parts]))
+    for o, to, th in ties:
+        if th:  # the format may carry the tied copy; it must then equal the original
+            x = theirs.get(th)
+            if x is not None:
+                src.used.add(th)
+        if to in out:
+            out.put(o, out[to])
+    ignores = [re.compile(r.theirs) for r in table.rules if isinstance(r, Ignore)]
+    _check(src, out, ignores=ignores)
+    return dict(out)
+
+
+def _zip_expand(sizes: Mapping[str, int], *templates: str) -> Iterator[tuple[dict[str, int], tuple[str, ...]]]:
+    for env, first in _expand(templates[0], sizes):
+        yield env, (first, *(t.format_map(_Keep(env)) for t in templates[1:]))
+
+
+def _fuse_widths(rule: Fuse, config: Any, x: Tensor, n: int) -> list[int]:
+    if rule.sizes is not None:
+        widths = [int(getattr(config, attr)) for attr in rule.sizes]
+        if sum(widths) != x.shape[rule.dim]:
+            raise MappingError(f"{rule.ours}: parts {dict(zip(rule.sizes, widths))} do not add up to dim {rule.dim} of {tuple(x.shape)}")
+        return widths
+    if x.shape[rule.dim] % n:
+        raise MappingError(f"{rule.ours}: cannot split dim {rule.dim} of {tuple(x.shape)} into {n} equal parts")
+    return [x.shape[rule.dim] // n] * n
+
+
+def _strip_prefix(table: MappingTable, theirs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    for missing, present in table.import_prefixes:
+        if theirs and not any(k.startswith(missing) for k in theirs):
+            return {missing + k[len(present):] if k.startswith(present) else k: v for k, v in theirs.items()}
+    return theirs
+
+
+def _check(src: _Source, out: _Sink, *, ignores: Iterable[re.Pattern[str]]) -> None:
+    problems = []
+    if src.missing:
+        problems.append(f"missing in the {src.side} state: {_few(src.missing)}")
+    unused = [k for k in src.data if k not in src.used and not any(p.fullmatch(k) for p in ignores)]
+    if unused:
+        problems.append(f"{src.side} keys not consumed by any rule: {_few(unused)}")
+    if out.twice:
+        problems.append(f"{out.side} keys written more than once: {_few(out.twice)}")
+    if problems:
+        raise MappingError("; ".join(problems))
+
+
+def _few(keys: Iterable[str], n: int = 8) -> str:
+    keys = sorted(keys)
+    more = f" ... and {len(keys) - n} more" if len(keys) > n else ""
+    return ", ".join(keys[:n]) + more
+
+
+def check_shapes(expected: Mapping[str, Tensor], got: Mapping[str, Tensor], *, what: str) -> None:
+    """Fail on the first tensor whose shape differs (a checkpoint of another flavor or family)."""
+    missing = [k for k in expected if k not in got]
+    extra = [k for k in got if k not in expected]
+    if missing or extra:
+        parts = ([f"missing {_few(missing)}"] if missing else []) + ([f"unexpected {_few(extra)}"] if extra else [])
+        raise MappingError(f"{what}: " + "; ".join(parts))
+    for k, v in expected.items():
+        if tuple(v.shape) != tuple(got[k].shape):
+            raise MappingError(f"{what}: {k} has shape {tuple(got[k].shape)}, the model expects {tuple(v.shape)}")
+

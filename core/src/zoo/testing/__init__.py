@@ -1,0 +1,144 @@
+"""Test helpers for zoo and for third-party plugins: run code on N gloo processes, and the
+conformance checks every model family must pass (`zoo.testing.conformance`).
+
+`run_distributed` starts ``world_size`` fresh processes exactly as `torchrun` would describe them
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so the code under test goes through
+`zoo.distributed.init` like a real job. The rendezvous store is hosted by the calling process on a
+port the OS picks, and ranks join it as clients (torchrun's agent-store mode): no fixed port and no
+window in which another test can take the port. The first rank that raises is reported with its
+traceback; ranks that are still running after ``timeout`` are killed and the call fails, so a hung
+collective fails the test instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["DistributedTestError", "run_distributed"]
+
+
+class DistributedTestError(AssertionError):
+    """A rank raised, died, or did not finish in time; the message holds the failing rank's traceback."""
+
+
+def _worker(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    results: Any,
+    backend: str,
+    pg_timeout: float,
+    env: Mapping[str, str],
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        **env,
+    )
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    from zoo import distributed
+
+    try:
+        with distributed.session(backend=backend, device="cpu", timeout_s=pg_timeout):
+            out = fn(*args, **kwargs)
+        results.put((rank, "ok", out, time.monotonic()))
+    except BaseException as e:  # report everything, including SystemExit from CLI code under test
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", time.monotonic()))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    collective_timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result, by rank.
+
+    ``fn`` and its arguments must be picklable (a module-level function). ``collective_timeout``
+    (default: a bit under ``timeout``) is the process-group timeout, so a stuck collective raises
+    inside the rank and its traceback is reported rather than only the harness timeout.
+    """
+    import torch.distributed as dist
+
+    ctx = mp.get_context("spawn")  # fork would copy the parent's threads and torch state
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg_timeout = collective_timeout if collective_timeout is not None else max(5.0, timeout * 0.8)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, args, kwargs, rank, world_size, store.port, results, backend, pg_timeout, dict(env or {})),
+            name=f"zoo-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    errors: list[tuple[float, int, str]] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) + len(errors) < world_size:
+            now = time.monotonic()
+            if now > deadline:
+                break
+            try:
+                rank, status, payload, when = results.get(timeout=min(0.5, max(deadline - now, 0.01)))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                        and r not in outputs and r not in {e[1] for e in errors}]
+                for r in dead:
+                    # Give a dying rank's queued message a moment to arrive before calling it a crash.
+                    time.sleep(0.2)
+                    if results.empty():
+                        errors.append((time.monotonic(), r, f"process died with exit code {procs[r].exitcode}"))
+                if dead:
+                    deadline = min(deadline, time.monotonic() + 10.0)
+                continue
+            if status == "ok":
+                outputs[rank] = payload
+            else:
+                errors.append((when, rank, payload))
+                # The other ranks will fail on the broken collective within the group timeout;
+                # their errors are consequences, so stop waiting after a short grace period.
+                deadline = min(deadline, time.monotonic() + 10.0)
+    finally:
+        for p in procs:
+            p.join(timeout=0.5 if errors or len(outputs) < world_size else 10)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        results.close()
+        del store
+    if errors:
+        when, rank, text = min(errors)  # the earliest failure is the cause, later ones are echoes
+        others = sorted(r for _, r, _ in errors if r != rank)
+        also = f" (ranks {others} failed after it)" if others else ""
+        raise DistributedTestError(f"rank {rank} of {world_size} failed{also}:\n{text}")
+    if len(outputs) < world_size:
+        missing = [r for r in range(world_size) if r not in outputs]
+        raise DistributedTestError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s (hung?)")
+    return [outputs[r] for r in range(world_size)]

@@ -1,0 +1,125 @@
+"""The conformance suite: what every model family, first- or third-party, must do.
+
+`check_family(name)` runs every check on the family's ``tiny`` flavor; zoo's own test suite
+parametrizes it over every installed family, and a plugin author calls it from their tests::
+
+    from zoo.testing.conformance import check_family
+    def test_conforms():
+        check_family("mixer")
+
+The checks: the flavor builds from its config and named spec; it builds on the meta device with the
+same parameter count (so dry runs are exact); a forward on the family's example batch gives a finite
+scalar loss; backward reaches every trainable parameter with finite gradients; the same seed gives
+bitwise the same loss and gradients; a few optimizer steps on one batch lower the loss (the model
+can learn at all).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["check_family", "installed_families", "build_tiny"]
+
+
+def installed_families() -> list[str]:
+    from zoo.registry import get_registry
+
+    return sorted(get_registry().families)
+
+
+def _parts(name: str, flavor: str) -> tuple[Any, Any, Any, Any, Any, Any]:
+    from zoo.family import resolve
+    from zoo.registry import get_registry
+
+    entry = get_registry().get(name)
+    fam, owner = entry.family, str(entry.plugin)
+    cfg = fam.flavors[flavor]()
+    assert isinstance(cfg, fam.config), f"{owner}: flavor {flavor!r} returned {type(cfg).__name__}, not {fam.config.__name__}"
+    spec = fam.spec_for(cfg)
+    build = resolve(fam.build, owner=owner)
+    loss_fn = resolve(fam.loss, owner=owner)
+    example = resolve(fam.example_batch, owner=owner)
+    return fam, cfg, spec, build, loss_fn, example
+
+
+def build_tiny(name: str, *, seed: int = 0, flavor: str = "tiny") -> tuple[Any, Any]:
+    """Build the family's flavor with a fixed seed; returns ``(model, config)``."""
+    import torch
+
+    _, cfg, spec, build, _, _ = _parts(name, flavor)
+    torch.manual_seed(seed)
+    return build(cfg, spec), cfg
+
+
+def _seq_length(fam: Any, flavor: str) -> int:
+    recipe = {**fam.recipe, **fam.flavor_recipes.get(flavor, {})}
+    return min(int(recipe.get("train.seq_length", 32)), 32)
+
+
+def _run_once(name: str, flavor: str, seed: int) -> tuple[Any, float, dict[str, Any]]:
+    import torch
+
+    fam, cfg, spec, build, loss_fn, example = _parts(name, flavor)
+    torch.manual_seed(seed)
+    model = build(cfg, spec)
+    gen = torch.Generator().manual_seed(seed)
+    batch = example(cfg, batch_size=2, seq_length=_seq_length(fam, flavor), generator=gen)
+    torch.manual_seed(seed + 1)  # the loss may draw noise (diffusion): make it repeatable
+    loss, metrics = loss_fn(model, batch)
+    assert isinstance(loss, torch.Tensor) and loss.dim() == 0, f"{name}: loss must be a scalar tensor, got {loss!r}"
+    assert isinstance(metrics, dict), f"{name}: loss must return (loss, metrics dict)"
+    value = loss.item()
+    assert math.isfinite(value), f"{name}: loss is {value} on the example batch"
+    loss.backward()
+    grads = {}
+    for pname, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        assert p.grad is not None, f"{name}: parameter {pname} received no gradient"
+        assert torch.isfinite(p.grad).all(), f"{name}: gradient of {pname} is not finite"
+        grads[pname] = p.grad.detach().clone()
+    assert grads, f"{name}: the model has no trainable parameters"
+    assert any(g.abs().sum() > 0 for g in grads.values()), f"{name}: every gradient is zero"
+    return model, value, grads
+
+
+def check_family(name: str, *, flavor: str = "tiny") -> None:
+    """Run every conformance check on one family; raises AssertionError naming what failed."""
+    import torch
+
+    fam, cfg, spec, build, loss_fn, example = _parts(name, flavor)
+
+    model, loss_a, grads_a = _run_once(name, flavor, seed=0)
+    n_params = sum(p.numel() for p in model.parameters())
+    with torch.device("meta"):
+        meta_model = build(cfg, spec)
+    n_meta = sum(p.numel() for p in meta_model.parameters())
+    assert n_meta == n_params, f"{name}: {n_meta} parameters on the meta device, {n_params} on CPU"
+
+    _, loss_b, grads_b = _run_once(name, flavor, seed=0)
+    assert loss_a == loss_b, f"{name}: same seed, different loss ({loss_a} vs {loss_b})"
+    for pname in grads_a:
+        assert torch.equal(grads_a[pname], grads_b[pname]), f"{name}: same seed, different gradient for {pname}"
+    _, loss_c, _ = _run_once(name, flavor, seed=1)
+    assert loss_c != loss_a, f"{name}: the seed changes nothing (loss {loss_a} for seeds 0 and 1)"
+
+    # A few steps on one batch must lower the loss: the smallest sign that the model learns.
+    torch.manual_seed(0)
+    model = build(cfg, spec)
+    batch = example(cfg, batch_size=2, seq_length=_seq_length(fam, flavor), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+
+    def measure() -> float:
+        torch.manual_seed(1)
+        with torch.no_grad():
+            return float(loss_fn(model, batch)[0])
+
+    start = measure()
+    for _ in range(10):
+        torch.manual_seed(1)
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model, batch)[0].backward()
+        opt.step()
+    end = measure()
+    assert end < start, f"{name}: 10 AdamW steps on one batch did not lower the loss ({start:.4f} -> {end:.4f})"
