@@ -54,6 +54,9 @@ def cmd_list(args: argparse.Namespace) -> int:
             print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     if reg.datasets:
         print("\ndatasets: " + ", ".join(f"{n} ({info.distribution})" for n, (_, info) in sorted(reg.datasets.items())))
+    plugin_commands = [(n, info) for n, (_, info) in sorted(reg.commands.items()) if n not in CORE_COMMANDS]
+    if plugin_commands:
+        print("\ncommands: " + ", ".join(f"zoo {n} ({info.distribution})" for n, info in plugin_commands))
     problems = _problems(reg)
     if problems:
         print("\nproblems:")
@@ -303,7 +306,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 only = argv[argv.index("--plugins") + 1]
             registry = get_registry(only=only)
         parser = build_parser(registry)
-        args = parser.parse_args(argv)
+        # Overrides may sit anywhere among the options (`--dry-run a.b=1 --flavor x c.d=2`):
+        # argparse stops collecting a positional list at the first option, so collect the rest here.
+        args, extra = parser.parse_known_args(argv)
+        stray = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]
+        if stray:
+            parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        if extra:
+            args.overrides = [*args.overrides, *extra]
         if not getattr(args, "command", None):
             parser.print_help()
             return 2

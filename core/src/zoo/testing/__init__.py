@@ -23,6 +23,11 @@ from typing import Any
 __all__ = ["DistributedTestError", "run_distributed"]
 
 
+# After the first failure, how long to wait for messages still in flight (an earlier failure's
+# report can arrive after a later one's); the other ranks' failures are consequences.
+_GRACE_S = 3.0
+
+
 class DistributedTestError(AssertionError):
     """A rank raised, died, or did not finish in time; the message holds the failing rank's traceback."""
 
@@ -56,11 +61,15 @@ def _worker(
     from zoo import distributed
 
     try:
-        with distributed.session(backend=backend, device="cpu", timeout_s=pg_timeout):
-            out = fn(*args, **kwargs)
+        distributed.init(backend=backend, device="cpu", timeout_s=pg_timeout)
+        out = fn(*args, **kwargs)
         results.put((rank, "ok", out, time.monotonic()))
     except BaseException as e:  # report everything, including SystemExit from CLI code under test
+        # Queued before the group is torn down: tearing it down is what makes the peers fail, and
+        # their errors must carry later timestamps than the cause.
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", time.monotonic()))
+    finally:
+        distributed.shutdown()
 
 
 def run_distributed(
@@ -115,7 +124,7 @@ def run_distributed(
                     if results.empty():
                         errors.append((time.monotonic(), r, f"process died with exit code {procs[r].exitcode}"))
                 if dead:
-                    deadline = min(deadline, time.monotonic() + 10.0)
+                    deadline = min(deadline, time.monotonic() + _GRACE_S)
                 continue
             if status == "ok":
                 outputs[rank] = payload
@@ -123,7 +132,7 @@ def run_distributed(
                 errors.append((when, rank, payload))
                 # The other ranks will fail on the broken collective within the group timeout;
                 # their errors are consequences, so stop waiting after a short grace period.
-                deadline = min(deadline, time.monotonic() + 10.0)
+                deadline = min(deadline, time.monotonic() + _GRACE_S)
     finally:
         for p in procs:
             p.join(timeout=0.5 if errors or len(outputs) < world_size else 10)

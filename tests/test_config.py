@@ -1,0 +1,178 @@
+"""Layered configuration: defaults < flavor/recipe < YAML files < command line, type checks,
+suggestions, layouts, and the resolved config written to the run directory."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import pytest
+import yaml
+
+from zoo import config as C
+from zoo import layout
+from zoo.errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class Inner:
+    depth: int = 2
+
+
+@dataclass(kw_only=True)
+class ModelCfg:
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    vocab_size: int = 256
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    layer_spec: str = "dense"
+    tower: Inner = dataclasses.field(default_factory=Inner)
+
+
+def resolve(overrides=(), files=(), recipe=(), defaults=None):
+    return C.resolve(family="fam", flavor="tiny", model_cls=ModelCfg, model_defaults=defaults or ModelCfg(),
+                     recipe=recipe, files=files, overrides=overrides)
+
+
+def test_layers_apply_lowest_first(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("train:\n  steps: 10\n  seed: 7\noptimizer:\n  lr: 1.0e-3\nmodel:\n  hidden_size: 96\n")
+    b.write_text("train: {steps: 20}\n")
+    run = resolve(
+        recipe=[("recipe", {"train.steps": 5, "train.micro_batch_size": 3, "optimizer.lr": 0.5})],
+        files=[(str(a), C.read_yaml(a)), (str(b), C.read_yaml(b))],
+        overrides=["train.steps=30", "model.num_layers=8"],
+        defaults=ModelCfg(hidden_size=32),
+    )
+    assert run.train.steps == 30  # command line beats both files and the recipe
+    assert run.train.seed == 7  # file beats the section default
+    assert run.train.micro_batch_size == 3  # recipe beats the section default
+    assert run.optimizer.lr == 1e-3  # file beats recipe
+    assert run.model.hidden_size == 96 and run.model.num_layers == 8
+    assert run.train.precision == "fp32"  # untouched default
+
+
+def test_unknown_keys_suggest_the_closest():
+    with pytest.raises(ConfigError, match=r"unknown key 'train.step' \(did you mean train.steps"):
+        resolve(overrides=["train.step=3"])
+    with pytest.raises(ConfigError, match=r"did you mean optimizer.lr"):
+        resolve(overrides=["optimiser.lr=3"])
+    with pytest.raises(ConfigError, match=r"did you mean model.hidden_size"):
+        resolve(overrides=["model.hiden_size=3"])
+
+
+def test_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  micro_batch: 4\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown key 'train.micro_batch' \(did you mean train.micro_batch_size"):
+        resolve(files=[(str(bad), C.read_yaml(bad))])
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml: not valid YAML"):
+        C.read_yaml(broken)
+    with pytest.raises(ConfigError, match=r"missing.yaml: config file not found"):
+        C.read_yaml(tmp_path / "missing.yaml")
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match=r"list.yaml: a config file must be a mapping"):
+        C.read_yaml(listy)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.steps=abc", "train.steps='abc': expected int"),
+        ("train.steps=1.5", "expected int"),
+        ("train.precision=fp8", "expected one of 'fp32', 'bf16', 'fp16'"),
+        ("model.tie_embeddings=1", "expected bool"),
+        ("optimizer.lr=fast", "expected float"),
+        ("train.global_batch_size=[1]", "expected int or null"),
+        ("model.tower=3", "is a group of keys"),
+        ("train.steps.x=1", "has no sub-keys"),
+        ("train", "not an override"),
+    ],
+)
+def test_bad_values_name_key_and_expected_type(override, message):
+    with pytest.raises(ConfigError, match="command line.*" + message.replace("[", r"\[").replace("(", r"\(")):
+        resolve(overrides=[override])
+
+
+def test_values_are_converted_losslessly():
+    run = resolve(overrides=[
+        "train.steps=1e3", "optimizer.lr=3e-4", "optimizer.weight_decay=0", "train.global_batch_size=null",
+        "data.path=0.5 a 0.5 b", "data.split=949,50,1", "model.tower.depth=5", "model.rope_theta=500000",
+        "data.path=[0.3, x, 0.7, y]",
+    ])
+    assert run.train.steps == 1000 and isinstance(run.train.steps, int)
+    assert run.optimizer.lr == 3e-4 and isinstance(run.optimizer.weight_decay, float)
+    assert run.train.global_batch_size is None
+    assert run.data.split == "949,50,1"
+    assert run.data.path == [0.3, "x", 0.7, "y"]
+    assert run.model.tower.depth == 5 and isinstance(run.model.tower, Inner)
+    assert run.model.rope_theta == 500000.0
+
+
+def test_cross_field_checks():
+    with pytest.raises(ConfigError, match="parallel: zero=2"):
+        resolve(overrides=["parallel.zero=2"])
+    with pytest.raises(ConfigError, match="sequence_parallel=true needs tp > 1"):
+        resolve(overrides=["parallel.sequence_parallel=true"])
+    with pytest.raises(ConfigError, match="global_batch_size=10 is not a multiple of micro_batch_size=4"):
+        resolve(overrides=["train.micro_batch_size=4", "train.global_batch_size=10"])
+    with pytest.raises(ConfigError, match="order="):
+        resolve(overrides=["parallel.order=tp-dp-pp"])
+
+
+def test_resolved_yaml_round_trips(tmp_path):
+    run = resolve(overrides=["train.steps=12", "model.tower.depth=3", "data.path=[1, a]", "parallel.tp=2"])
+    path = tmp_path / "config.yaml"
+    path.write_text(run.to_yaml())
+    tree = C.read_yaml(path)
+    assert tree["family"] == "fam" and tree["flavor"] == "tiny"
+    again = resolve(files=[(str(path), tree)])
+    assert again == run
+
+
+def plan(world, overrides=(), model=None):
+    run = resolve(overrides=overrides, defaults=model)
+    return layout.plan(run.parallel, run.train, run.model, world_size=world)
+
+
+def test_layout_derives_dp_and_accumulation():
+    lay = plan(8, ["parallel.tp=2", "parallel.pp=2", "train.micro_batch_size=2", "train.global_batch_size=16"])
+    assert (lay.tp, lay.pp, lay.dp, lay.cp) == (2, 2, 2, 1)
+    assert lay.grad_accum == 16 // (2 * 2)
+    assert lay.expert_dp == 8 // (2 * 1 * 2)
+    assert "world 8 = tp=2 x cp=1 x dp=2 x pp=2" in lay.describe()
+
+
+@pytest.mark.parametrize(
+    ("world", "overrides", "message"),
+    [
+        (6, ["parallel.tp=4"], "world size 6 is not divisible by tp\\*cp\\*pp"),
+        (3, ["parallel.tp=3"], "tp=3 does not divide model.num_heads=4"),
+        (8, ["parallel.pp=8"], "pp\\*vpp = 8\\*1 stages for 4 layers"),
+        (4, ["parallel.pp=2", "parallel.vpp=3"], "stages for 4 layers"),
+        (2, ["parallel.ep=2"], "has no experts"),
+        (2, ["parallel.cp=2", "train.seq_length=6"], "divisible by 2\\*cp"),
+        (2, ["model.vocab_size=255", "parallel.tp=2", "model.num_heads=2"], "tp=2 does not divide model.vocab_size=255"),
+        (4, ["train.micro_batch_size=2", "train.global_batch_size=6"], "not a multiple of micro_batch_size\\*dp"),
+    ],
+)
+def test_invalid_layouts_fail_at_config_time(world, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        plan(world, overrides)
+
+
+def test_every_section_has_the_documented_names():
+    keys = set(C.Layers(ModelCfg, ModelCfg()).keys())
+    for key in ["train.steps", "train.micro_batch_size", "train.global_batch_size", "train.seq_length",
+                "train.precision", "train.seed", "optimizer.lr", "optimizer.weight_decay", "schedule.warmup_steps",
+                "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep",
+                "parallel.sequence_parallel", "parallel.zero", "data.path", "checkpoint.dir",
+                "checkpoint.interval", "checkpoint.resume", "logging.interval"]:
+        assert key in keys, key
+    assert yaml.safe_load(resolve().to_yaml())["train"]["precision"] == "fp32"
