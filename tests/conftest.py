@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from zoo.testing.plugins import entry_points_under, fake_distribution
 
 REPO = Path(__file__).resolve().parents[1]

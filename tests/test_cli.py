@@ -9,7 +9,6 @@ from collections import Counter
 
 import yaml
 from conftest import run_zoo
-
 from zoo.cli import build_parser
 
 
@@ -73,8 +72,8 @@ def test_dry_run_prints_config_parameters_and_layout():
     assert cfg["optimizer"]["lr"] == 3e-3  # from the family's recipe
 
     # Independent count: build the tiny flavor for real and count its parameters.
-    from acme_mixer.plugin import MIXER, tiny
     from acme_mixer.model import build
+    from acme_mixer.plugin import MIXER, tiny
 
     expected = sum(p.numel() for p in build(tiny(), MIXER).parameters())
     assert f"# parameters: {expected:,}" in out.stdout

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 from conftest import MODEL_MODULE, plugin_module, registry_of
-
 from zoo.testing.conformance import check_family, installed_families
 from zoo.testing.plugins import fake_distribution
 

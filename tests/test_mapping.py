@@ -7,10 +7,19 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
 from zoo.mapping import (
-    Fuse, Ignore, MappingError, MappingTable, Rename, Split, StackExperts, Tie, Transpose,
-    check_shapes, from_external, to_external,
+    Fuse,
+    Ignore,
+    MappingError,
+    MappingTable,
+    Rename,
+    Split,
+    StackExperts,
+    Tie,
+    Transpose,
+    check_shapes,
+    from_external,
+    to_external,
 )
 
 

@@ -7,7 +7,6 @@ import json
 
 import pytest
 from conftest import add_family_dist, registry_of, run_zoo
-
 from zoo.errors import PluginError, UnknownNameError
 from zoo.testing.plugins import fake_distribution
 

@@ -160,7 +160,7 @@ def resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
     files = [(str(path), cfg_mod.read_yaml(path)) for path in args.config]
     model = args.model
     flavor = args.flavor
-    for path, tree in files:  # a resolved config.yaml names its family and flavor
+    for _, tree in files:  # a resolved config.yaml names its family and flavor
         model = model or tree.get("family")
         flavor = flavor or tree.get("flavor")
     if not model:

@@ -22,7 +22,6 @@ import yaml
 
 from zoo.errors import ConfigError, suggest
 
-
 AXES = ("tp", "cp", "ep", "dp", "pp")
 
 

@@ -209,7 +209,7 @@ def to_external(table: MappingTable, ours: Mapping[str, Tensor], config: Any) ->
         if isinstance(rule, Ignore):
             continue
         if isinstance(rule, Tie):
-            for _, (o, to, th) in _zip_expand(sizes, rule.ours, rule.to, rule.theirs or ""):
+            for _, (o, th) in _zip_expand(sizes, rule.ours, rule.theirs or ""):
                 x = src.take(o)
                 if rule.theirs and x is not None:
                     out.put(th, x)

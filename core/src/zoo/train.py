@@ -114,7 +114,7 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
 
         train_iter = data("train")
         metrics_path = run_dir / "metrics.jsonl"
-        log = open(metrics_path, "w", encoding="utf-8") if env.is_main else None
+        log = open(metrics_path, "w", encoding="utf-8") if env.is_main else None  # noqa: SIM115 (closed below)
         t_last, tokens_since = time.perf_counter(), 0
         loss_value = float("nan")
         try:
