@@ -21,6 +21,7 @@ __all__ = [
     "get_family",
     "hookimpl",
     "list_families",
+    "load_model",
 ]
 
 
@@ -35,3 +36,11 @@ def list_families() -> list[str]:
     from zoo.registry import get_registry
 
     return sorted(get_registry().families)
+
+
+def load_model(path: str, *, device: str = "cpu") -> object:
+    """Load a zoo checkpoint or a Hugging Face model directory; language models map
+    ``model(input_ids)`` to logits ``(batch, seq, vocab)``."""
+    from zoo.convert import load_model as _load
+
+    return _load(path, device=device)

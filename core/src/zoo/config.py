@@ -457,3 +457,28 @@ def resolve(
         key, value = parse_override(text)
         layers.set(key, value, source=f"command line ({text})")
     return layers.build(family=family, flavor=flavor)
+
+
+def config_from_dict(cls: type, data: Mapping[str, Any], *, source: str) -> Any:
+    """Build dataclass ``cls`` from a plain mapping (a checkpoint's JSON), type-checking every value."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: expected a mapping for {cls.__name__}, got {type(data).__name__}")
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        raise ConfigError(f"{source}: unknown key {unknown[0]!r} for {cls.__name__}" + suggest(unknown[0], names))
+    kwargs = {}
+    for name, value in data.items():
+        tp = hints[name]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            kwargs[name] = config_from_dict(tp, value, source=f"{source}: {name}")
+            continue
+        try:
+            kwargs[name] = _coerce(value, tp)
+        except _Mismatch:
+            raise ConfigError(f"{source}: {name}={_show(value)}: expected {_type_name(tp)}") from None
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{source}: {e}") from None

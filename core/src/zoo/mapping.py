@@ -59,6 +59,9 @@ class Fuse:
     # Config attributes giving each part's size along ``dim`` when they differ (GQA: q is wider
     # than k and v); None: equal parts.
     sizes: tuple[str, ...] | None = None
+    # With one template in ``theirs``: that tensor already holds the parts concatenated along
+    # ``dim`` (GPT-2's c_attn is q|k|v), cut into this many before interleaving per group.
+    split: int = 0
 
 
 @dataclass(frozen=True)
@@ -225,8 +228,11 @@ def to_external(table: MappingTable, ours: Mapping[str, Tensor], config: Any) ->
                     continue
                 groups = int(getattr(config, rule.groups)) if rule.groups else 1
                 names = [t.format_map(_Keep(env)) for t in rule.theirs]
-                widths = _fuse_widths(rule, config, x, len(names))
-                for name, piece in zip(names, _deinterleave(x, widths, groups, rule.dim)):
+                n_parts = rule.split or len(names)
+                pieces = _deinterleave(x, _fuse_widths(rule, config, x, n_parts), groups, rule.dim)
+                if rule.split:
+                    pieces = [torch.cat(pieces, dim=rule.dim)]
+                for name, piece in zip(names, pieces):
                     out.put(name, _t(piece) if rule.transpose else piece)
             elif isinstance(rule, Split):
                 parts = [src.take(p.format_map(_Keep(env))) for p in rule.ours]
@@ -270,6 +276,9 @@ def from_external(table: MappingTable, theirs: Mapping[str, Tensor], config: Any
                 if any(p is None for p in parts):
                     continue
                 parts = [_t(p) if rule.transpose else p for p in parts]
+                if rule.split:
+                    [whole] = parts
+                    parts = list(whole.split(_fuse_widths(rule, config, whole, rule.split), dim=rule.dim))
                 groups = int(getattr(config, rule.groups)) if rule.groups else 1
                 out.put(o, _interleave(parts, groups, rule.dim))
             elif isinstance(rule, Split):

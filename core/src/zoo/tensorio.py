@@ -1,0 +1,120 @@
+"""Reading and writing safetensors files and sharded safetensors directories, with errors that
+name the file and what is wrong. No pickle anywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zoo.errors import ZooError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class CheckpointError(ZooError):
+    """A checkpoint or weights file is missing, incomplete, corrupted or of another model."""
+
+
+def load_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file as _load
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found")
+    try:
+        return _load(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+
+
+def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str], metadata: dict[str, str] | None = None) -> None:
+    """Write atomically; tensors that share storage (tied weights) must be de-duplicated first."""
+    from safetensors.torch import save_file as _save
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    _save({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def read_dir(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """All tensors of a directory holding ``model.safetensors`` or a sharded index."""
+    d = Path(directory)
+    if (d / INDEX).is_file():
+        try:
+            index = json.loads((d / INDEX).read_text())
+            files = sorted(set(index["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{d / INDEX}: not a valid safetensors index ({e})") from None
+        out: dict[str, torch.Tensor] = {}
+        for name in files:
+            part = load_file(d / name)
+            out.update(part)
+        missing = [k for k in index["weight_map"] if k not in out]
+        if missing:
+            raise CheckpointError(f"{d / INDEX}: lists tensors absent from its shards: {', '.join(missing[:5])}")
+        return out
+    if (d / SINGLE).is_file():
+        return load_file(d / SINGLE)
+    raise CheckpointError(f"{d}: no {SINGLE} or {INDEX}")
+
+
+def write_dir(directory: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], *, max_shard_bytes: int) -> None:
+    """One file, or shards of at most ``max_shard_bytes`` plus the index transformers reads."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    meta = {"format": "pt"}
+    if total <= max_shard_bytes:
+        save_file(tensors, d / SINGLE, metadata=meta)
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, d / name, metadata=meta)
+        weight_map.update({k: name for k in shard})
+    from zoo.io import atomic_write_text
+
+    atomic_write_text(d / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def unique_tensors(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Split a state dict into tensors with distinct storage and ``{alias: original}`` for ties."""
+    seen: dict[tuple[Any, ...], str] = {}
+    unique, ties = {}, {}
+    for k, v in state.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride())) if v.device.type != "meta" else (k,)
+        if key in seen:
+            ties[k] = seen[key]
+        else:
+            seen[key] = k
+            unique[k] = v
+    return unique, ties
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
+    names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+             "tokenizer.model", "generation_config.json"]
+    copied = []
+    for name in names:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied

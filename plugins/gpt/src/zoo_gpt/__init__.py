@@ -1,0 +1,1 @@
+"""zoo-gpt: GPT-2 and LLaMA as flavors of one decoder."""

@@ -1,0 +1,149 @@
+"""One decoder for GPT-2 and LLaMA; the layer spec picks norm, positions, biases and MLP.
+
+Shapes: B batch, T sequence, D hidden, H query heads, KV key/value heads, hd head dim, V vocab.
+The fused q|k|v projection is laid out per KV group, ``[q heads of group g, k_g, v_g]`` for each g,
+so a contiguous tensor-parallel split hands every rank whole groups. The fused gate|up projection
+is ``[gate; up]``. Parallelism, recomputation and precision are applied from outside by the core.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.nn import ACTIVATIONS, KVCache, Rotary, apply_rotary, attention, make_norm
+from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec
+from zoo_gpt.plugin import GPTConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig, spec: AttentionSpec, layer: int) -> None:
+        super().__init__()
+        self.layer, self.spec = layer, spec
+        self.h, self.kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=spec.bias)
+        self.proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=spec.bias)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: KVCache | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = self.qkv(x).view(b, t, self.kv, self.h // self.kv + 2, self.hd)  # per KV group: q..., k, v
+        q = qkv[:, :, :, :-2].reshape(b, t, self.h, self.hd).transpose(1, 2)  # (B, H, T, hd)
+        k = qkv[:, :, :, -2].transpose(1, 2)  # (B, KV, T, hd)
+        v = qkv[:, :, :, -1].transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        offset = 0
+        if cache is not None:
+            offset = cache.pos
+            k, v = cache.update(self.layer, k, v)
+        y = attention(q, k, v, causal=self.spec.causal, offset=offset)  # (B, H, T, hd)
+        return self.proj(y.transpose(1, 2).reshape(b, t, self.h * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig, spec: MLPSpec) -> None:
+        super().__init__()
+        self.gated, self.act = spec.gated, ACTIVATIONS[spec.activation]
+        width = cfg.ffn_hidden_size * (2 if spec.gated else 1)
+        self.fc = nn.Linear(cfg.hidden_size, width, bias=spec.bias)
+        self.proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=spec.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            gate, up = self.fc(x).chunk(2, dim=-1)
+            return self.proj(self.act(gate) * up)
+        return self.proj(self.act(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, spec: BlockSpec, layer: int) -> None:
+        super().__init__()
+        assert isinstance(spec.mixer, AttentionSpec) and isinstance(spec.ffn, MLPSpec)
+        self.attn_norm = make_norm(spec.norm, cfg.hidden_size, cfg.norm_eps)
+        self.attn = Attention(cfg, spec.mixer, layer)
+        self.mlp_norm = make_norm(spec.norm, cfg.hidden_size, cfg.norm_eps)
+        self.mlp = MLP(cfg, spec.ffn)
+
+    def forward(self, x: torch.Tensor, rope: Any, cache: KVCache | None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig, spec: ModelSpec) -> None:
+        super().__init__()
+        self.cfg = cfg
+        block = spec.block_for("T")
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.pos_embed = nn.Embedding(cfg.max_seq_length, cfg.hidden_size) if spec.positions == "learned" else None
+        uses_rope = isinstance(block.mixer, AttentionSpec) and block.mixer.positions == "rope"
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling) if uses_rope else None
+        self.layers = nn.ModuleList(Block(cfg, block, i) for i in range(cfg.num_layers))
+        assert spec.final_norm is not None
+        self.norm = make_norm(spec.final_norm, cfg.hidden_size, cfg.norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self._init(cfg)
+
+    def _init(self, cfg: GPTConfig) -> None:
+        # GPT-2 initialisation; residual output projections scaled by 1/sqrt(2 * layers).
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
+            elif name.endswith("proj.weight"):
+                nn.init.normal_(p, std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
+            else:
+                nn.init.normal_(p, std=cfg.init_std)
+
+    def forward(self, tokens: torch.Tensor, *, cache: KVCache | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V); with ``cache``, T new tokens after ``cache.pos`` old ones."""
+        b, t = tokens.shape
+        start = cache.pos if cache is not None else 0
+        if start + t > self.cfg.max_seq_length:
+            raise ValueError(f"{start + t} positions exceed the model's context of {self.cfg.max_seq_length}")
+        positions = torch.arange(start, start + t, device=tokens.device)
+        x = self.embed(tokens)  # (B, T, D)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        rope = self.rotary(positions) if self.rotary is not None else None
+        for blk in self.layers:
+            x = blk(x, rope, cache)
+        if cache is not None:
+            cache.pos += t
+        return self.head(self.norm(x))
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        p = self.embed.weight
+        return KVCache(num_layers=self.cfg.num_layers, batch=batch, kv_heads=self.cfg.num_kv_heads,
+                       head_dim=self.cfg.head_dim, max_len=max_len, dtype=p.dtype, device=p.device)
+
+
+def build(cfg: GPTConfig, spec: ModelSpec) -> GPT:
+    return GPT(cfg, spec)
+
+
+def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Next-token cross entropy, averaged over the tokens the loss mask keeps."""
+    logits = model(batch["tokens"])
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="none")
+    mask = batch.get("loss_mask")
+    if mask is None:
+        return ce.mean(), {}
+    mask = mask.flatten().to(ce.dtype)
+    return (ce * mask).sum() / mask.sum().clamp(min=1), {}
+
+
+def example_batch(cfg: GPTConfig, *, batch_size: int, seq_length: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    data = torch.randint(0, cfg.vocab_size, (batch_size, seq_length + 1), generator=generator)
+    return {"tokens": data[:, :-1], "labels": data[:, 1:]}
+
+
+def generate(model: GPT, cfg: GPTConfig, **request: Any) -> torch.Tensor:
+    from zoo.sampling import generate_tokens
+
+    return generate_tokens(model, context=cfg.max_seq_length, **request)

@@ -1,0 +1,173 @@
+"""Declarations of the GPT-2 and LLaMA families (light: no torch). The model is in `model.py`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zoo import Family, hookimpl
+from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, NormSpec
+
+
+@dataclass(kw_only=True)
+class GPTConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int  # = num_heads: multi-head; 1: multi-query; between: grouped-query
+    head_dim: int
+    ffn_hidden_size: int
+    max_seq_length: int  # learned position table size (GPT-2); RoPE context otherwise
+    norm_eps: float
+    tie_embeddings: bool
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3"|"linear", "factor": ...}
+    init_std: float = 0.02
+    layer_spec: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+GPT2 = ModelSpec(
+    blocks={
+        "T": BlockSpec(
+            norm=NormSpec(kind="layernorm"),
+            mixer=AttentionSpec(causal=True, bias=True, positions="none"),
+            ffn=MLPSpec(activation="gelu_tanh", gated=False, bias=True),
+        )
+    },
+    embedding="token",
+    positions="learned",
+    final_norm=NormSpec(kind="layernorm"),
+    head="lm",
+)
+
+LLAMA = ModelSpec(
+    blocks={
+        "T": BlockSpec(
+            norm=NormSpec(kind="rmsnorm"),
+            mixer=AttentionSpec(causal=True, bias=False, positions="rope"),
+            ffn=MLPSpec(activation="silu", gated=True, bias=False),
+        )
+    },
+    embedding="token",
+    positions="none",
+    final_norm=NormSpec(kind="rmsnorm"),
+    head="lm",
+)
+
+# LLaMA with attention biases (LlamaForCausalLM with attention_bias=True: q, k, v and o).
+LLAMA_ATTN_BIAS = ModelSpec(
+    blocks={"T": BlockSpec(norm=LLAMA.blocks["T"].norm,
+                           mixer=AttentionSpec(causal=True, bias=True, positions="rope"),
+                           ffn=LLAMA.blocks["T"].ffn)},
+    embedding="token", positions="none", final_norm=NormSpec(kind="rmsnorm"), head="lm",
+)
+
+SPECS = {"gpt2": GPT2, "llama": LLAMA, "llama_attn_bias": LLAMA_ATTN_BIAS}
+
+
+def _gpt2(layers: int, hidden: int, heads: int, *, vocab: int = 50257, ctx: int = 1024) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=heads,
+                     head_dim=hidden // heads, ffn_hidden_size=4 * hidden, max_seq_length=ctx, norm_eps=1e-5,
+                     tie_embeddings=True, layer_spec="gpt2")
+
+
+def gpt2_tiny() -> GPTConfig:
+    return _gpt2(2, 128, 4, vocab=2048, ctx=256)
+
+
+def gpt2_124m() -> GPTConfig:
+    return _gpt2(12, 768, 12)
+
+
+def gpt2_355m() -> GPTConfig:
+    return _gpt2(24, 1024, 16)
+
+
+def gpt2_774m() -> GPTConfig:
+    return _gpt2(36, 1280, 20)
+
+
+def gpt2_1_5b() -> GPTConfig:
+    return _gpt2(48, 1600, 25)
+
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+
+def _llama(layers: int, hidden: int, heads: int, kv: int, ffn: int, *, vocab: int = 128256, ctx: int = 131072,
+           tie: bool = False, theta: float = 500000.0, scaling: dict[str, Any] | None = None) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+                     head_dim=hidden // heads, ffn_hidden_size=ffn, max_seq_length=ctx, norm_eps=1e-5,
+                     tie_embeddings=tie, rope_theta=theta, rope_scaling=scaling, layer_spec="llama")
+
+
+def llama_tiny() -> GPTConfig:
+    return _llama(2, 128, 4, 2, 384, vocab=2048, ctx=256, theta=10000.0)
+
+
+def llama3_1b() -> GPTConfig:  # Llama 3.2 1B
+    return _llama(16, 2048, 32, 8, 8192, tie=True, scaling={**_LLAMA3_ROPE, "factor": 32.0})
+
+
+def llama3_3b() -> GPTConfig:  # Llama 3.2 3B
+    return _llama(28, 3072, 24, 8, 8192, tie=True, scaling={**_LLAMA3_ROPE, "factor": 32.0})
+
+
+def llama3_8b() -> GPTConfig:  # Llama 3.1 8B
+    return _llama(32, 4096, 32, 8, 14336, scaling={**_LLAMA3_ROPE, "factor": 8.0})
+
+
+def llama3_70b() -> GPTConfig:  # Llama 3.1 70B
+    return _llama(80, 8192, 64, 8, 28672, scaling={**_LLAMA3_ROPE, "factor": 8.0})
+
+
+def llama2_7b() -> GPTConfig:
+    return _llama(32, 4096, 32, 32, 11008, vocab=32000, ctx=4096, theta=10000.0)
+
+
+_COMMON = dict(
+    task="causal_lm",
+    config=GPTConfig,
+    specs=SPECS,
+    build="zoo_gpt.model:build",
+    loss="zoo_gpt.model:loss",
+    example_batch="zoo_gpt.model:example_batch",
+    generate="zoo_gpt.model:generate",
+    default_dataset="python-docs",
+    checkpoint_formats={"hf": "zoo_gpt.convert:HF"},
+    recipe={"train.seq_length": 128, "train.micro_batch_size": 16, "optimizer.lr": 2e-3, "optimizer.weight_decay": 0.1,
+            "schedule.warmup_steps": 30, "train.steps": 400, "train.eval_interval": 100, "logging.interval": 20},
+)
+
+
+@hookimpl
+def zoo_families() -> list[Family]:
+    return [
+        Family(
+            name="llama", aliases=("llama3", "llama2"),
+            description="LLaMA decoder: RMSNorm, RoPE (theta, llama3/linear scaling), SwiGLU, grouped-query attention",
+            flavors={"tiny": llama_tiny, "3-1B": llama3_1b, "3-3B": llama3_3b, "3-8B": llama3_8b,
+                     "3-70B": llama3_70b, "2-7B": llama2_7b},
+            **_COMMON,
+        ),
+        Family(
+            name="gpt2",
+            description="GPT-2 decoder: learned positions, LayerNorm, tanh-GELU MLP, biases, tied embeddings",
+            flavors={"tiny": gpt2_tiny, "124M": gpt2_124m, "355M": gpt2_355m, "774M": gpt2_774m, "1.5B": gpt2_1_5b},
+            **_COMMON,
+        ),
+    ]

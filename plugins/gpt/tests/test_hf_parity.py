@@ -1,0 +1,153 @@
+"""GPT-2 and LLaMA against Hugging Face transformers, built from tiny configs (no download):
+logits match to 1e-5 in float32 and HF -> zoo -> HF is bitwise identical."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import zoo
+from zoo.convert import export_external, import_external
+from zoo.errors import UsageError
+from zoo.tensorio import CheckpointError
+
+
+def _llama(**kw):
+    base = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    return LlamaForCausalLM(LlamaConfig(**{**base, **kw}))
+
+
+CASES = {
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
+    "llama-gqa": lambda: _llama(),
+    "llama-mqa-tied": lambda: _llama(num_key_value_heads=1, tie_word_embeddings=True),
+    "llama-mha": lambda: _llama(num_key_value_heads=4),
+    "llama3-rope-scaling": lambda: _llama(rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}),
+    "llama-linear-rope": lambda: _llama(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "llama-qkv-bias": lambda: _llama(attention_bias=True),
+}
+
+
+def _hf(case, tmp_path):
+    torch.manual_seed(0)
+    model = CASES[case]().eval()
+    # Random init leaves norms at one and biases at zero; perturb every tensor so a swapped or
+    # untransposed weight cannot hide.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    src = tmp_path / "hf"
+    model.save_pretrained(src)
+    return model, src
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_hf_and_round_trip_is_bitwise(case, tmp_path):
+    hf_model, src = _hf(case, tmp_path)
+    dst = tmp_path / "zoo"
+    import_external("hf", src, dst)
+    ours = zoo.load_model(str(dst)).eval()
+    tokens = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+        got = ours(tokens)
+    assert got.shape == (2, 40, 96)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+    # Loading the HF directory directly gives the same model.
+    direct = zoo.load_model(str(src)).eval()
+    with torch.no_grad():
+        assert torch.equal(direct(tokens), got)
+
+    back = tmp_path / "back"
+    export_external("hf", dst, back)
+    original, exported = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
+    assert original.keys() == exported.keys()
+    for key in original:
+        assert torch.equal(original[key], exported[key]), key
+    reloaded = AutoModelForCausalLM.from_pretrained(back).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, expected)
+
+
+def test_sharded_export_and_import(tmp_path):
+    hf_model, src = _hf("llama-gqa", tmp_path)
+    dst = tmp_path / "zoo"
+    import_external("hf", src, dst)
+    sharded = tmp_path / "sharded"
+    export_external("hf", dst, sharded, max_shard_bytes=20_000)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    reloaded = AutoModelForCausalLM.from_pretrained(sharded).eval()
+    tokens = torch.randint(0, 96, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits)
+    again = tmp_path / "again"
+    import_external("hf", sharded, again)  # sharded input is read too
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.load_model(str(again))(tokens), hf_model(tokens).logits, atol=1e-5, rtol=0)
+
+
+def test_gpt2_base_model_without_prefix(tmp_path):
+    hf_model, src = _hf("gpt2", tmp_path)
+    base = tmp_path / "base"
+    hf_model.transformer.save_pretrained(base)  # GPT2Model: keys without "transformer."
+    cfg = json.loads((base / "config.json").read_text())
+    assert cfg["architectures"] == ["GPT2Model"]
+    ours = zoo.load_model(str(base)).eval()
+    tokens = torch.randint(0, 96, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf_model(tokens).logits, atol=1e-5, rtol=0)
+
+
+def test_bad_inputs_are_clear(tmp_path):
+    _, src = _hf("llama-gqa", tmp_path)
+    # Unknown architecture names what is supported.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
+    with pytest.raises(UsageError, match=r"unsupported architecture \['BertForMaskedLM'\]; supported: .*LlamaForCausalLM \(llama\)"):
+        import_external("hf", other, tmp_path / "x")
+    # Missing keys are listed.
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    broken = tmp_path / "missing"
+    broken.mkdir()
+    (broken / "config.json").write_text((src / "config.json").read_text())
+    from safetensors.torch import save_file
+
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing in the external state: model\.layers\.1\.mlp\.up_proj\.weight"):
+        import_external("hf", broken, tmp_path / "y")
+    # A corrupted file names the file.
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text((src / "config.json").read_text())
+    (corrupt / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes()[:200])
+    with pytest.raises(CheckpointError, match=r"corrupt/model.safetensors: not a readable safetensors file"):
+        import_external("hf", corrupt, tmp_path / "z")
+    assert not (tmp_path / "z").exists()
+    # The destination is never overwritten.
+    dst = tmp_path / "zoo"
+    import_external("hf", src, dst)
+    with pytest.raises(UsageError, match="already exists; nothing was overwritten"):
+        import_external("hf", src, dst)
+
+
+def test_foreign_checkpoint_names_first_mismatching_tensor(tmp_path):
+    _, src = _hf("llama-gqa", tmp_path)
+    dst = tmp_path / "zoo"
+    import_external("hf", src, dst)
+    meta = json.loads((dst / "zoo.json").read_text())
+    meta["model_config"]["hidden_size"] = 64  # claims another flavor than its tensors
+    meta["model_config"]["head_dim"] = 16
+    (dst / "zoo.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"embed.weight has shape \(96, 32\), the model expects \(96, 64\)"):
+        zoo.load_model(str(dst))
