@@ -130,6 +130,9 @@ SURFACE = {
     "info": ["name"],
     "version": [],
     "train": ["--config", "--dry-run", "--flavor", "--model", "--run-dir", "--world-size", "overrides"],
+    "convert": ["--dtype", "--from", "--max-shard-size", "--to", "dst", "src"],
+    "generate": ["--checkpoint", "--greedy", "--max-new-tokens", "--no-cache", "--prompt", "--seed", "--temperature",
+                 "--tokenizer", "--top-k", "--top-p"],
 }
 
 

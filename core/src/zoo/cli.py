@@ -17,7 +17,7 @@ from typing import Any
 
 from zoo.errors import ConfigError, PluginError, UnknownNameError, UsageError, ZooError, suggest
 
-CORE_COMMANDS = ("list", "info", "version", "train")
+CORE_COMMANDS = ("list", "info", "version", "train", "convert", "generate")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -220,6 +220,54 @@ def cmd_train(args: argparse.Namespace) -> int:
     return train.run(entry, run, plan, run_dir=run_dir)
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from zoo import convert
+
+    if bool(args.from_format) == bool(args.to_format):
+        raise UsageError("zoo convert: give exactly one of --from FORMAT (import) or --to FORMAT (export)")
+    if args.from_format:
+        out = convert.import_external(args.from_format, args.src, args.dst)
+    else:
+        from zoo.checkpoint import resolve_checkpoint
+
+        out = convert.export_external(args.to_format, resolve_checkpoint(args.src), args.dst,
+                                      max_shard_bytes=convert.parse_size(args.max_shard_size), dtype=args.dtype)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from zoo import convert
+    from zoo.checkpoint import resolve_checkpoint
+    from zoo.family import resolve
+    from zoo.tokenizer import load_tokenizer
+
+    path = resolve_checkpoint(args.checkpoint)
+    loaded = convert.load(path)
+    entry = _registry(args).get(loaded.family)
+    fam = entry.family
+    if fam.generate is None or fam.task != "causal_lm":
+        raise UsageError(f"family {fam.name!r} (task {fam.task}) has no text generation entry")
+    tok_source = args.tokenizer or loaded.tokenizer_dir
+    if tok_source is None:
+        raise UsageError(f"{path} holds no tokenizer.json; pass --tokenizer (a tokenizer directory or 'bytes')")
+    tok = load_tokenizer(tok_source)
+    ids = tok.encode(args.prompt)
+    if args.max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be at least 1")
+    generate = resolve(fam.generate, owner=str(entry.plugin))
+    out = generate(loaded.model, loaded.config, prompt=torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
+                   temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   seed=args.seed, use_cache=not args.no_cache, eos_id=tok.eod_id)
+    new = out[0, len(ids):].tolist()
+    if tok.eod_id in new:
+        new = new[: new.index(tok.eod_id)]
+    print(args.prompt + tok.decode(new))
+    return 0
+
+
 def _human(n: int) -> str:
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
@@ -254,6 +302,28 @@ def build_parser(registry: Any | None) -> _Parser:
     p.add_argument("--dry-run", action="store_true", help="print the resolved config, parameter count and layout")
     p.add_argument("--world-size", type=int, help="plan the layout for this many processes (dry runs)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("convert", help="convert checkpoints to and from other formats (hf)")
+    p.add_argument("--from", dest="from_format", metavar="FORMAT", help="import SRC in FORMAT into a zoo directory DST")
+    p.add_argument("--to", dest="to_format", metavar="FORMAT", help="export the zoo checkpoint SRC to FORMAT in DST")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--max-shard-size", default="5GB", help="split exported weights into files of at most this size")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast exported weights")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("generate", help="sample text from a checkpoint (zoo or Hugging Face directory)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoint directory, run directory or HF directory")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (no KV cache)")
+    p.add_argument("--tokenizer", help="tokenizer directory, tokenizer.json or 'bytes' (default: the checkpoint's)")
+    p.set_defaults(func=cmd_generate)
 
     if registry is not None:
         from zoo.family import resolve

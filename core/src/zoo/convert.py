@@ -94,6 +94,7 @@ def write_model_dir(
     state: Mapping[str, Any],
     extra_meta: Mapping[str, Any] | None = None,
     files: Mapping[str, bytes] | None = None,
+    tensor_files: Mapping[str, Mapping[str, Any]] | None = None,
     tokenizer_from: Path | None = None,
     overwrite: bool = False,
 ) -> Path:
@@ -111,6 +112,8 @@ def write_model_dir(
     try:
         unique, ties = unique_tensors(state)
         save_file(unique, tmp / "model.safetensors", metadata={"format": "pt"})
+        for name, tensors in (tensor_files or {}).items():
+            save_file(tensors, tmp / name)
         for name, data in (files or {}).items():
             (tmp / name).write_bytes(data)
         if tokenizer_from is not None:

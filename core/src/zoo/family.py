@@ -75,13 +75,20 @@ class Family:
 class DatasetSpec:
     """A named dataset a plugin (or the core) provides, e.g. the embedded text corpus or digits.
 
-    ``build(run_config, *, split, rank, world_size) -> Iterable[batch]`` is resolved lazily.
+    ``build(run_config, *, split, dp_rank, dp_size, consumed_samples) -> Iterator[batch]`` is
+    resolved lazily. It yields the micro-batches of data-parallel rank ``dp_rank``: that rank's
+    slice of every global batch (``train.global_batch_size`` samples), starting after
+    ``consumed_samples`` samples of the global stream, so a resumed run sees exactly the batches
+    an uninterrupted one would. ``split`` is ``"train"`` or ``"valid"``.
     """
 
     name: str
     description: str
     build: Ref
     modality: str = "tokens"  # "tokens", "images", "video", "image_text"
+    # ``tokenizer(run_config) -> Path | None``: a directory with the dataset's tokenizer.json, stored
+    # with checkpoints so `zoo generate` can encode prompts.
+    tokenizer: Ref | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -137,8 +137,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
     q: (B, H, T, hd), k/v: (B, KV, S, hd) with H a multiple of KV. ``offset`` is the number of
     cached positions before q's first one (S = offset + T), so causal masking stays right when
-    decoding with a KV cache.
+    decoding with a KV cache. Under selective recomputation (`zoo.recompute`) the core is
+    recomputed in backward instead of keeping its activations.
     """
+    from zoo.recompute import SELECTIVE
+
+    if SELECTIVE.get() and torch.is_grad_enabled():
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(_attention, q, k, v, causal, offset, use_reentrant=False)
+    return _attention(q, k, v, causal, offset)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int) -> torch.Tensor:
     h, kv = q.shape[1], k.shape[1]
     if h != kv:
         # repeat_interleave keeps head i with KV head i // (h // kv), HF's grouping.

@@ -137,6 +137,7 @@ def load_registry(
         eps = entry_points(group=GROUP)
     allowed = _allowed(only if only is not None else os.environ.get(ENV_PLUGINS))
     reg = Registry()
+    _add_builtin_datasets(reg)  # first, so a plugin cannot shadow a core dataset
     claims: dict[str, list[tuple[Family, PluginInfo]]] = {}
     seen: set[tuple[str, str]] = set()
     for ep in sorted(eps, key=lambda e: e.name):
@@ -171,6 +172,25 @@ def load_registry(
     # An alias whose family lost its canonical name to a conflict points nowhere; drop it.
     reg.aliases = {a: c for a, c in reg.aliases.items() if c in reg.families}
     return reg
+
+
+BUILTIN_DATASETS = (
+    DatasetSpec(
+        name="python-docs",
+        description="documentation that ships with Python (pydoc topics, standard-library docstrings); "
+        "byte-level BPE trained locally to model.vocab_size",
+        build="zoo.data.corpus:build",
+        tokenizer="zoo.data.corpus:tokenizer_dir",
+    ),
+)
+
+
+def _add_builtin_datasets(reg: Registry) -> None:
+    from zoo import __version__
+
+    core = PluginInfo(name="zoo", value="zoo", distribution="zoo-core", version=__version__)
+    for ds in BUILTIN_DATASETS:
+        reg.datasets.setdefault(ds.name, (ds, core))
 
 
 def _load_one(ep: EntryPoint, info: PluginInfo) -> tuple[list[Family], list[DatasetSpec], list[CommandSpec]]:

@@ -2,7 +2,8 @@
 
 What the loop does not know: the model and its loss (the family's `build` and `loss`), the data
 (the named dataset's `build`). What it owns: optimizer and schedule, gradient accumulation,
-clipping, precision, validation, NaN detection, metrics and the run directory.
+clipping, precision (fp32, bf16 autocast, fp16 with loss scaling), recomputation, validation,
+NaN detection, metrics, checkpoints and exact resume.
 
 Layouts beyond plain data parallelism are refused with a clear message until the parallel core
 provides them; data parallelism uses torch's DDP for now.
@@ -49,10 +50,10 @@ def param_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
 
 def _count_tokens(batch: Any) -> int:
     if isinstance(batch, dict):
-        for key in ("tokens", "input_ids", "images", "x"):
+        for key in ("tokens", "input_ids"):
             value = batch.get(key)
             if value is not None and hasattr(value, "numel"):
-                return int(value.numel()) if key in ("tokens", "input_ids") else int(value.shape[0])
+                return int(value.numel())
     return 0
 
 
@@ -62,10 +63,58 @@ def _to(batch: Any, device: str) -> Any:
     return batch
 
 
+class _Metrics:
+    """metrics.jsonl (kept consistent with the checkpoint on resume), TensorBoard, the loss curve."""
+
+    def __init__(self, run_dir: Path, *, resume_step: int, tensorboard: bool) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.records: list[dict[str, Any]] = []
+        if resume_step and self.path.exists():
+            # Lines written after the checkpoint we resume from belong to a run that died.
+            for line in self.path.read_text().splitlines():
+                with contextlib.suppress(json.JSONDecodeError):
+                    rec = json.loads(line)
+                    if rec.get("step", 0) <= resume_step:
+                        self.records.append(rec)
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+        self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            except (ImportError, RuntimeError):  # tensorboard is optional
+                self.tb = None
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, record["step"])
+
+    def close(self, plot: Path | None) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if plot is not None:
+            from zoo.plot import loss_curve
+
+            steps = [r["step"] for r in self.records]
+            loss_curve(plot, steps, [r["loss"] for r in self.records],
+                       [(r["step"], r["val_loss"]) for r in self.records if "val_loss" in r])
+
+
 def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
     import torch
 
-    from zoo import distributed
+    from zoo import checkpoint as ckpt
+    from zoo import distributed, recompute
+    from zoo.convert import load_into, read_meta
+    from zoo.progress import Progress, matmul_flops_per_token, measured_peak_flops
     from zoo.registry import get_registry
 
     fam, owner = entry.family, str(entry.plugin)
@@ -74,10 +123,6 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
             f"parallel: tp={plan.tp} pp={plan.pp} cp={plan.cp} ep={plan.ep}: only data parallelism trains in this "
             "version (the tensor/pipeline/context/expert parallel core is not built yet); use --dry-run to plan"
         )
-    if run.train.recompute != "none":
-        raise ConfigError(f"train.recompute={run.train.recompute!r}: activation recomputation is not available yet")
-    if run.checkpoint.resume != "none" or run.checkpoint.load:
-        raise ConfigError("checkpoint.resume / checkpoint.load: checkpoints are not available in this version yet")
     dataset_name = run.data.dataset or fam.default_dataset
     if not dataset_name:
         raise ConfigError(f"family {fam.name!r} declares no default dataset; set data.dataset=NAME")
@@ -85,40 +130,84 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
     build_data = resolve(ds_spec.build, owner=str(ds_info))
     build = resolve(fam.build, owner=owner)
     loss_fn = resolve(fam.loss, owner=owner)
+    ckpt_root = Path(run.checkpoint.dir) if run.checkpoint.dir else run_dir / "checkpoints"
+
+    resume_from: Path | None = None
+    if run.checkpoint.resume == "auto":
+        resume_from = ckpt.latest(ckpt_root)
+    elif run.checkpoint.resume != "none":
+        resume_from = ckpt.resolve_checkpoint(run.checkpoint.resume)
+    if resume_from is None and run.checkpoint.resume == "none" and ckpt.complete_checkpoints(ckpt_root):
+        raise ConfigError(
+            f"{ckpt_root} already holds checkpoints; continue with checkpoint.resume=auto or use another --run-dir"
+        )
 
     with distributed.session(backend=run.parallel.backend, device=run.train.device, timeout_s=run.parallel.timeout_s) as env:
         torch.manual_seed(run.train.seed)
-        if env.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(run_dir / "config.yaml", run.to_yaml())
+        dev_type = "cuda" if env.device.startswith("cuda") else "cpu"
+        precision = run.train.precision
+        amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         model = build(run.model, fam.spec_for(run.model)).to(env.device)
-        n_params = sum(p.numel() for p in model.parameters())
-        train_model = model
-        if env.world_size > 1:
-            train_model = torch.nn.parallel.DistributedDataParallel(model)
+        recompute.apply(model, run.train.recompute)
         opt = torch.optim.AdamW(
             param_groups(model, run.optimizer.weight_decay),
             lr=run.optimizer.lr, betas=(run.optimizer.beta1, run.optimizer.beta2), eps=run.optimizer.eps,
         )
-        precision = run.train.precision
-        dev_type = "cuda" if env.device.startswith("cuda") else "cpu"
-        amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         scaler = torch.amp.GradScaler(dev_type, enabled=precision == "fp16")
+        step, consumed = 0, 0
+        if run.checkpoint.load and resume_from is None:
+            from zoo.convert import load as load_any
 
-        def data(split: str) -> Iterator[Any]:
-            return iter(build_data(run, split=split, rank=env.rank, world_size=env.world_size))
+            source = run.checkpoint.load.removeprefix("hf:")
+            loaded = load_any(source, device=env.device)
+            load_into(model, loaded.model.state_dict(), what=source)
+        if resume_from is not None:
+            md = read_meta(resume_from)
+            if md.family != run.family:
+                raise ConfigError(f"{resume_from}: a checkpoint of {md.family!r}, not {run.family!r}")
+            from zoo.convert import read_model_state
+
+            load_into(model, read_model_state(md), what=str(resume_from))
+            state, opt_tensors, rng = ckpt.load_train_state(md)
+            ckpt.load_optimizer(opt, model, opt_tensors, state["optimizer_param_groups"], where=resume_from)
+            if state.get("scaler") and scaler.is_enabled():
+                scaler.load_state_dict(state["scaler"])
+            ckpt.restore_rng(state, rng)
+            step, consumed = int(state["step"]), int(state["consumed_samples"])
+            if env.is_main:
+                print(f"resuming from {resume_from} (step {step})", flush=True)
+        train_model = model
+        if env.world_size > 1:
+            train_model = torch.nn.parallel.DistributedDataParallel(model)
+        tokenizer_dir = resolve(ds_spec.tokenizer, owner=str(ds_info))(run) if ds_spec.tokenizer else None
+
+        def data(split: str, start: int) -> Iterator[Any]:
+            return iter(build_data(run, split=split, dp_rank=env.rank, dp_size=env.world_size, consumed_samples=start))
 
         def forward(m: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
-            with torch.autocast(dev_type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            with torch.autocast(dev_type, dtype=amp_dtype, enabled=amp_dtype is not None), recompute.scope(run.train.recompute):
                 return loss_fn(m, _to(batch, env.device))
 
-        train_iter = data("train")
-        metrics_path = run_dir / "metrics.jsonl"
-        log = open(metrics_path, "w", encoding="utf-8") if env.is_main else None  # noqa: SIM115 (closed below)
+        if env.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(run_dir / "config.yaml", run.to_yaml())
+        metrics = _Metrics(run_dir, resume_step=step, tensorboard=run.logging.tensorboard) if env.is_main else None
+        n_params = sum(p.numel() for p in model.parameters())
+        flops_per_token = matmul_flops_per_token(model, run.train.seq_length)
+        peak = measured_peak_flops(env.device, amp_dtype or torch.float32) if env.is_main else 1.0
+        progress = Progress(run.train.steps, enabled=env.is_main and run.logging.progress, start=step)
+        train_iter = data("train", consumed)
         t_last, tokens_since = time.perf_counter(), 0
         loss_value = float("nan")
+
+        def save() -> None:
+            path = ckpt.save(ckpt_root, step=step, run=run, model=model, opt=opt, scaler=scaler,
+                             consumed_samples=consumed, tokenizer_dir=tokenizer_dir, keep_last=run.checkpoint.keep_last)
+            if env.is_main and run.logging.progress:
+                print(f"saved checkpoint {path}", flush=True)
+
         try:
-            for step in range(run.train.steps):
+            while step < run.train.steps:
                 lr = lr_at(step, peak=run.optimizer.lr, warmup=run.schedule.warmup_steps, total=run.train.steps,
                            decay=run.schedule.decay, min_ratio=run.schedule.min_lr_ratio)
                 for group in opt.param_groups:
@@ -132,7 +221,7 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
                     with sync:
                         loss, _ = forward(train_model, batch)
                         scaler.scale(loss / plan.grad_accum).backward()
-                    total += loss.detach() / plan.grad_accum
+                    total += loss.detach().float() / plan.grad_accum
                 if env.world_size > 1:
                     torch.distributed.all_reduce(total)
                     total /= env.world_size
@@ -147,28 +236,43 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
                 scaler.step(opt)
                 scaler.update()
                 opt.zero_grad(set_to_none=True)
-                done = step + 1
-                if env.is_main and (done % run.logging.interval == 0 or done == run.train.steps):
+                step += 1
+                consumed += plan.global_batch_size
+                log_now = step % run.logging.interval == 0 or step == run.train.steps
+                if env.is_main and log_now:
                     now = time.perf_counter()
-                    record = {"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                              "tokens_per_s": tokens_since / max(now - t_last, 1e-9)}
+                    tps = tokens_since / max(now - t_last, 1e-9)
                     t_last, tokens_since = now, 0
-                    if run.train.eval_interval and (done % run.train.eval_interval == 0 or done == run.train.steps):
-                        record["val_loss"] = _evaluate(model, forward, data("valid"), run.train.eval_steps)
-                    assert log is not None
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
-                    if run.logging.progress:
-                        extra = f" val {record['val_loss']:.4f}" if "val_loss" in record else ""
-                        print(f"step {done}/{run.train.steps} loss {loss_value:.4f}{extra} lr {lr:.3g} "
-                              f"{record['tokens_per_s']:,.0f} tok/s", flush=True)
+                    record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                              "tokens_per_s": tps, "mfu": tps * flops_per_token / env.world_size / peak}
+                    if run.train.eval_interval and (step % run.train.eval_interval == 0 or step == run.train.steps):
+                        record["val_loss"] = _evaluate(model, forward, data("valid", 0), run.train.eval_steps)
+                    assert metrics is not None
+                    metrics.log(record)
+                    fields = {"loss": f"{loss_value:.4f}", "lr": f"{lr:.3g}", "tok/s": f"{tps:,.0f}",
+                              "mfu": f"{record['mfu']:.1%}"}
+                    if "val_loss" in record:
+                        fields["val"] = f"{record['val_loss']:.4f}"
+                    progress.update(step, fields, log_line=True)
+                elif env.is_main:
+                    progress.update(step, {"loss": f"{loss_value:.4f}"}, log_line=False)
+                if run.checkpoint.interval and step % run.checkpoint.interval == 0 and step < run.train.steps:
+                    save()
+            if run.train.steps > 0 and (step == run.train.steps) and not _saved_at(ckpt_root, step):
+                save()
         finally:
-            if log is not None:
-                log.close()
+            if metrics is not None:
+                metrics.close(run_dir / "loss.png" if step > 0 else None)
         if env.is_main:
-            print(f"trained {run.family} ({run.flavor}, {n_params:,} parameters) for {run.train.steps} steps; "
-                  f"final loss {loss_value:.4f}; run directory {run_dir}")
+            print(f"trained {run.family} ({run.flavor}, {n_params:,} parameters) for {step} steps; "
+                  f"final loss {loss_value:.4f}; run directory {run_dir}", flush=True)
     return 0
+
+
+def _saved_at(root: Path, step: int) -> bool:
+    from zoo.checkpoint import step_dir
+
+    return (step_dir(root, step) / "COMPLETE").is_file()
 
 
 def _evaluate(model: Any, forward: Any, it: Iterator[Any], steps: int) -> float:
@@ -187,3 +291,6 @@ def _evaluate(model: Any, forward: Any, it: Iterator[Any], steps: int) -> float:
             n += 1
     model.train(was_training)
     return total / max(n, 1)
+
+
+__all__ = ["lr_at", "param_groups", "run"]

@@ -8,6 +8,7 @@ from typing import Any
 from zoo.convert import ExternalFormat
 from zoo.errors import UsageError
 from zoo.mapping import Fuse, Ignore, MappingTable, Rename, Tie, Transpose
+
 from zoo_gpt.plugin import GPTConfig
 
 

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from zoo.nn import ACTIVATIONS, KVCache, Rotary, apply_rotary, attention, make_norm
 from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec
+
 from zoo_gpt.plugin import GPTConfig
 
 

@@ -1,0 +1,155 @@
+"""Training checkpoints (single-process form): a zoo model directory plus everything needed to
+continue bitwise: optimizer state, loss-scaler state, RNG states, step and consumed samples.
+
+Layout under ``checkpoint.dir``::
+
+    step_00000100/   model.safetensors, optimizer.safetensors, rng.safetensors, state.json,
+                     config.yaml, tokenizer.json, zoo.json, COMPLETE (last)
+    latest           name of the newest complete checkpoint (updated atomically after COMPLETE)
+
+A directory without ``COMPLETE`` is never loaded; ``resume=auto`` takes the newest complete one,
+so a process killed at any moment leaves the previous checkpoint as the one picked. No pickle:
+tensors in safetensors, the rest in JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from zoo.convert import COMPLETE, ModelDir, read_meta, write_model_dir
+from zoo.io import atomic_write_text
+from zoo.tensorio import CheckpointError, load_file
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / COMPLETE).is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def latest(root: Path) -> Path | None:
+    done = complete_checkpoints(root)
+    return done[-1][1] if done else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or the newest complete checkpoint of a checkpoint root or run directory."""
+    p = Path(path)
+    for root in (p, p / "checkpoints"):
+        if root.is_dir() and not (root / "zoo.json").exists():
+            found = latest(root)
+            if found is not None:
+                return found
+    return p
+
+
+def _param_names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """Optimizer state keyed by parameter name (layout independent), plus its param groups as JSON."""
+    names = _param_names(model)
+    state = opt.state_dict()
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    tensors: dict[str, torch.Tensor] = {}
+    for idx, st in state["state"].items():
+        for k, v in st.items():
+            tensors[f"{order[idx]}::{k}"] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+    groups = []
+    for g, live in zip(state["param_groups"], opt.param_groups):
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in live["params"]]})
+    return tensors, groups
+
+
+def load_optimizer(opt: torch.optim.Optimizer, model: torch.nn.Module, tensors: dict[str, torch.Tensor],
+                   groups: list[dict[str, Any]], *, where: Path) -> None:
+    names = _param_names(model)
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    saved_order = [n for g in groups for n in g["params"]]
+    if saved_order != order:
+        missing = sorted(set(order) - set(saved_order)) or sorted(set(saved_order) - set(order))
+        raise CheckpointError(f"{where}: optimizer state is for other parameters (first difference: {missing[:1] or order[:1]})")
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        name, _, field = key.partition("::")
+        state.setdefault(order.index(name), {})[field] = value
+    param_groups = []
+    i = 0
+    for g in groups:
+        n = len(g["params"])
+        param_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(i, i + n))})
+        i += n
+    opt.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+def save(root: Path, *, step: int, run: Any, model: torch.nn.Module, opt: torch.optim.Optimizer,
+         scaler: torch.amp.GradScaler, consumed_samples: int, tokenizer_dir: Path | None,
+         keep_last: int | None) -> Path:
+    opt_tensors, groups = optimizer_tensors(opt, model)
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    py_state = random.getstate()
+    np_state = np.random.get_state()
+    state = {
+        "step": step,
+        "consumed_samples": consumed_samples,
+        "optimizer_param_groups": groups,
+        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+        "python_rng": [py_state[0], list(py_state[1]), py_state[2]],
+        "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+    }
+    path = write_model_dir(
+        step_dir(root, step), family=run.family, flavor=run.flavor, config=run.model, state=model.state_dict(),
+        extra_meta={"kind": "train", "step": step},
+        tensor_files={"optimizer.safetensors": opt_tensors, "rng.safetensors": rng},
+        files={"state.json": json.dumps(state).encode(), "config.yaml": run.to_yaml().encode()},
+        tokenizer_from=tokenizer_dir, overwrite=True,
+    )
+    atomic_write_text(root / "latest", path.name + "\n")
+    if keep_last:
+        for _, old in complete_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def load_train_state(md: ModelDir) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    if md.meta.get("kind") != "train" or not (md.path / "state.json").is_file():
+        raise CheckpointError(f"{md.path}: a model checkpoint without training state; use checkpoint.load to start from its weights")
+    state = json.loads((md.path / "state.json").read_text())
+    return state, load_file(md.path / "optimizer.safetensors"), load_file(md.path / "rng.safetensors")
+
+
+def restore_rng(state: dict[str, Any], rng: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(rng["torch"])
+    if torch.cuda.is_available():
+        cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda"))]
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)
+    v, internal, gauss = state["python_rng"]
+    random.setstate((v, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy_rng"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+__all__ = ["complete_checkpoints", "latest", "load_train_state", "read_meta", "resolve_checkpoint", "save"]

@@ -1,0 +1,1 @@
+"""Datasets: the embedded default corpus (`zoo.data.corpus`); Megatron indexed data comes next."""
