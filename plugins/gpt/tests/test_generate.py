@@ -1,0 +1,102 @@
+"""Generation: KV-cached decoding equals uncached decoding, greedy decoding equals HF `generate`
+on the same converted weights, sampling filters follow their definitions, bad input is clear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import small_run, zoo
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import zoo as zoo_api
+from zoo.sampling import filter_logits, generate_tokens
+
+
+def _perturbed(model):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
+HF = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)),
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
+}
+
+
+@pytest.mark.parametrize("arch", list(HF))
+def test_greedy_equals_hf_generate_and_cache_equals_no_cache(arch, tmp_path):
+    torch.manual_seed(1)
+    hf = _perturbed(HF[arch]())
+    hf.save_pretrained(tmp_path / "hf")
+    ours = zoo_api.load_model(str(tmp_path / "hf"))
+    prompt = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(2))
+    expected = hf.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                           attention_mask=torch.ones_like(prompt), pad_token_id=0)
+    cached = generate_tokens(ours, prompt=prompt, max_new_tokens=20, context=64, temperature=0.0)
+    uncached = generate_tokens(ours, prompt=prompt, max_new_tokens=20, context=64, temperature=0.0, use_cache=False)
+    assert torch.equal(cached, expected)
+    assert torch.equal(uncached, cached)
+
+
+def test_sampling_with_cache_equals_without(tmp_path):
+    hf = _perturbed(HF["llama"]())
+    hf.save_pretrained(tmp_path / "hf")
+    ours = zoo_api.load_model(str(tmp_path / "hf"))
+    prompt = torch.randint(0, 96, (3, 5), generator=torch.Generator().manual_seed(3))
+    kw = dict(prompt=prompt, max_new_tokens=25, context=64, temperature=0.9, top_k=20, top_p=0.9, seed=7)
+    a = generate_tokens(ours, **kw)
+    b = generate_tokens(ours, use_cache=False, **kw)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, generate_tokens(ours, **{**kw, "seed": 8}))  # the seed matters
+
+
+def test_filters_follow_their_definitions():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    kept = torch.isfinite(filter_logits(logits, top_k=2, top_p=None))
+    assert kept.tolist() == [[True, True, False, False, False]]
+    # top-p 0.8: the smallest prefix whose mass reaches 0.8 is 0.5 + 0.2 + 0.15 = 0.85.
+    kept = torch.isfinite(filter_logits(logits, top_k=None, top_p=0.8))
+    assert kept.tolist() == [[True, True, True, False, False]]
+    kept = torch.isfinite(filter_logits(logits.flip(-1), top_k=None, top_p=0.5))  # order does not matter
+    assert kept.tolist() == [[False, False, False, False, True]]
+
+
+def test_generate_cli_on_a_trained_checkpoint(tmp_path, corpus_cache):
+    run_dir = tmp_path / "run"
+    assert zoo(*small_run(run_dir, corpus_cache, "train.steps=5")).returncode == 0
+    a = zoo("generate", "--checkpoint", str(run_dir), "--prompt", "The import statement", "--greedy",
+            "--max-new-tokens", "12")
+    b = zoo("generate", "--checkpoint", str(run_dir / "checkpoints" / "step_00000005"), "--prompt",
+            "The import statement", "--greedy", "--max-new-tokens", "12", "--no-cache")
+    assert a.returncode == 0, a.stderr
+    assert a.stdout.startswith("The import statement") and a.stdout == b.stdout
+    too_long = zoo("generate", "--checkpoint", str(run_dir), "--prompt", "word " * 400)
+    assert too_long.returncode == 2
+    assert "the model's context is 256" in too_long.stderr and "Traceback" not in too_long.stderr
+    missing = zoo("generate", "--checkpoint", str(tmp_path / "nothing"), "--prompt", "x")
+    assert missing.returncode == 1 and "no such checkpoint" in missing.stderr
+
+
+def test_convert_cli_round_trip(tmp_path, corpus_cache):
+    run_dir = tmp_path / "run"
+    assert zoo(*small_run(run_dir, corpus_cache, "train.steps=2")).returncode == 0
+    out = zoo("convert", "--to", "hf", str(run_dir), str(tmp_path / "hf"))
+    assert out.returncode == 0, out.stderr
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ours = zoo_api.load_model(str(run_dir / "checkpoints" / "step_00000002")).eval()
+    ids = torch.tensor([tok.encode("def f(x): return x")])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), atol=1e-5, rtol=0)
+    back = zoo("convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "back"))
+    assert back.returncode == 0, back.stderr
+    again = zoo("convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "back"))
+    assert again.returncode == 2 and "nothing was overwritten" in again.stderr
+    both = zoo("convert", "--to", "hf", "--from", "hf", "a", "b")
+    assert both.returncode == 2 and "exactly one of" in both.stderr
