@@ -12,18 +12,19 @@ from zoo.testing.plugins import fake_distribution
 
 
 def test_zoo_list_shows_families_flavors_and_origin(plugin_root):
-    add_family_dist(plugin_root, "zoo-llamalike", "llamalike_plugin", "llama", version="2.5.1",
-                    aliases=("llama3",), flavors='{"tiny": tiny, "8B": tiny}')
+    add_family_dist(plugin_root, "zoo-falconlike", "falconlike_plugin", "falcon", version="2.5.1",
+                    aliases=("falcon3",), flavors='{"tiny": tiny, "7B": tiny}')
     out = run_zoo("list", path=plugin_root)
     assert out.returncode == 0, out.stderr
-    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("llama "))
-    assert "llama3" in line and "tiny,8B" in line and "zoo-llamalike 2.5.1" in line
-    # The installed third-party example is listed beside it, through the same path.
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("falcon "))
+    assert "falcon3" in line and "tiny,7B" in line and "zoo-falconlike 2.5.1" in line
+    # First-party and third-party plugins are listed beside it, through the same path.
     assert any(ln.startswith("mixer ") and "acme-mixer" in ln for ln in out.stdout.splitlines())
+    assert any(ln.startswith("llama ") and "zoo-gpt" in ln for ln in out.stdout.splitlines())
     data = json.loads(run_zoo("list", "--json", path=plugin_root).stdout)
-    fam = next(f for f in data["families"] if f["name"] == "llama")
-    assert fam == {"name": "llama", "aliases": ["llama3"], "flavors": ["tiny", "8B"], "task": "causal_lm",
-                   "distribution": "zoo-llamalike", "version": "2.5.1", "entry_point": "llama"}
+    fam = next(f for f in data["families"] if f["name"] == "falcon")
+    assert fam == {"name": "falcon", "aliases": ["falcon3"], "flavors": ["tiny", "7B"], "task": "causal_lm",
+                   "distribution": "zoo-falconlike", "version": "2.5.1", "entry_point": "falcon"}
 
 
 def test_two_plugins_claiming_one_name_name_both_distributions(plugin_root):
@@ -73,12 +74,12 @@ def test_plugin_whose_hook_raises_is_broken_not_fatal(plugin_root):
 
 
 def test_unknown_name_suggests_the_closest(plugin_root):
-    add_family_dist(plugin_root, "zoo-llamalike", "llamalike_plugin", "llama")
-    out = run_zoo("info", "lama", path=plugin_root)
+    out = run_zoo("info", "lama")
     assert out.returncode == 2
-    assert "did you mean llama?" in out.stderr
-    with pytest.raises(UnknownNameError, match="did you mean llama"):
-        registry_of(plugin_root).get("llamma")
+    assert "did you mean llama" in out.stderr
+    add_family_dist(plugin_root, "zoo-falconlike", "falconlike_plugin", "falcon")
+    with pytest.raises(UnknownNameError, match="did you mean falcon"):
+        registry_of(plugin_root).get("falcn")
 
 
 def test_zoo_plugins_restricts_what_loads(plugin_root):

@@ -1,0 +1,56 @@
+"""Real shapes: every flavor builds on the meta device with the published parameter count, and
+the same count as Hugging Face's model built from the exported config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import zoo
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from zoo_gpt import plugin
+from zoo_gpt.convert import to_hf_config
+from zoo_gpt.model import build
+
+# Published sizes (OpenAI GPT-2 paper/model cards; Meta Llama model cards, exact counts as in
+# the released checkpoints).
+PUBLISHED = {
+    plugin.gpt2_124m: 124_439_808,
+    plugin.gpt2_355m: 354_823_168,
+    plugin.gpt2_774m: 774_030_080,
+    plugin.gpt2_1_5b: 1_557_611_200,
+    plugin.llama3_1b: 1_235_814_400,
+    plugin.llama3_3b: 3_212_749_824,
+    plugin.llama3_8b: 8_030_261_248,
+    plugin.llama3_70b: 70_553_706_496,
+    plugin.llama2_7b: 6_738_415_616,
+}
+
+
+def _count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("flavor", list(PUBLISHED), ids=lambda f: f.__name__)
+def test_meta_build_matches_published_size(flavor):
+    cfg = flavor()
+    with torch.device("meta"):
+        ours = build(cfg, plugin.SPECS[cfg.layer_spec])
+    assert _count(ours) == PUBLISHED[flavor]
+
+
+@pytest.mark.parametrize("flavor", [plugin.gpt2_124m, plugin.llama3_1b, plugin.llama2_7b], ids=lambda f: f.__name__)
+def test_same_count_as_hf_from_exported_config(flavor):
+    cfg = flavor()
+    hf_cfg = to_hf_config(cfg)
+    config = AutoConfig.for_model(hf_cfg.pop("model_type"), **{k: v for k, v in hf_cfg.items() if k != "architectures"})
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
+        ours = build(cfg, plugin.SPECS[cfg.layer_spec])
+    assert _count(hf) == _count(ours)
+
+
+def test_dry_run_prints_the_count():
+    out = zoo("train", "--model", "llama", "--flavor", "3-8B", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert "# parameters: 8,030,261,248" in out.stdout
