@@ -8,7 +8,7 @@ import math
 from collections import Counter
 
 import yaml
-from conftest import run_zoo
+from _core_helpers import run_zoo
 from zoo.cli import build_parser
 
 

@@ -4,7 +4,7 @@ that the suite catches the faults it claims to."""
 from __future__ import annotations
 
 import pytest
-from conftest import MODEL_MODULE, plugin_module, registry_of
+from _core_helpers import MODEL_MODULE, plugin_module, registry_of
 from zoo.testing.conformance import check_family, installed_families
 from zoo.testing.plugins import fake_distribution
 

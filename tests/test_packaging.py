@@ -11,7 +11,7 @@ import sys
 
 import tomllib
 import zoo
-from conftest import REPO
+from _core_helpers import REPO
 
 CORE = REPO / "core" / "src" / "zoo"
 

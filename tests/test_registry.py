@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import add_family_dist, registry_of, run_zoo
+from _core_helpers import add_family_dist, registry_of, run_zoo
 from zoo.errors import PluginError, UnknownNameError
 from zoo.testing.plugins import fake_distribution
 

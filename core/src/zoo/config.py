@@ -114,7 +114,10 @@ class TrainConfig:
 class CheckpointConfig:
     dir: str | None = None  # None: <run dir>/checkpoints
     interval: int = 0  # steps between saves; 0: only at the end
-    resume: str = "none"  # "none", "auto" (latest complete checkpoint) or a checkpoint path
+    # "auto": continue from the newest complete checkpoint in checkpoint.dir if there is one (so
+    # rerunning a command after a crash or preemption continues it); "none": start fresh (refused
+    # when checkpoint.dir already holds checkpoints); or a checkpoint path.
+    resume: str = "auto"
     load: str | None = None  # initial weights, e.g. "hf:/path/to/model"
     keep_last: int | None = None  # retention; None keeps all
     async_save: bool = False

@@ -176,6 +176,10 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
             step, consumed = int(state["step"]), int(state["consumed_samples"])
             if env.is_main:
                 print(f"resuming from {resume_from} (step {step})", flush=True)
+        if step >= run.train.steps:
+            if env.is_main:
+                print(f"{run_dir}: already trained to step {step} (train.steps={run.train.steps}); nothing to do", flush=True)
+            return 0
         train_model = model
         if env.world_size > 1:
             train_model = torch.nn.parallel.DistributedDataParallel(model)

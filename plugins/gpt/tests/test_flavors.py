@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import zoo
+from _gpt_helpers import zoo
 from transformers import AutoConfig, AutoModelForCausalLM
-
 from zoo_gpt import plugin
 from zoo_gpt.convert import to_hf_config
 from zoo_gpt.model import build

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import small_run, zoo
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
 import zoo as zoo_api
+from _gpt_helpers import small_run, zoo
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from zoo.sampling import filter_logits, generate_tokens
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import small_run, zoo
+from _gpt_helpers import small_run, zoo
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -84,10 +84,13 @@ def test_resume_after_sigkill_mid_run(tmp_path, corpus_cache):
     proc.wait()
     assert not (killed / "checkpoints" / "step_00000030").exists()
     # A fresh start into a directory with checkpoints is refused rather than silently mixed.
-    refused = zoo(*small_run(killed, corpus_cache, *args))
+    refused = zoo(*small_run(killed, corpus_cache, *args, "checkpoint.resume=none"))
     assert refused.returncode == 2 and "checkpoint.resume=auto" in refused.stderr
-    out = zoo(*small_run(killed, corpus_cache, *args, "checkpoint.resume=auto"))
+    out = zoo(*small_run(killed, corpus_cache, *args))  # resume=auto is the default
     assert out.returncode == 0, out.stderr
+    assert [r["loss"] for r in _metrics(killed)] == [r["loss"] for r in _metrics(full)]
+    done = zoo(*small_run(killed, corpus_cache, *args))  # rerunning a finished run does nothing
+    assert done.returncode == 0 and "already trained to step 30" in done.stdout
     assert [r["loss"] for r in _metrics(killed)] == [r["loss"] for r in _metrics(full)]
 
 
