@@ -1,0 +1,167 @@
+"""zoo's LLaMA against Hugging Face's LlamaForCausalLM: training tokens/s, peak RSS and MFU.
+
+Both models get the identical config (8 layers, hidden 512, 8 heads, 2 KV heads, vocab 8192,
+seq 512 by default), the same batch, the same AdamW, the same thread count, in fp32 and in bf16
+autocast. Each measurement runs in its own fresh process (so peak RSS is that model's alone), one
+after another in the same run, and the GEMM peak that MFU is measured against is taken on the same
+machine in the same run.
+
+    python benchmarks/llama_vs_hf.py                 # full size
+    python benchmarks/llama_vs_hf.py --quick         # a smaller, faster check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+
+def model_config(args: argparse.Namespace) -> dict:
+    return dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
+                num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq,
+                rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def build(impl: str, args: argparse.Namespace):
+    import torch
+
+    torch.manual_seed(0)
+    if impl == "hf":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        hf = LlamaForCausalLM(LlamaConfig(**model_config(args), attn_implementation="sdpa"))
+        return hf, lambda m, x: m(input_ids=x).logits
+    # zoo's model from the same config, translated by the plugin's own HF config reader.
+    from zoo_gpt.convert import from_hf_config
+    from zoo_gpt.model import build as zoo_build
+    from zoo_gpt.plugin import SPECS
+
+    cfg = from_hf_config({"model_type": "llama", **model_config(args)})
+    return zoo_build(cfg, SPECS[cfg.layer_spec]), lambda m, x: m(x)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(args.threads)
+    model, logits_of = build(args.impl, args)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1))
+    inputs, labels = x[:, :-1], x[:, 1:]
+    dtype = torch.bfloat16 if args.precision == "bf16" else None
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    def step() -> float:
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            logits = logits_of(model, inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    median = times[len(times) // 2]
+    print(json.dumps({"tokens_per_s": args.batch * args.seq / median, "step_s": median, "loss": loss,
+                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "rss_over_model_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_rss}))
+
+
+def gemm_peak(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        n = 2048
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        for _ in range(2):
+            a @ b
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+        out[name] = 2 * n**3 / best
+    print(json.dumps(out))
+
+
+def flops_per_token(args: argparse.Namespace) -> float:
+    """6 x matmul weights + 12 x layers x hidden x seq (PaLM appendix B)."""
+    hd = args.hidden // args.heads
+    per_layer = args.hidden * (args.heads + 2 * args.kv_heads) * hd + args.heads * hd * args.hidden + 3 * args.hidden * args.ffn
+    matmul = args.layers * per_layer + args.hidden * args.vocab
+    return 6.0 * matmul + 12.0 * args.layers * args.hidden * args.seq
+
+
+def run_child(extra: list[str], args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, *extra, *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                                                 if k not in ("worker", "peak", "impl", "precision", "quick") and v is not None]]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--ffn", type=int, default=1536)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--quick", action="store_true", help="4 layers, seq 256: a fast sanity run")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--peak", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--impl", choices=["hf", "zoo"], help=argparse.SUPPRESS)
+    p.add_argument("--precision", choices=["fp32", "bf16"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.peak:
+        return gemm_peak(args)
+    if args.quick:
+        args.layers, args.seq = 4, 256
+    peak = run_child(["--peak"], args)
+    fpt = flops_per_token(args)
+    print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {platform.processor() or ''} {args.threads} threads, "
+          f"torch {__import__('torch').__version__}")
+    print(f"# LLaMA {args.layers}L hidden {args.hidden} heads {args.heads}/{args.kv_heads} ffn {args.ffn} vocab {args.vocab}, "
+          f"batch {args.batch} x seq {args.seq}; GEMM peak fp32 {peak['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peak['bf16'] / 1e9:.1f} GFLOP/s")
+    print(f"{'precision':<9} {'impl':<4} {'tokens/s':>9} {'MFU':>6} {'peak RSS MB':>11} {'RSS over model MB':>17}")
+    results = {}
+    for precision in ("fp32", "bf16"):
+        for impl in ("hf", "zoo"):
+            r = run_child(["--worker", f"--impl={impl}", f"--precision={precision}"], args)
+            r["mfu"] = r["tokens_per_s"] * fpt / peak[precision]
+            results[(precision, impl)] = r
+            print(f"{precision:<9} {impl:<4} {r['tokens_per_s']:>9.0f} {r['mfu']:>6.1%} {r['peak_rss_mb']:>11.0f} {r['rss_over_model_mb']:>17.0f}")
+    for precision in ("fp32", "bf16"):
+        hf, zoo = results[(precision, "hf")], results[(precision, "zoo")]
+        print(f"{precision}: zoo/HF tokens/s {zoo['tokens_per_s'] / hf['tokens_per_s']:.2f}x (target >= 1.3x); "
+              f"peak RSS {zoo['peak_rss_mb'] / hf['peak_rss_mb']:.2f}x (target <= 0.8x); "
+              f"MFU {zoo['mfu']:.1%} of measured GEMM peak (target >= 70%)")
+
+
+if __name__ == "__main__":
+    main()
