@@ -59,15 +59,93 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return Tokenizer(tok, eod_id=tok.token_to_id(EOD), vocab_size=tok.get_vocab_size(), source="bpe")
 
 
+# The pre-tokenisation pattern of tiktoken's cl100k_base (also Llama 3's); a ranks file does not
+# record its pattern, so this is the one assumed.
+TIKTOKEN_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (byte-level BPE vocabularies use it)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = printable[:], 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(printable, (chr(c) for c in chars)))
+
+
+def _split_by_ranks(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
+    """Merge ``token``'s bytes using only ranks below ``max_rank``: what remains are its two parents."""
+    parts = [bytes([b]) for b in token]
+    while True:
+        best: tuple[int, int] | None = None
+        for i in range(len(parts) - 1):
+            r = ranks.get(parts[i] + parts[i + 1])
+            if r is not None and r < max_rank and (best is None or r < best[1]):
+                best = (i, r)
+        if best is None:
+            return parts
+        i = best[0]
+        parts = parts[:i] + [parts[i] + parts[i + 1]] + parts[i + 2:]
+
+
+def load_tiktoken(path: Path) -> Tokenizer:
+    """A tiktoken ranks file (``base64-token rank`` per line) as a byte-level BPE with its merges."""
+    import base64
+
+    from tokenizers import Regex
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    ranks: dict[bytes, int] = {}
+    for n, line in enumerate(path.read_text(encoding="ascii", errors="strict").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError:
+            raise UsageError(f"{path}:{n}: not a tiktoken ranks line ('<base64 token> <rank>')") from None
+    enc = _bytes_to_unicode()
+
+    def text(b: bytes) -> str:
+        return "".join(enc[x] for x in b)
+
+    vocab = {text(b): r for b, r in ranks.items()}
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) > 1:
+            parts = _split_by_ranks(ranks, token, rank)
+            if len(parts) != 2:
+                raise UsageError(f"{path}: token of rank {rank} cannot be built from lower-ranked tokens")
+            merges.append((text(parts[0]), text(parts[1])))
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(TIKTOKEN_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOD])
+    return Tokenizer(tok, eod_id=tok.token_to_id(EOD), vocab_size=tok.get_vocab_size(), source=str(path))
+
+
 def load_tokenizer(spec: str | os.PathLike[str]) -> Tokenizer:
-    """``"bytes"``, a directory holding ``tokenizer.json``, or a ``tokenizer.json`` file."""
+    """``"bytes"``, a directory holding ``tokenizer.json``, a ``tokenizer.json`` file, or a tiktoken
+    ranks file (``*.tiktoken``)."""
     if str(spec) == "bytes":
         return Tokenizer(None, eod_id=0, vocab_size=256, source="bytes")
     path = Path(spec)
+    if path.is_file() and path.suffix == ".tiktoken":
+        return load_tiktoken(path)
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
         raise UsageError(
-            f"tokenizer {str(spec)!r}: not found; give 'bytes', a Hugging Face tokenizer directory or a tokenizer.json file"
+            f"tokenizer {str(spec)!r}: not found; give 'bytes', a Hugging Face tokenizer directory, a tokenizer.json "
+            "file or a .tiktoken ranks file"
         )
     from tokenizers import Tokenizer as HFTokenizer
 

@@ -139,3 +139,21 @@ def test_resolved_config_is_written_and_reruns(tmp_path, corpus_cache):
     again = zoo("train", "--config", str(run_dir / "config.yaml"), "--dry-run")
     assert again.returncode == 0, again.stderr
     assert "family: llama" in again.stdout and "seq_length: 64" in again.stdout
+
+
+@pytest.mark.parametrize("kind", ["bytes", "tiktoken"])
+def test_named_tokenizer_trains_and_generates(tmp_path, kind):
+    import base64
+
+    spec = "bytes"
+    if kind == "tiktoken":
+        spec = str(tmp_path / "tiny.tiktoken")
+        ranks = {bytes([b]): b for b in range(256)} | {b"th": 256, b"the": 257, b" the": 258}
+        Path(spec).write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    run_dir = tmp_path / "run"
+    out = zoo(*small_run(run_dir, tmp_path / "cache", "train.steps=3", f"data.tokenizer={spec}"))
+    assert out.returncode == 0, out.stderr
+    extra = ["--tokenizer", "bytes"] if kind == "bytes" else []
+    gen = zoo("generate", "--checkpoint", str(run_dir), "--prompt", "the", "--max-new-tokens", "5", *extra)
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("the")
