@@ -206,11 +206,9 @@ def build(run: Any, *, split: str, dp_rank: int, dp_size: int, consumed_samples:
 
 
 def tokenizer_dir(run: Any) -> Path | None:
-    """Where the corpus's tokenizer.json lives (None for the bytes tokenizer)."""
-    root, tok = prepare(run)
-    if run.data.tokenizer in (None, ""):
-        return root
+    """Where the corpus's tokenizer.json lives: the cache keeps a copy of whichever tokenizer built it
+    (None for the bytes tokenizer, which needs no file)."""
     if run.data.tokenizer == "bytes":
         return None
-    p = Path(run.data.tokenizer)
-    return p if p.is_dir() else p.parent
+    root, _ = prepare(run)
+    return root
