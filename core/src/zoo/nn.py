@@ -150,15 +150,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int) -> torch.Tensor:
-    h, kv = q.shape[1], k.shape[1]
-    if h != kv:
-        # repeat_interleave keeps head i with KV head i // (h // kv), HF's grouping.
-        k = k.repeat_interleave(h // kv, dim=1)
-        v = v.repeat_interleave(h // kv, dim=1)
+    # enable_gqa: query head i attends with KV head i // (H // KV) (HF's grouping) without copying K/V.
+    gqa = q.shape[1] != k.shape[1]
     t, s = q.shape[2], k.shape[2]
     if not causal or t == 1:
-        return F.scaled_dot_product_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     if offset == 0 and s == t:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=offset)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
