@@ -1,6 +1,8 @@
 """zoo's LLaMA against Hugging Face's LlamaForCausalLM: training tokens/s, peak RSS and MFU.
 
-Both models get the identical config (8 layers, hidden 512, 8 heads, 2 KV heads, vocab 8192,
+Each side trains with its own training step (HF: logits, float32 upcast, cross entropy, as its
+`labels=` path does; zoo: the family's loss, which never materialises the logits). Both models get
+the identical config (8 layers, hidden 512, 8 heads, 2 KV heads, vocab 8192,
 seq 512 by default), the same batch, the same AdamW, the same thread count, in fp32 and in bf16
 autocast. Each measurement runs in its own fresh process (so peak RSS is that model's alone), one
 after another in the same run, and the GEMM peak that MFU is measured against is taken on the same
@@ -30,28 +32,31 @@ def model_config(args: argparse.Namespace) -> dict:
 
 def build(impl: str, args: argparse.Namespace):
     import torch
+    import torch.nn.functional as F
 
     torch.manual_seed(0)
     if impl == "hf":
         from transformers import LlamaConfig, LlamaForCausalLM
 
         hf = LlamaForCausalLM(LlamaConfig(**model_config(args), attn_implementation="sdpa"))
-        return hf, lambda m, x: m(input_ids=x).logits
+        # HF's causal-LM loss: logits upcast to float32, then cross entropy (what labels= does,
+        # without its internal shift, since the labels here are already shifted).
+        return hf, lambda m, x, y: F.cross_entropy(m(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
     # zoo's model from the same config, translated by the plugin's own HF config reader.
     from zoo_gpt.convert import from_hf_config
     from zoo_gpt.model import build as zoo_build
     from zoo_gpt.plugin import SPECS
 
     cfg = from_hf_config({"model_type": "llama", **model_config(args)})
-    return zoo_build(cfg, SPECS[cfg.layer_spec]), lambda m, x: m(x)
+    # zoo's training loss: the family's own path (labels= gives the loss without materialising logits).
+    return zoo_build(cfg, SPECS[cfg.layer_spec]), lambda m, x, y: m(x, labels=y)
 
 
 def worker(args: argparse.Namespace) -> None:
     import torch
-    import torch.nn.functional as F
 
     torch.set_num_threads(args.threads)
-    model, logits_of = build(args.impl, args)
+    model, loss_of = build(args.impl, args)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1))
@@ -61,8 +66,7 @@ def worker(args: argparse.Namespace) -> None:
 
     def step() -> float:
         with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            logits = logits_of(model, inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            loss = loss_of(model, inputs, labels)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

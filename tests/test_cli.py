@@ -9,6 +9,7 @@ from collections import Counter
 
 import yaml
 from _core_helpers import run_zoo
+
 from zoo.cli import build_parser
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import yaml
+
 from zoo import config as C
 from zoo import layout
 from zoo.errors import ConfigError

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from _core_helpers import MODEL_MODULE, plugin_module, registry_of
+
 from zoo.testing.conformance import check_family, installed_families
 from zoo.testing.plugins import fake_distribution
 

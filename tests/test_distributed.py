@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+
 from zoo import distributed
 from zoo.errors import UsageError
 from zoo.testing import DistributedTestError, run_distributed

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from zoo.mapping import (
     Fuse,
     Ignore,

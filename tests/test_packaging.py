@@ -10,8 +10,9 @@ import subprocess
 import sys
 
 import tomllib
-import zoo
 from _core_helpers import REPO
+
+import zoo
 
 CORE = REPO / "core" / "src" / "zoo"
 

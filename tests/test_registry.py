@@ -7,6 +7,7 @@ import json
 
 import pytest
 from _core_helpers import add_family_dist, registry_of, run_zoo
+
 from zoo.errors import PluginError, UnknownNameError
 from zoo.testing.plugins import fake_distribution
 

@@ -20,6 +20,33 @@ from torch import nn
 from zoo.spec import NormSpec
 
 
+class _RMSNormFn(torch.autograd.Function):
+    """RMS norm keeping only its input and the per-row 1/rms for backward (autograd's own graph
+    keeps the normalised copy as well: one activation-sized tensor per norm)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.float() * rstd
+        g = grad.float()
+        grad_w = (g * xhat.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        gx = g * weight.float()
+        gx = rstd * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))
+        return gx.to(x.dtype), grad_w, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / rms(x))`` in float32, HF's numerics, with a memory-lean backward."""
+    return _RMSNormFn.apply(x, weight, eps)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32."""
 
@@ -29,10 +56,34 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+class _SwiGLUFn(torch.autograd.Function):
+    """``silu(gate) * up`` from the fused ``[gate | up]`` projection, saving only that input."""
+
+    @staticmethod
+    def forward(ctx: Any, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        ctx.save_for_backward(gate_up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (gate_up,) = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        d_gate = grad * up * (sig * (1 + gate * (1 - sig)))
+        return torch.cat([d_gate, grad * silu], dim=-1)
+
+
+def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` for a fused ``[gate | up]`` tensor (SwiGLU when ``activation == "silu"``)."""
+    if activation == "silu":
+        return _SwiGLUFn.apply(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return ACTIVATIONS[activation](gate) * up
 
 
 def make_norm(spec: NormSpec, dim: int, eps: float) -> nn.Module:
@@ -159,3 +210,67 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=offset)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+# ----------------------------------------------------------------------------------------- loss
+
+
+class _LinearCrossEntropyFn(torch.autograd.Function):
+    """Mean cross entropy of ``hidden @ weight.T`` without keeping the logits.
+
+    The (tokens x vocab) logits are the largest activation of a language model. They are computed
+    chunk by chunk; each chunk's gradients with respect to ``hidden`` and ``weight`` are formed in
+    the forward pass (softmax minus one-hot), so backward only scales them by the incoming
+    gradient: no logits, no log-softmax and no recomputation are kept (the idea of Liger-Kernel's
+    fused linear cross entropy, here in plain PyTorch).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                mask: torch.Tensor, chunk: int, need: bool) -> torch.Tensor:
+        n = hidden.shape[0]
+        denom = mask.sum().clamp(min=1)
+        grad_h = torch.empty_like(hidden) if need else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        w = weight.to(hidden.dtype)
+        for s in range(0, n, chunk):
+            h = hidden[s:s + chunk]
+            logits = (h @ w.t()).float()  # (c, V)
+            lse = torch.logsumexp(logits, dim=-1)
+            lab = labels[s:s + chunk]
+            m = mask[s:s + chunk].float()
+            picked = logits.gather(1, lab[:, None]).squeeze(1)
+            total += ((lse - picked) * m).sum()
+            if need:
+                d = torch.softmax(logits, dim=-1)  # reuse the chunk's logits for d loss / d logits
+                d[torch.arange(d.shape[0], device=d.device), lab] -= 1.0
+                d *= (m / denom)[:, None]
+                grad_h[s:s + chunk] = (d.to(w.dtype) @ w).to(hidden.dtype)
+                grad_w += (d.to(h.dtype).t() @ h).float()
+        if need:
+            ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return total / denom
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad.to(grad_h.dtype), (grad_w * grad).to(ctx.weight_dtype), None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         loss_mask: torch.Tensor | None = None, *, chunk: int = 1024) -> torch.Tensor:
+    """Mean next-token cross entropy of ``hidden (N, D) @ weight (V, D).T`` over unmasked tokens.
+
+    Equal to ``F.cross_entropy(hidden @ weight.T, labels)`` (float32 softmax) with the peak
+    memory of one ``(chunk, V)`` block instead of the whole ``(N, V)`` logits.
+    """
+    if loss_mask is None:
+        loss_mask = torch.ones_like(labels, dtype=torch.bool)
+    if torch.is_autocast_enabled(hidden.device.type):
+        hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
+    # Gradients are formed in forward only when backward can follow (never under no_grad/eval).
+    need = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _LinearCrossEntropyFn.apply(hidden, weight, labels, loss_mask, chunk, need)

@@ -97,9 +97,8 @@ def load_tiktoken(path: Path) -> Tokenizer:
     """A tiktoken ranks file (``base64-token rank`` per line) as a byte-level BPE with its merges."""
     import base64
 
-    from tokenizers import Regex
+    from tokenizers import Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
 
     ranks: dict[bytes, int] = {}
     for n, line in enumerate(path.read_text(encoding="ascii", errors="strict").splitlines(), start=1):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from _gpt_helpers import zoo
 from transformers import AutoConfig, AutoModelForCausalLM
+
 from zoo_gpt import plugin
 from zoo_gpt.convert import to_hf_config
 from zoo_gpt.model import build

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import zoo as zoo_api
 from _gpt_helpers import small_run, zoo
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import zoo as zoo_api
 from zoo.sampling import filter_logits, generate_tokens
 
 

@@ -7,9 +7,10 @@ import json
 
 import pytest
 import torch
-import zoo
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import zoo
 from zoo.convert import export_external, import_external
 from zoo.errors import UsageError
 from zoo.tensorio import CheckpointError

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from zoo.spec import ModelSpec
 
 from acme_mixer.plugin import MixerConfig
+from zoo.spec import ModelSpec
 
 
 class CausalTokenMix(nn.Module):

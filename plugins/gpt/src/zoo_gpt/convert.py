@@ -8,7 +8,6 @@ from typing import Any
 from zoo.convert import ExternalFormat
 from zoo.errors import UsageError
 from zoo.mapping import Fuse, Ignore, MappingTable, Rename, Tie, Transpose
-
 from zoo_gpt.plugin import GPTConfig
 
 

@@ -12,11 +12,19 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from zoo.nn import ACTIVATIONS, KVCache, Rotary, apply_rotary, attention, make_norm
-from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec
 
+from zoo.nn import (
+    ACTIVATIONS,
+    KVCache,
+    Rotary,
+    apply_rotary,
+    attention,
+    gated_activation,
+    linear_cross_entropy,
+    make_norm,
+)
+from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec
 from zoo_gpt.plugin import GPTConfig
 
 
@@ -49,15 +57,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig, spec: MLPSpec) -> None:
         super().__init__()
-        self.gated, self.act = spec.gated, ACTIVATIONS[spec.activation]
+        self.gated, self.activation, self.act = spec.gated, spec.activation, ACTIVATIONS[spec.activation]
         width = cfg.ffn_hidden_size * (2 if spec.gated else 1)
         self.fc = nn.Linear(cfg.hidden_size, width, bias=spec.bias)
         self.proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=spec.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            gate, up = self.fc(x).chunk(2, dim=-1)
-            return self.proj(self.act(gate) * up)
+            return self.proj(gated_activation(self.fc(x), self.activation))
         return self.proj(self.act(self.fc(x)))
 
 
@@ -102,8 +109,13 @@ class GPT(nn.Module):
             else:
                 nn.init.normal_(p, std=cfg.init_std)
 
-    def forward(self, tokens: torch.Tensor, *, cache: KVCache | None = None) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, V); with ``cache``, T new tokens after ``cache.pos`` old ones."""
+    def forward(self, tokens: torch.Tensor, *, cache: KVCache | None = None, labels: torch.Tensor | None = None,
+                loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V); with ``cache``, T new tokens after ``cache.pos`` old ones.
+
+        With ``labels`` (B, T) it returns the mean next-token cross entropy instead, computed
+        without materialising the logits (`zoo.nn.linear_cross_entropy`).
+        """
         b, t = tokens.shape
         start = cache.pos if cache is not None else 0
         if start + t > self.cfg.max_seq_length:
@@ -117,7 +129,11 @@ class GPT(nn.Module):
             x = blk(x, rope, cache)
         if cache is not None:
             cache.pos += t
-        return self.head(self.norm(x))
+        x = self.norm(x)
+        if labels is not None:
+            mask = loss_mask.flatten().bool() if loss_mask is not None else None
+            return linear_cross_entropy(x.flatten(0, 1), self.head.weight, labels.flatten(), mask)
+        return self.head(x)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.embed.weight
@@ -131,13 +147,7 @@ def build(cfg: GPTConfig, spec: ModelSpec) -> GPT:
 
 def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
     """Next-token cross entropy, averaged over the tokens the loss mask keeps."""
-    logits = model(batch["tokens"])
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="none")
-    mask = batch.get("loss_mask")
-    if mask is None:
-        return ce.mean(), {}
-    mask = mask.flatten().to(ce.dtype)
-    return (ce * mask).sum() / mask.sum().clamp(min=1), {}
+    return model(batch["tokens"], labels=batch["labels"], loss_mask=batch.get("loss_mask")), {}
 
 
 def example_batch(cfg: GPTConfig, *, batch_size: int, seq_length: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
