@@ -105,6 +105,9 @@ def load_optimizer(opt: torch.optim.Optimizer, model: torch.nn.Module, tensors: 
 def save(root: Path, *, step: int, run: Any, model: torch.nn.Module, opt: torch.optim.Optimizer,
          scaler: torch.amp.GradScaler, consumed_samples: int, tokenizer_dir: Path | None,
          keep_last: int | None) -> Path:
+    # A save killed mid-write leaves only a hidden partial directory (never loaded); clear them.
+    for stale in root.glob(".step_*.partial-*") if root.is_dir() else ():
+        shutil.rmtree(stale, ignore_errors=True)
     opt_tensors, groups = optimizer_tensors(opt, model)
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():

@@ -157,3 +157,18 @@ def test_named_tokenizer_trains_and_generates(tmp_path, kind):
     gen = zoo("generate", "--checkpoint", str(run_dir), "--prompt", "the", "--max-new-tokens", "5", *extra)
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("the")
+
+
+def test_training_starts_from_hf_weights(tmp_path, corpus_cache):
+    first = tmp_path / "first"
+    assert zoo(*small_run(first, corpus_cache, "train.steps=40")).returncode == 0
+    assert zoo("convert", "--to", "hf", str(first), str(tmp_path / "hf")).returncode == 0
+    second = tmp_path / "second"
+    out = zoo(*small_run(second, corpus_cache, "train.steps=2", f"checkpoint.load=hf:{tmp_path / 'hf'}"))
+    assert out.returncode == 0, out.stderr
+    scratch = _metrics(first)[0]["loss"]
+    continued = _metrics(second)[0]["loss"]
+    assert continued < scratch - 1.0, (continued, scratch)  # it starts from the trained weights
+    wrong = zoo(*small_run(tmp_path / "third", corpus_cache, "train.steps=1", "model.hidden_size=64",
+                           "model.head_dim=16", f"checkpoint.load=hf:{tmp_path / 'hf'}"))
+    assert wrong.returncode == 1 and "has shape" in wrong.stderr and "the model expects" in wrong.stderr
