@@ -1,0 +1,230 @@
+"""Megatron's indexed dataset (``<prefix>.bin`` + ``<prefix>.idx``), read and written byte for byte.
+
+``.idx`` (little-endian): 9-byte magic ``MMIDIDX\\0\\0``, ``<Q`` version 1, ``<B`` dtype code,
+``<Q`` sequence count S, ``<Q`` document count D; then int32 lengths[S], int64 byte pointers[S]
+into ``.bin``, int64 document indices[D] (sequence index where each document ends, starting with
+0), and for multimodal data int8 modes[S]. ``.bin`` is the tokens back to back.
+
+Reading is memory-mapped and validated up front: every size the index implies is checked against
+the files, so a truncated ``.bin`` or a foreign ``.idx`` fails when opened, naming the file and what
+is wrong, instead of returning garbage later. Writing goes to temporary files; ``finalize`` renames
+the ``.bin`` first and the ``.idx`` last, so a prefix whose ``.idx`` exists is complete.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zoo.errors import ZooError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER = struct.Struct("<9sQBQQ")  # 34 bytes
+DTYPES: dict[int, type[np.generic]] = {
+    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+}
+CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+
+
+class IndexedDatasetError(ZooError):
+    """An indexed dataset file is missing, truncated or not in the format."""
+
+
+def best_dtype(vocab_size: int) -> type[np.generic]:
+    """Megatron's choice: uint16 when the vocabulary fits comfortably, else int32."""
+    return np.uint16 if vocab_size < 65_500 else np.int32
+
+
+def _paths(prefix: str | os.PathLike[str]) -> tuple[Path, Path]:
+    p = str(prefix)
+    for ext in (".bin", ".idx"):
+        if p.endswith(ext):
+            p = p[: -len(ext)]
+    return Path(p + ".idx"), Path(p + ".bin")
+
+
+class IndexedDataset:
+    """A read-only, memory-mapped Megatron indexed dataset."""
+
+    def __init__(self, prefix: str | os.PathLike[str], *, multimodal: bool = False) -> None:
+        self.idx_path, self.bin_path = _paths(prefix)
+        for p in (self.idx_path, self.bin_path):
+            if not p.is_file():
+                raise IndexedDatasetError(f"{p}: file not found")
+        idx_size = self.idx_path.stat().st_size
+        if idx_size < HEADER.size:
+            raise IndexedDatasetError(f"{self.idx_path}: {idx_size} bytes, shorter than the {HEADER.size}-byte header")
+        with open(self.idx_path, "rb") as f:
+            magic, version, code, n_seq, n_doc = HEADER.unpack(f.read(HEADER.size))
+        if magic != MAGIC:
+            raise IndexedDatasetError(f"{self.idx_path}: wrong magic {magic!r} (expected {MAGIC!r}): not a Megatron .idx file")
+        if version != VERSION:
+            raise IndexedDatasetError(f"{self.idx_path}: format version {version}; only version {VERSION} exists")
+        if code not in DTYPES:
+            raise IndexedDatasetError(f"{self.idx_path}: unknown dtype code {code} (known: {sorted(DTYPES)})")
+        self.dtype = np.dtype(DTYPES[code])
+        expected = HEADER.size + n_seq * (4 + 8) + n_doc * 8 + (n_seq if multimodal else 0)
+        if idx_size != expected:
+            hint = " (multimodal modes present? pass multimodal=True)" if idx_size == expected + n_seq and not multimodal else ""
+            raise IndexedDatasetError(
+                f"{self.idx_path}: {idx_size} bytes, but {n_seq} sequences and {n_doc} document indices need {expected}{hint}"
+            )
+        mm = np.memmap(self.idx_path, mode="r", dtype=np.uint8)
+        off = HEADER.size
+        self.sequence_lengths = np.frombuffer(mm, dtype=np.int32, count=n_seq, offset=off)
+        off += 4 * n_seq
+        self.sequence_pointers = np.frombuffer(mm, dtype=np.int64, count=n_seq, offset=off)
+        off += 8 * n_seq
+        self.document_indices = np.frombuffer(mm, dtype=np.int64, count=n_doc, offset=off)
+        off += 8 * n_doc
+        self.sequence_modes = np.frombuffer(mm, dtype=np.int8, count=n_seq, offset=off) if multimodal else None
+        bin_size = self.bin_path.stat().st_size
+        need = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize if n_seq else 0
+        if bin_size != need:
+            what = "truncated" if bin_size < need else "longer than its index"
+            raise IndexedDatasetError(f"{self.bin_path}: {bin_size} bytes but the index describes {need}: {what}")
+        if n_doc < 1 or self.document_indices[0] != 0 or self.document_indices[-1] != n_seq:
+            raise IndexedDatasetError(f"{self.idx_path}: document indices must run from 0 to the sequence count {n_seq}")
+        self._bin = np.memmap(self.bin_path, mode="r", dtype=np.uint8) if bin_size else np.zeros(0, np.uint8)
+
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens ``offset:offset+length`` of sequence ``i`` (a read-only view)."""
+        n = int(self.sequence_lengths[i])
+        if length is None:
+            length = n - offset
+        start = int(self.sequence_pointers[i]) + offset * self.dtype.itemsize
+        return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start)
+
+    def __getitem__(self, key: int | slice) -> Any:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                raise IndexError("indexed datasets support contiguous slices only")
+            if start >= stop:
+                return []
+            lengths = self.sequence_lengths[start:stop]
+            flat = np.frombuffer(self._bin, dtype=self.dtype, count=int(lengths.sum()),
+                                 offset=int(self.sequence_pointers[start]))
+            return np.split(flat, np.cumsum(lengths)[:-1])
+        if key < 0:
+            key += len(self)
+        if not 0 <= key < len(self):
+            raise IndexError(f"sequence {key} out of range for {len(self)} sequences")
+        return self.get(key)
+
+
+class IndexedDatasetWriter:
+    """Builds ``<prefix>.bin/.idx``: add sequences and documents, merge other datasets, finalize.
+
+    Usable as a context manager: leaving the block with an error removes the temporary files and
+    leaves no ``.idx``, so nothing partial ever looks complete.
+    """
+
+    def __init__(self, prefix: str | os.PathLike[str], *, dtype: Any = np.int32, multimodal: bool = False) -> None:
+        self.idx_path, self.bin_path = _paths(prefix)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in CODES:
+            raise IndexedDatasetError(f"dtype {self.dtype} has no code in the format (supported: {sorted(map(str, CODES))})")
+        self.multimodal = multimodal
+        self.bin_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.bin_path.parent, prefix=f".{self.bin_path.name}.", suffix=".tmp")
+        self._tmp_bin = Path(tmp)
+        self._bin = os.fdopen(fd, "wb")
+        self._lengths: list[np.ndarray] = []
+        self._docs: list[np.ndarray] = [np.zeros(1, np.int64)]
+        self._modes: list[np.ndarray] = []
+        self._count = 0  # sequences so far
+        self._closed = False
+
+    def add_item(self, tokens: Sequence[int] | np.ndarray, mode: int = 0) -> None:
+        arr = np.asarray(tokens, dtype=self.dtype)
+        self._bin.write(arr.tobytes(order="C"))
+        self._lengths.append(np.array([arr.size], np.int32))
+        if self.multimodal:
+            self._modes.append(np.array([mode], np.int8))
+        self._count += 1
+
+    def end_document(self) -> None:
+        self._docs.append(np.array([self._count], np.int64))
+
+    def add_document(self, tokens: Sequence[int] | np.ndarray, lengths: Sequence[int] | None = None,
+                     modes: Sequence[int] | None = None) -> None:
+        """One document, optionally split into sequences of ``lengths``."""
+        arr = np.asarray(tokens, dtype=self.dtype)
+        lens = np.asarray(lengths if lengths is not None else [arr.size], dtype=np.int32)
+        if int(lens.sum()) != arr.size:
+            raise IndexedDatasetError(f"sequence lengths sum to {int(lens.sum())}, the document has {arr.size} tokens")
+        self._bin.write(arr.tobytes(order="C"))
+        self._lengths.append(lens)
+        if self.multimodal:
+            self._modes.append(np.asarray(modes if modes is not None else [0] * len(lens), np.int8))
+        self._count += len(lens)
+        self.end_document()
+
+    def add_documents(self, docs: Iterable[Sequence[int] | np.ndarray]) -> None:
+        for d in docs:
+            self.add_document(d)
+
+    def merge(self, prefix: str | os.PathLike[str]) -> None:
+        """Append another finalized dataset of the same dtype (its bytes are copied file to file)."""
+        other = IndexedDataset(prefix, multimodal=self.multimodal)
+        if other.dtype != self.dtype:
+            raise IndexedDatasetError(f"{other.idx_path}: dtype {other.dtype}, this dataset is {self.dtype}")
+        self._bin.flush()
+        with open(other.bin_path, "rb") as src:
+            shutil.copyfileobj(src, self._bin, length=16 << 20)
+        self._lengths.append(np.array(other.sequence_lengths))
+        if self.multimodal and other.sequence_modes is not None:
+            self._modes.append(np.array(other.sequence_modes))
+        self._docs.append(np.array(other.document_indices[1:]) + self._count)
+        self._count += len(other)
+
+    def finalize(self) -> None:
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
+        self._bin.close()
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
+        pointers = np.zeros(len(lengths), np.int64)
+        if len(lengths) > 1:
+            np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        docs = np.concatenate(self._docs)
+        fd, tmp_idx = tempfile.mkstemp(dir=self.idx_path.parent, prefix=f".{self.idx_path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(HEADER.pack(MAGIC, VERSION, CODES[self.dtype], len(lengths), len(docs)))
+            f.write(lengths.astype("<i4").tobytes())
+            f.write(pointers.astype("<i8").tobytes())
+            f.write(docs.astype("<i8").tobytes())
+            if self.multimodal:
+                modes = np.concatenate(self._modes) if self._modes else np.zeros(0, np.int8)
+                f.write(modes.astype(np.int8).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(self._tmp_bin, self.bin_path)
+        os.replace(tmp_idx, self.idx_path)  # last: an .idx marks a complete dataset
+        self._closed = True
+
+    def abort(self) -> None:
+        if not self._closed:
+            self._bin.close()
+            self._tmp_bin.unlink(missing_ok=True)
+            self._closed = True
+
+    def __enter__(self) -> IndexedDatasetWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is None and not self._closed:
+            self.finalize()
+        else:
+            self.abort()
