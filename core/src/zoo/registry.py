@@ -182,6 +182,11 @@ BUILTIN_DATASETS = (
         build="zoo.data.corpus:build",
         tokenizer="zoo.data.corpus:tokenizer_dir",
     ),
+    DatasetSpec(
+        name="megatron",
+        description="Megatron indexed data named by data.path (zoo prepare or Megatron-LM preprocess_data.py output)",
+        build="zoo.data.megatron:build",
+    ),
 )
 
 

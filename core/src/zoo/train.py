@@ -123,7 +123,8 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
             f"parallel: tp={plan.tp} pp={plan.pp} cp={plan.cp} ep={plan.ep}: only data parallelism trains in this "
             "version (the tensor/pipeline/context/expert parallel core is not built yet); use --dry-run to plan"
         )
-    dataset_name = run.data.dataset or fam.default_dataset
+    # data.path names Megatron indexed data; otherwise the family's own default dataset.
+    dataset_name = run.data.dataset or ("megatron" if run.data.path else fam.default_dataset)
     if not dataset_name:
         raise ConfigError(f"family {fam.name!r} declares no default dataset; set data.dataset=NAME")
     ds_spec, ds_info = get_registry().dataset(dataset_name)

@@ -24,11 +24,13 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 def _unigram_entropy(cache: Path, split: str) -> float:
     """Entropy (nats) of the split's token distribution: the best loss a context-free model can reach."""
+    from zoo.data.gpt import split_ranges
+    from zoo.data.indexed import IndexedDataset
+
     [root] = [p for p in cache.iterdir() if p.name.startswith("python-docs-")]
-    tokens = np.load(root / "tokens.npy")
-    offsets = np.load(root / "doc_offsets.npy")
-    lo, hi = json.loads((root / "splits.json").read_text())[split]
-    counts = np.bincount(tokens[offsets[lo]:offsets[hi]].astype(np.int64))
+    ds = IndexedDataset(root / "python-docs_text_document")
+    lo, hi = split_ranges("969,30,1", len(ds))[split]
+    counts = np.bincount(np.concatenate([ds[i] for i in range(lo, hi)]).astype(np.int64))
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
 
@@ -172,3 +174,23 @@ def test_training_starts_from_hf_weights(tmp_path, corpus_cache):
     wrong = zoo(*small_run(tmp_path / "third", corpus_cache, "train.steps=1", "model.hidden_size=64",
                            "model.head_dim=16", f"checkpoint.load=hf:{tmp_path / 'hf'}"))
     assert wrong.returncode == 1 and "has shape" in wrong.stderr and "the model expects" in wrong.stderr
+
+
+def test_trains_on_megatron_indexed_data(tmp_path, corpus_cache):
+    # Megatron-format files as Megatron-LM's preprocess_data.py writes them (here: copied from the
+    # embedded corpus, which is stored in that format).
+    assert zoo(*small_run(tmp_path / "warm", corpus_cache, "train.steps=1")).returncode == 0
+    [root] = [p for p in corpus_cache.iterdir() if p.name.startswith("python-docs-")]
+    data = tmp_path / "data"
+    data.mkdir()
+    for ext in (".bin", ".idx"):
+        shutil.copyfile(root / f"python-docs_text_document{ext}", data / f"corpus_text_document{ext}")
+    run_dir = tmp_path / "run"
+    out = zoo(*small_run(run_dir, corpus_cache, "train.steps=30", f"data.path={data / 'corpus_text_document'}",
+                         f"data.cache_dir={tmp_path / 'idx-cache'}"))
+    assert out.returncode == 0, out.stderr
+    losses = [r["loss"] for r in _metrics(run_dir)]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5
+    assert list((tmp_path / "idx-cache").glob("*-GPTDataset-train-shuffle_index.npy"))
+    missing = zoo(*small_run(tmp_path / "r2", corpus_cache, "train.steps=1", f"data.path={tmp_path / 'nope'}"))
+    assert missing.returncode == 1 and "nope.idx: file not found" in missing.stderr
