@@ -132,6 +132,7 @@ SURFACE = {
     "version": [],
     "train": ["--config", "--dry-run", "--flavor", "--model", "--run-dir", "--world-size", "overrides"],
     "convert": ["--dtype", "--from", "--max-shard-size", "--to", "dst", "src"],
+    "prepare": ["what"],
     "generate": ["--checkpoint", "--greedy", "--max-new-tokens", "--no-cache", "--prompt", "--seed", "--temperature",
                  "--tokenizer", "--top-k", "--top-p"],
 }

@@ -17,7 +17,7 @@ from typing import Any
 
 from zoo.errors import ConfigError, PluginError, UnknownNameError, UsageError, ZooError, suggest
 
-CORE_COMMANDS = ("list", "info", "version", "train", "convert", "generate")
+CORE_COMMANDS = ("list", "info", "version", "train", "convert", "generate", "prepare")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -268,6 +268,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare_text(args: argparse.Namespace) -> int:
+    from zoo.data.prepare import prepare_text
+
+    if args.on_error not in ("fail", "skip"):
+        raise UsageError("--on-error: fail or skip")
+    totals = prepare_text(inputs=args.input, output_prefix=args.output_prefix, tokenizer=args.tokenizer,
+                          json_keys=args.json_keys, append_eod=args.append_eod, workers=args.workers,
+                          on_error=args.on_error, train_bpe_vocab=args.train_bpe, progress=not args.quiet)
+    skipped = f", {totals['skipped']:,} bad lines skipped" if totals["skipped"] else ""
+    print(f"wrote {', '.join(o + '.{bin,idx}' for o in totals['outputs'])}: {totals['docs']:,} documents, "
+          f"{totals['tokens']:,} tokens in {totals['seconds']:.1f}s{skipped}")
+    return 0
+
+
 def _human(n: int) -> str:
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
@@ -324,6 +338,20 @@ def build_parser(registry: Any | None) -> _Parser:
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (no KV cache)")
     p.add_argument("--tokenizer", help="tokenizer directory, tokenizer.json or 'bytes' (default: the checkpoint's)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("prepare", help="prepare datasets (Megatron .bin/.idx)")
+    prep = p.add_subparsers(dest="what", metavar="KIND", parser_class=_Parser, required=True)
+    t = prep.add_parser("text", help="tokenize JSONL/text into <prefix>_<key>_document.{bin,idx}")
+    t.add_argument("--input", nargs="+", required=True, help="JSONL (.gz), .txt files or directories of them")
+    t.add_argument("--output-prefix", required=True)
+    t.add_argument("--tokenizer", help="HF tokenizer dir, tokenizer.json, .tiktoken file or 'bytes'")
+    t.add_argument("--train-bpe", type=int, metavar="VOCAB_SIZE", help="train a byte-level BPE on the input first")
+    t.add_argument("--json-keys", nargs="+", default=["text"])
+    t.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document token")
+    t.add_argument("--workers", type=int, default=1)
+    t.add_argument("--on-error", default="fail", help="fail (default) or skip malformed lines")
+    t.add_argument("--quiet", action="store_true", help="no progress line")
+    t.set_defaults(func=cmd_prepare_text)
 
     if registry is not None:
         from zoo.family import resolve

@@ -1,0 +1,263 @@
+"""`zoo prepare text`: tokenize JSONL / text corpora into Megatron ``.bin/.idx`` files, in parallel.
+
+Work is cut into chunks (byte ranges of uncompressed JSONL files aligned to line starts; whole
+files for ``.gz`` and plain text), and each worker tokenizes its chunks and writes its own partial
+``.bin/.idx`` pair, streaming, so memory does not grow with the input. The parts are then
+concatenated in input order by the kernel (``copy_file_range``), so tokens never travel through one
+Python process, and the result is byte-identical for any worker count.
+
+Inputs: ``.jsonl``/``.json`` (one JSON object per line; ``--json-keys`` picks the fields), the same
+gzip-compressed (``.gz``), ``.txt`` files (each file one document), or directories of them.
+Bad lines (malformed JSON, a missing key, non-UTF-8 bytes) stop the run with the file and line
+(``--on-error fail``) or are skipped and counted (``--on-error skip``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zoo.data.indexed import IndexedDatasetWriter, best_dtype
+from zoo.errors import UsageError, ZooError
+
+CHUNK_BYTES = 8 << 20
+SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".txt", ".txt.gz")
+
+
+class PrepareError(ZooError):
+    """A bad input line under --on-error fail."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    path: str
+    start: int  # byte range for uncompressed JSONL; (0, -1) for whole files
+    end: int
+
+
+def find_inputs(paths: Sequence[str]) -> list[Path]:
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(SUFFIXES))
+            if not found:
+                raise UsageError(f"{p}: no {', '.join(SUFFIXES)} files in this directory")
+            out += found
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise UsageError(f"{p}: no such file or directory")
+    return out
+
+
+def plan_chunks(files: Sequence[Path], chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
+    chunks = []
+    for f in files:
+        size = f.stat().st_size
+        if f.name.endswith((".gz", ".txt")) or size <= chunk_bytes:
+            chunks.append(Chunk(str(f), 0, -1))
+            continue
+        with open(f, "rb") as fh:
+            start = 0
+            while start < size:
+                fh.seek(min(start + chunk_bytes, size))
+                fh.readline()  # move to the next line start so no line is split
+                end = min(fh.tell(), size)
+                chunks.append(Chunk(str(f), start, end))
+                start = end
+    return chunks
+
+
+def _lines(chunk: Chunk) -> Iterator[tuple[int, bytes]]:
+    """(byte offset, raw line) of the chunk."""
+    if chunk.path.endswith(".gz"):
+        with gzip.open(chunk.path, "rb") as fh:
+            offset = 0
+            for line in fh:
+                yield offset, line
+                offset += len(line)
+        return
+    with open(chunk.path, "rb") as fh:
+        fh.seek(chunk.start)
+        offset = chunk.start
+        while chunk.end < 0 or offset < chunk.end:
+            line = fh.readline()
+            if not line:
+                break
+            yield offset, line
+            offset += len(line)
+
+
+def line_number(path: str, offset: int) -> int:
+    """1-based line of a byte offset (computed only when reporting an error)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    n, seen = 1, 0
+    with opener(path, "rb") as fh:
+        for line in fh:
+            if seen + len(line) > offset:
+                return n
+            seen += len(line)
+            n += 1
+    return n
+
+
+def _texts(chunk: Chunk, keys: Sequence[str], on_error: str, stats: dict[str, int]) -> Iterator[list[str]]:
+    """One list of texts (one per key) per document of the chunk."""
+    if chunk.path.endswith((".txt", ".txt.gz")):
+        opener = gzip.open if chunk.path.endswith(".gz") else open
+        with opener(chunk.path, "rb") as fh:
+            raw = fh.read()
+        try:
+            yield [raw.decode("utf-8")] * len(keys)
+        except UnicodeDecodeError as e:
+            _bad(chunk.path, e.start, f"not UTF-8 ({e.reason})", on_error, stats, whole_file=True)
+        return
+    for offset, raw in _lines(chunk):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            _bad(chunk.path, offset, f"not UTF-8 ({e.reason})", on_error, stats)
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            _bad(chunk.path, offset, f"malformed JSON ({e.msg})", on_error, stats)
+            continue
+        if not isinstance(obj, dict):
+            _bad(chunk.path, offset, "a JSON line must be an object", on_error, stats)
+            continue
+        missing = [k for k in keys if not isinstance(obj.get(k), str)]
+        if missing:
+            _bad(chunk.path, offset, f"no string field {missing[0]!r}", on_error, stats)
+            continue
+        yield [obj[k] for k in keys]
+
+
+def _bad(path: str, offset: int, what: str, on_error: str, stats: dict[str, int], whole_file: bool = False) -> None:
+    if on_error == "fail":
+        where = path if whole_file else f"{path}:{line_number(path, offset)}"
+        raise PrepareError(f"{where}: {what} (use --on-error skip to skip such lines)")
+    stats["skipped"] += 1
+
+
+def _worker(args: tuple[int, Chunk, str, list[str], bool, str, str]) -> dict[str, int]:
+    i, chunk, tok_spec, keys, append_eod, on_error, out_dir = args
+    from zoo.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tok_spec)
+    dtype = best_dtype(tok.vocab_size)
+    stats = {"docs": 0, "tokens": 0, "skipped": 0}
+    writers = {k: IndexedDatasetWriter(Path(out_dir) / f"part{i:06d}_{k}", dtype=dtype) for k in keys}
+    try:
+        batch: list[list[str]] = []
+
+        def flush() -> None:
+            for col, key in enumerate(keys):
+                for ids in tok.encode_batch([doc[col] for doc in batch]):
+                    if append_eod:
+                        ids = [*ids, tok.eod_id]
+                    writers[key].add_document(np.asarray(ids, dtype=np.int64))
+                    if col == 0:
+                        stats["tokens"] += len(ids)
+            stats["docs"] += len(batch)
+            batch.clear()
+
+        for doc in _texts(chunk, keys, on_error, stats):
+            batch.append(doc)
+            if len(batch) >= 256:
+                flush()
+        flush()
+        for w in writers.values():
+            w.finalize()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    return stats
+
+
+def _concat(parts: Sequence[Path], prefix: Path, dtype: Any) -> None:
+    """Concatenate finalized parts: kernel-side byte copies for the .bin, index arrays for the .idx."""
+    with IndexedDatasetWriter(prefix, dtype=dtype) as w:
+        for part in parts:
+            w.merge(part)
+
+
+def prepare_text(*, inputs: Sequence[str], output_prefix: str, tokenizer: str | None, json_keys: Sequence[str],
+                 append_eod: bool, workers: int, on_error: str, train_bpe_vocab: int | None = None,
+                 progress: bool = True) -> dict[str, Any]:
+    from zoo.tokenizer import load_tokenizer, train_bpe
+
+    files = find_inputs(inputs)
+    out_prefix = Path(output_prefix)
+    out_prefix.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_prefix.parent, prefix=f".{out_prefix.name}.prepare-"))
+    try:
+        if train_bpe_vocab:
+            stats0 = {"docs": 0, "tokens": 0, "skipped": 0}
+            texts = (doc[0] for c in plan_chunks(files) for doc in _texts(c, json_keys[:1], on_error, stats0))
+            train_bpe(texts, train_bpe_vocab).save(tmp)
+            tokenizer = str(tmp / "tokenizer.json")
+        if not tokenizer:
+            raise UsageError("zoo prepare text: give --tokenizer (HF dir, tokenizer.json, .tiktoken, bytes) or --train-bpe N")
+        tok = load_tokenizer(tokenizer)
+        chunks = plan_chunks(files)
+        ctx = mp.get_context("spawn")
+        jobs = [(i, c, tokenizer, list(json_keys), append_eod, on_error, str(tmp)) for i, c in enumerate(chunks)]
+        t0 = time.perf_counter()
+        totals = {"docs": 0, "tokens": 0, "skipped": 0}
+        env_before = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # processes give the parallelism
+        try:
+            if workers <= 1:
+                results = iter(map(_worker, jobs))
+                pool = None
+            else:
+                pool = ctx.Pool(workers)
+                results = pool.imap(_worker, jobs)  # in order: the output order is the input order
+            for n, stats in enumerate(results, start=1):
+                for k in totals:
+                    totals[k] += stats[k]
+                if progress:
+                    dt = max(time.perf_counter() - t0, 1e-9)
+                    print(f"\rprepare: {n}/{len(chunks)} chunks, {totals['docs']:,} docs ({totals['docs'] / dt:,.0f}/s), "
+                          f"{totals['tokens']:,} tokens ({totals['tokens'] / dt:,.0f}/s)", end="", file=sys.stderr, flush=True)
+            if pool is not None:
+                pool.close()
+                pool.join()
+        finally:
+            if env_before is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = env_before
+        if progress:
+            print(file=sys.stderr)
+        if totals["docs"] == 0:
+            raise UsageError(f"no documents found in {', '.join(map(str, files))} (empty corpus)")
+        outputs = []
+        for key in json_keys:
+            prefix = Path(f"{output_prefix}_{key}_document")
+            _concat([tmp / f"part{i:06d}_{key}" for i in range(len(chunks))], prefix, best_dtype(tok.vocab_size))
+            outputs.append(str(prefix))
+        if train_bpe_vocab:
+            shutil.copyfile(tmp / "tokenizer.json", Path(f"{output_prefix}_tokenizer.json"))
+        totals["seconds"] = time.perf_counter() - t0
+        totals["outputs"] = outputs
+        return totals
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
