@@ -93,3 +93,75 @@ def test_empty_split_is_an_error_not_a_hang():
 
     with pytest.raises(ConfigError, match="holds 0 tokens"):
         build_indices(np.array([3, 4], np.int32), np.arange(0, 0, dtype=np.int32), seq_length=4, num_samples=5, seed=1)
+
+
+@pytest.mark.parametrize(
+    ("blend", "sizes"),
+    [
+        ("0.5 {a} 0.3 {b} 0.2 {c}", [300, 30, 10]),
+        ("3 {a} 1 {b}", [200, 10, 5]),  # weights need not sum to one
+        ("{a} {b} {c}", [250, 20, 10]),  # no weights: each weighs its own sample count
+    ],
+)
+def test_blends_match_megatron(tmp_path, blend, sizes):
+    from zoo.data.megatron import Source, parse_blend
+
+    prefixes = {k: tmp_path / k for k in "abc"}
+    for seed, p in enumerate(prefixes.values()):
+        _corpus(p, n_docs=400 + 100 * seed, seed=seed)
+    text = blend.format(**{k: str(v) for k, v in prefixes.items()})
+    pairs = parse_blend(text)
+    weights = [w for w, _ in pairs]
+    mc_blend = ([p for _, p in pairs], None if weights[0] is None else weights)
+    tok = types.SimpleNamespace(eod=EOD, vocab_size=1000, pad=-1, special_tokens_dict={}, unique_identifiers={"c": "S"})
+    # (no path_to_cache: megatron-core's blended cache requires an initialised process group)
+    cfg = GPTDatasetConfig(random_seed=11, sequence_length=16, blend=mc_blend, split="90,8,2", path_to_cache=None,
+                           tokenizer=tok, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                           create_attention_mask=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, cfg).build()
+    run = types.SimpleNamespace(train=types.SimpleNamespace(seq_length=16, seed=11), data=types.SimpleNamespace(split="90,8,2"))
+    for k, split in enumerate(("train", "valid", "test")):
+        ours = Source(run, pairs, split=split, target=sizes[k], cache_dir=tmp_path / "zoo")
+        assert len(ours) == len(theirs[k])
+        for i in range(len(ours)):
+            d, tokens = ours.sample(i)
+            ref = theirs[k][i]
+            assert d == int(ref["dataset_id"])
+            assert np.array_equal(tokens[:-1], ref["tokens"].numpy())
+
+
+def test_per_split_blends_match_megatron(tmp_path):
+    from zoo.data.megatron import Source, parse_blend
+
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for seed, p in enumerate((a, b, c)):
+        _corpus(p, n_docs=300, seed=seed)
+    tok = types.SimpleNamespace(eod=EOD, vocab_size=1000, pad=-1, special_tokens_dict={}, unique_identifiers={"c": "S"})
+    cfg = GPTDatasetConfig(random_seed=5, sequence_length=16, blend_per_split=[([str(a), str(b)], [0.7, 0.3]), ([str(c)], None), None],
+                           path_to_cache=None, tokenizer=tok, reset_position_ids=False, reset_attention_mask=False,
+                           eod_mask_loss=False, create_attention_mask=False)
+    sizes = [150, 20, None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, cfg).build()
+    run = types.SimpleNamespace(train=types.SimpleNamespace(seq_length=16, seed=5), data=types.SimpleNamespace(split="969,30,1"))
+    for k, blend in enumerate((f"0.7 {a} 0.3 {b}", str(c))):
+        ours = Source(run, parse_blend(blend), split=("train", "valid")[k], target=sizes[k], cache_dir=tmp_path / "z", whole=True)
+        assert len(ours) == len(theirs[k])
+        for i in range(len(ours)):
+            assert np.array_equal(ours.sample(i)[1][:-1], theirs[k][i]["tokens"].numpy())
+
+
+def test_blend_forms():
+    from zoo.data.megatron import parse_blend
+    from zoo.errors import ConfigError
+
+    assert parse_blend("0.5 a 0.5 b") == [(0.5, "a"), (0.5, "b")]
+    assert parse_blend("a b c") == [(None, "a"), (None, "b"), (None, "c")]
+    assert parse_blend("a") == [(None, "a")]
+    assert parse_blend([0.3, "x", 0.7, "y"]) == [(0.3, "x"), (0.7, "y")]
+    assert parse_blend([{"path": "x", "weight": 2}, {"path": "y", "weight": 1}]) == [(2.0, "x"), (1.0, "y")]
+    with pytest.raises(ConfigError, match="'a' is not a weight"):
+        parse_blend("a b c d")

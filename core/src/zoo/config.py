@@ -62,6 +62,11 @@ class ParallelConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     path: str | list[Any] | None = None  # Megatron blend "0.5 A 0.3 B" or a YAML list; None: family default
+    # Per-split blends (Megatron's --train-data-path ...): each uses all documents of its datasets
+    # and takes precedence over data.path (with data.split) for that split.
+    train_path: str | list[Any] | None = None
+    valid_path: str | list[Any] | None = None
+    test_path: str | list[Any] | None = None
     dataset: str | None = None  # a named dataset from a plugin; None: the family's default_dataset
     split: str = "969,30,1"  # train,valid,test proportions of documents
     tokenizer: str | None = None  # HF tokenizer dir, tiktoken file, "bytes"; None: the dataset's own

@@ -124,7 +124,8 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
             "version (the tensor/pipeline/context/expert parallel core is not built yet); use --dry-run to plan"
         )
     # data.path names Megatron indexed data; otherwise the family's own default dataset.
-    dataset_name = run.data.dataset or ("megatron" if run.data.path else fam.default_dataset)
+    has_paths = run.data.path or run.data.train_path
+    dataset_name = run.data.dataset or ("megatron" if has_paths else fam.default_dataset)
     if not dataset_name:
         raise ConfigError(f"family {fam.name!r} declares no default dataset; set data.dataset=NAME")
     ds_spec, ds_info = get_registry().dataset(dataset_name)

@@ -192,5 +192,9 @@ def test_trains_on_megatron_indexed_data(tmp_path, corpus_cache):
     losses = [r["loss"] for r in _metrics(run_dir)]
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5
     assert list((tmp_path / "idx-cache").glob("*-GPTDataset-train-shuffle_index.npy"))
+    prefix = data / "corpus_text_document"
+    blended = zoo(*small_run(tmp_path / "blend", corpus_cache, "train.steps=3", f"data.path=0.6 {prefix} 0.4 {prefix}",
+                             f"data.cache_dir={tmp_path / 'idx-cache'}"))
+    assert blended.returncode == 0, blended.stderr
     missing = zoo(*small_run(tmp_path / "r2", corpus_cache, "train.steps=1", f"data.path={tmp_path / 'nope'}"))
     assert missing.returncode == 1 and "nope.idx: file not found" in missing.stderr

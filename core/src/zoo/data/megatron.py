@@ -45,12 +45,16 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def cached_indices(ds: IndexedDataset, *, split: str, split_spec: str, seq_length: int, num_samples: int | None,
+def cached_indices(ds: IndexedDataset, *, split: str, split_spec: str | None, seq_length: int, num_samples: int | None,
                    seed: int, cache_dir: Path) -> GPTIndices:
-    ranges = split_ranges(split_spec, len(ds))
-    if ranges[split] is None:
-        raise ConfigError(f"data.split={split_spec!r} leaves the {split} split of {ds.idx_path} empty")
-    lo, hi = ranges[split]
+    """``split_spec=None``: the split uses every document (a per-split blend)."""
+    if split_spec is None:
+        lo, hi = 0, len(ds)
+    else:
+        ranges = split_ranges(split_spec, len(ds))
+        if ranges[split] is None:
+            raise ConfigError(f"data.split={split_spec!r} leaves the {split} split of {ds.idx_path} empty")
+        lo, hi = ranges[split]
     description = json.dumps({"v": INDEX_VERSION, "idx": str(ds.idx_path.resolve()), "size": ds.idx_path.stat().st_size,
                               "mtime": int(ds.idx_path.stat().st_mtime), "split": split, "range": [lo, hi],
                               "seq_length": seq_length, "num_samples": num_samples, "seed": seed}, sort_keys=True)
@@ -69,6 +73,52 @@ def cached_indices(ds: IndexedDataset, *, split: str, split_spec: str, seq_lengt
     return GPTIndices(*(np.load(names[k], mmap_mode="r") for k in ("document", "sample", "shuffle")))
 
 
+def parse_blend(path: Any) -> list[tuple[float | None, str]]:
+    """Megatron's ``"0.5 A 0.3 B"`` (or ``"A B"``, or one prefix), or a YAML list: ``[{path, weight}]``,
+    ``[0.5, A, 0.3, B]`` or ``[A, B]``. Returns (weight or None, prefix) pairs."""
+    if isinstance(path, str):
+        items: list[Any] = path.split()
+    elif isinstance(path, list):
+        if path and all(isinstance(x, dict) for x in path):
+            try:
+                return [(float(x["weight"]) if "weight" in x else None, str(x["path"])) for x in path]
+            except KeyError:
+                raise ConfigError("data.path: every entry of a list of mappings needs a 'path'") from None
+        items = list(path)
+    else:
+        raise ConfigError(f"data.path: expected a prefix, a Megatron blend string or a list, got {type(path).__name__}")
+    if not items:
+        raise ConfigError("data.path is empty")
+    if len(items) % 2 == 1:  # Megatron: an odd count is a list of prefixes without weights
+        return [(None, str(x)) for x in items]
+    pairs = []
+    for w, p in zip(items[::2], items[1::2]):
+        try:
+            pairs.append((float(w), str(p)))
+        except (TypeError, ValueError):
+            raise ConfigError(f"data.path: {w!r} is not a weight; write 'WEIGHT PREFIX WEIGHT PREFIX ...'") from None
+    return pairs
+
+
+def blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Megatron's greedy blend: each sample goes to the dataset furthest behind its share
+    (``weight * max(i, 1) - taken``, first dataset on ties)."""
+    which = np.zeros(size, dtype=np.int16)
+    local = np.zeros(size, dtype=np.int64)
+    wl, tl = [float(x) for x in weights], [0] * len(weights)
+    for i in range(size):
+        x = float(max(i, 1))
+        best, best_err = 0, wl[0] * x - tl[0]
+        for d in range(1, len(wl)):
+            err = wl[d] * x - tl[d]
+            if err > best_err:
+                best, best_err = d, err
+        which[i] = best
+        local[i] = tl[best]
+        tl[best] += 1
+    return which, local
+
+
 def samples_needed(run: Any, split: str, dp_size: int) -> int:
     gbs = run.train.global_batch_size or run.train.micro_batch_size * dp_size
     if split == "train":
@@ -78,14 +128,69 @@ def samples_needed(run: Any, split: str, dp_size: int) -> int:
     return evals * run.train.eval_steps * run.train.micro_batch_size * dp_size
 
 
-def batches(run: Any, prefix: str | Path, *, split: str, dp_rank: int, dp_size: int, consumed_samples: int,
+SURPLUS = 0.005  # Megatron builds each blended dataset 0.5% larger than its share
+
+
+def _normalize(weights: list[float]) -> list[float]:
+    total = float(np.sum(np.asarray(weights, dtype=np.float64)))
+    return (np.asarray(weights, dtype=np.float64) / total).tolist()
+
+
+class Source:
+    """The samples of one split: a single dataset, or a Megatron blend of several."""
+
+    def __init__(self, run: Any, blend: list[tuple[float | None, str]], *, split: str, target: int | None,
+                 cache_dir: Path, whole: bool = False) -> None:
+        seq = run.train.seq_length
+        spec = None if whole else run.data.split
+        self.seq = seq
+        prefixes = [p for _, p in blend]
+        weights = [w for w, _ in blend]
+        self.datasets = [IndexedDataset(p) for p in prefixes]
+        if len(blend) == 1 and weights[0] is None:
+            self.indices = [cached_indices(self.datasets[0], split=split, split_spec=spec, seq_length=seq,
+                                           num_samples=target, seed=run.train.seed, cache_dir=cache_dir)]
+            self.which = None
+            return
+        if any(w is None for w in weights) and not all(w is None for w in weights):
+            raise ConfigError("data.path: give a weight for every dataset of a blend, or for none")
+        if weights[0] is not None:
+            norm = _normalize([float(w) for w in weights])  # type: ignore[arg-type]
+            sizes = [int(np.ceil(np.ceil(target * w) * (1 + SURPLUS))) if target is not None else None for w in norm]
+            self.indices = [cached_indices(ds, split=split, split_spec=spec, seq_length=seq, num_samples=n,
+                                           seed=run.train.seed, cache_dir=cache_dir) for ds, n in zip(self.datasets, sizes)]
+            size = sum(int(np.ceil(target * w)) for w in norm) if target is not None else None
+            if size is None:
+                raise ConfigError("data.path: a weighted blend needs a sample count (train.steps)")
+        else:  # no weights: each dataset weighs its own number of samples (one epoch)
+            self.indices = [cached_indices(ds, split=split, split_spec=spec, seq_length=seq, num_samples=None,
+                                           seed=run.train.seed, cache_dir=cache_dir) for ds in self.datasets]
+            norm = [float(len(ix)) for ix in self.indices]
+            size = int(sum(norm)) if target is None else min(target, int(sum(norm)))
+            norm = _normalize(norm)
+        self.which, self.local = blending_indices(norm, size)
+
+    def __len__(self) -> int:
+        return len(self.indices[0]) if self.which is None else len(self.which)
+
+    def sample(self, g: int) -> tuple[int, np.ndarray]:
+        """(dataset id, tokens) of sample ``g``."""
+        if self.which is None:
+            return 0, sample_tokens(self.datasets[0], self.indices[0], g, seq_length=self.seq)[0]
+        d = int(self.which[g])
+        return d, sample_tokens(self.datasets[d], self.indices[d], int(self.local[g]), seq_length=self.seq)[0]
+
+
+def batches(run: Any, blend: Any, *, split: str, dp_rank: int, dp_size: int, consumed_samples: int,
             cache_dir: Path) -> Iterator[dict[str, Any]]:
     import torch
 
-    ds = IndexedDataset(prefix)
-    seq = run.train.seq_length
-    idx = cached_indices(ds, split=split, split_spec=run.data.split, seq_length=seq,
-                         num_samples=samples_needed(run, split, dp_size), seed=run.train.seed, cache_dir=cache_dir)
+    whole = False
+    per_split = getattr(run.data, f"{split}_path", None) if not isinstance(blend, Path) else None
+    if per_split:
+        blend, whole = per_split, True
+    pairs = parse_blend(blend) if not isinstance(blend, Path) else [(None, str(blend))]
+    source = Source(run, pairs, split=split, target=samples_needed(run, split, dp_size), cache_dir=cache_dir, whole=whole)
     mbs = run.train.micro_batch_size
     gbs = run.train.global_batch_size or mbs * dp_size
     per_rank = gbs // dp_size
@@ -93,20 +198,19 @@ def batches(run: Any, prefix: str | Path, *, split: str, dp_rank: int, dp_size: 
     while True:
         mine = g + dp_rank * per_rank
         for m in range(per_rank // mbs):
-            rows = [sample_tokens(ds, idx, (mine + m * mbs + j) % len(idx), seq_length=seq)[0] for j in range(mbs)]
+            rows = [source.sample((mine + m * mbs + j) % len(source))[1] for j in range(mbs)]
             t = torch.from_numpy(np.stack(rows))
             yield {"tokens": t[:, :-1], "labels": t[:, 1:]}
         g += gbs
 
 
 def build(run: Any, *, split: str, dp_rank: int, dp_size: int, consumed_samples: int = 0) -> Iterator[dict[str, Any]]:
-    """The ``megatron`` dataset: ``data.path`` names the prefix of a ``.bin/.idx`` pair."""
-    path = run.data.path
-    if not isinstance(path, str) or not path.strip():
-        raise ConfigError("data.path: give the prefix of a Megatron .bin/.idx pair (e.g. my_corpus_text_document)")
-    parts = path.split()
-    if len(parts) != 1:
-        raise ConfigError(f"data.path={path!r}: blends of several datasets are not supported yet; give one prefix")
-    cache = Path(run.data.cache_dir) if run.data.cache_dir else Path(parts[0]).parent / "cache"
-    return batches(run, parts[0], split=split, dp_rank=dp_rank, dp_size=dp_size,
+    """The ``megatron`` dataset: ``data.path`` (with ``data.split``) and/or per-split ``data.<split>_path``,
+    each a prefix or a Megatron blend of prefixes."""
+    blend = getattr(run.data, f"{split}_path", None) or run.data.path
+    if not blend:
+        raise ConfigError(f"no data for the {split} split: set data.path or data.{split}_path")
+    first = Path(parse_blend(blend)[0][1])
+    cache = Path(run.data.cache_dir) if run.data.cache_dir else first.parent / "cache"
+    return batches(run, run.data.path or blend, split=split, dp_rank=dp_rank, dp_size=dp_size,
                    consumed_samples=consumed_samples, cache_dir=cache)
