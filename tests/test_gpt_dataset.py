@@ -165,3 +165,13 @@ def test_blend_forms():
     assert parse_blend([{"path": "x", "weight": 2}, {"path": "y", "weight": 1}]) == [(2.0, "x"), (1.0, "y")]
     with pytest.raises(ConfigError, match="'a' is not a weight"):
         parse_blend("a b c d")
+
+
+def test_document_fields():
+    from zoo.data.megatron import document_fields
+
+    tokens = np.array([[5, 6, EOD, 7, 8, EOD, 9]])
+    f = document_fields(tokens, EOD, reset_position_ids=True, eod_mask_loss=True, segments=True)
+    assert f["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 0]]
+    assert f["loss_mask"].tolist() == [[1, 1, 0, 1, 1, 0, 1]]
+    assert f["segment_ids"].tolist() == [[0, 0, 0, 1, 1, 1, 2]]

@@ -70,6 +70,13 @@ class DataConfig:
     dataset: str | None = None  # a named dataset from a plugin; None: the family's default_dataset
     split: str = "969,30,1"  # train,valid,test proportions of documents
     tokenizer: str | None = None  # HF tokenizer dir, tiktoken file, "bytes"; None: the dataset's own
+    # Megatron's document options: restart positions after each end-of-document token, keep
+    # attention inside documents, leave EOD tokens out of the loss. They need the EOD id: from
+    # data.tokenizer, or data.eod_id.
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    eod_id: int | None = None
     num_workers: int = 0
     cache_dir: str | None = None  # where built indices and prepared corpora are cached
 

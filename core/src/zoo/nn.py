@@ -183,27 +183,34 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, offset: int = 0) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, offset: int = 0,
+              segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads.
 
     q: (B, H, T, hd), k/v: (B, KV, S, hd) with H a multiple of KV. ``offset`` is the number of
     cached positions before q's first one (S = offset + T), so causal masking stays right when
-    decoding with a KV cache. Under selective recomputation (`zoo.recompute`) the core is
-    recomputed in backward instead of keeping its activations.
+    decoding with a KV cache. ``segment_ids`` (B, T) keeps attention inside documents packed into
+    one sample (Megatron's reset_attention_mask). Under selective recomputation (`zoo.recompute`)
+    the core is recomputed in backward instead of keeping its activations.
     """
     from zoo.recompute import SELECTIVE
 
     if SELECTIVE.get() and torch.is_grad_enabled():
         from torch.utils.checkpoint import checkpoint
 
-        return checkpoint(_attention, q, k, v, causal, offset, use_reentrant=False)
-    return _attention(q, k, v, causal, offset)
+        return checkpoint(_attention, q, k, v, causal, offset, segment_ids, use_reentrant=False)
+    return _attention(q, k, v, causal, offset, segment_ids)
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int) -> torch.Tensor:
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
+               segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     # enable_gqa: query head i attends with KV head i // (H // KV) (HF's grouping) without copying K/V.
     gqa = q.shape[1] != k.shape[1]
     t, s = q.shape[2], k.shape[2]
+    if segment_ids is not None:  # block-diagonal causal mask: (B, 1, T, T)
+        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+        mask = same & torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     if not causal or t == 1:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     if offset == 0 and s == t:

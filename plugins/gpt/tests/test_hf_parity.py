@@ -151,3 +151,18 @@ def test_foreign_checkpoint_names_first_mismatching_tensor(tmp_path):
     (dst / "zoo.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=r"embed.weight has shape \(96, 32\), the model expects \(96, 64\)"):
         zoo.load_model(str(dst))
+
+
+def test_segments_equal_separate_documents(tmp_path):
+    """Two documents packed in one sample with reset positions and segment ids give each document the
+    logits it gets alone (the independent reference: HF run on each document separately)."""
+    hf_model, src = _hf("llama-gqa", tmp_path)
+    ours = zoo.load_model(str(src)).eval()
+    a, b = torch.randint(1, 96, (1, 9)), torch.randint(1, 96, (1, 14))
+    packed = torch.cat([a, b], dim=1)
+    positions = torch.cat([torch.arange(9), torch.arange(14)])[None]
+    segments = torch.cat([torch.zeros(9, dtype=torch.long), torch.ones(14, dtype=torch.long)])[None]
+    with torch.no_grad():
+        got = ours(packed, position_ids=positions, segment_ids=segments)
+        torch.testing.assert_close(got[:, :9], hf_model(a).logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got[:, 9:], hf_model(b).logits, atol=1e-5, rtol=0)

@@ -196,5 +196,12 @@ def test_trains_on_megatron_indexed_data(tmp_path, corpus_cache):
     blended = zoo(*small_run(tmp_path / "blend", corpus_cache, "train.steps=3", f"data.path=0.6 {prefix} 0.4 {prefix}",
                              f"data.cache_dir={tmp_path / 'idx-cache'}"))
     assert blended.returncode == 0, blended.stderr
+    docs = zoo(*small_run(tmp_path / "docs", corpus_cache, "train.steps=2", f"data.path={prefix}",
+                          f"data.tokenizer={root}", "data.reset_position_ids=true", "data.reset_attention_mask=true",
+                          "data.eod_mask_loss=true", f"data.cache_dir={tmp_path / 'idx-cache'}"))
+    assert docs.returncode == 0, docs.stderr
+    no_eod = zoo(*small_run(tmp_path / "noeod", corpus_cache, "train.steps=1", f"data.path={prefix}",
+                            "data.eod_mask_loss=true"))
+    assert no_eod.returncode == 2 and "data.eod_id" in no_eod.stderr
     missing = zoo(*small_run(tmp_path / "r2", corpus_cache, "train.steps=1", f"data.path={tmp_path / 'nope'}"))
     assert missing.returncode == 1 and "nope.idx: file not found" in missing.stderr

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from zoo.data.gpt import GPTIndices, build_indices, sample_tokens, split_ranges
+from zoo.data.gpt import GPTIndices, build_indices, masks_and_positions, sample_tokens, split_ranges
 from zoo.data.indexed import IndexedDataset
 from zoo.errors import ConfigError
 
@@ -128,6 +128,33 @@ def samples_needed(run: Any, split: str, dp_size: int) -> int:
     return evals * run.train.eval_steps * run.train.micro_batch_size * dp_size
 
 
+def eod_id(run: Any) -> int:
+    if run.data.eod_id is not None:
+        return int(run.data.eod_id)
+    if run.data.tokenizer:
+        from zoo.tokenizer import load_tokenizer
+
+        return load_tokenizer(run.data.tokenizer).eod_id
+    raise ConfigError("data.reset_position_ids / reset_attention_mask / eod_mask_loss need the end-of-document id: "
+                      "set data.tokenizer or data.eod_id")
+
+
+def document_fields(tokens: np.ndarray, eod: int, *, reset_position_ids: bool, eod_mask_loss: bool,
+                    segments: bool) -> dict[str, Any]:
+    """Per-token ``loss_mask``, ``position_ids`` and (for attention inside documents) ``segment_ids``:
+    the document each token belongs to within its sample, starting after each EOD (as Megatron)."""
+    import torch
+
+    masks, positions = zip(*(masks_and_positions(row, eod, reset_position_ids=reset_position_ids,
+                                                 eod_mask_loss=eod_mask_loss)[:2] for row in tokens))
+    out = {"loss_mask": torch.from_numpy(np.stack(masks)), "position_ids": torch.from_numpy(np.stack(positions))}
+    if segments:
+        after_eod = np.zeros_like(tokens, dtype=np.int64)
+        after_eod[:, 1:] = tokens[:, :-1] == eod
+        out["segment_ids"] = torch.from_numpy(np.cumsum(after_eod, axis=1))
+    return out
+
+
 SURPLUS = 0.005  # Megatron builds each blended dataset 0.5% larger than its share
 
 
@@ -194,13 +221,20 @@ def batches(run: Any, blend: Any, *, split: str, dp_rank: int, dp_size: int, con
     mbs = run.train.micro_batch_size
     gbs = run.train.global_batch_size or mbs * dp_size
     per_rank = gbs // dp_size
+    d = run.data
+    documents = d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
+    eod = eod_id(run) if documents else None
     g = consumed_samples
     while True:
         mine = g + dp_rank * per_rank
         for m in range(per_rank // mbs):
-            rows = [source.sample((mine + m * mbs + j) % len(source))[1] for j in range(mbs)]
-            t = torch.from_numpy(np.stack(rows))
-            yield {"tokens": t[:, :-1], "labels": t[:, 1:]}
+            rows = np.stack([source.sample((mine + m * mbs + j) % len(source))[1] for j in range(mbs)])
+            t = torch.from_numpy(rows)
+            batch = {"tokens": t[:, :-1], "labels": t[:, 1:]}
+            if eod is not None:
+                batch.update(document_fields(rows[:, :-1], eod, reset_position_ids=d.reset_position_ids,
+                                             eod_mask_loss=d.eod_mask_loss, segments=d.reset_attention_mask))
+            yield batch
         g += gbs
 
 

@@ -36,7 +36,8 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=spec.bias)
         self.proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=spec.bias)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: KVCache | None,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         qkv = self.qkv(x).view(b, t, self.kv, self.h // self.kv + 2, self.hd)  # per KV group: q..., k, v
         # split (not indexing): its backward is one concatenation instead of three zero-filled buffers
@@ -50,7 +51,7 @@ class Attention(nn.Module):
         if cache is not None:
             offset = cache.pos
             k, v = cache.update(self.layer, k, v)
-        y = attention(q, k, v, causal=self.spec.causal, offset=offset)  # (B, H, T, hd)
+        y = attention(q, k, v, causal=self.spec.causal, offset=offset, segment_ids=segment_ids)  # (B, H, T, hd)
         return self.proj(y.transpose(1, 2).reshape(b, t, self.h * self.hd))
 
 
@@ -77,8 +78,8 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(spec.norm, cfg.hidden_size, cfg.norm_eps)
         self.mlp = MLP(cfg, spec.ffn)
 
-    def forward(self, x: torch.Tensor, rope: Any, cache: KVCache | None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, cache)
+    def forward(self, x: torch.Tensor, rope: Any, cache: KVCache | None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, cache, segment_ids)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -110,23 +111,25 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=cfg.init_std)
 
     def forward(self, tokens: torch.Tensor, *, cache: KVCache | None = None, labels: torch.Tensor | None = None,
-                loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+                loss_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V); with ``cache``, T new tokens after ``cache.pos`` old ones.
 
         With ``labels`` (B, T) it returns the mean next-token cross entropy instead, computed
-        without materialising the logits (`zoo.nn.linear_cross_entropy`).
+        without materialising the logits (`zoo.nn.linear_cross_entropy`). ``position_ids`` (B, T)
+        restart positions per packed document; ``segment_ids`` (B, T) keep attention inside them.
         """
         b, t = tokens.shape
         start = cache.pos if cache is not None else 0
         if start + t > self.cfg.max_seq_length:
             raise ValueError(f"{start + t} positions exceed the model's context of {self.cfg.max_seq_length}")
-        positions = torch.arange(start, start + t, device=tokens.device)
+        positions = position_ids if position_ids is not None else torch.arange(start, start + t, device=tokens.device)
         x = self.embed(tokens)  # (B, T, D)
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
         rope = self.rotary(positions) if self.rotary is not None else None
         for blk in self.layers:
-            x = blk(x, rope, cache)
+            x = blk(x, rope, cache, segment_ids)
         if cache is not None:
             cache.pos += t
         x = self.norm(x)
@@ -147,7 +150,8 @@ def build(cfg: GPTConfig, spec: ModelSpec) -> GPT:
 
 def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
     """Next-token cross entropy, averaged over the tokens the loss mask keeps."""
-    return model(batch["tokens"], labels=batch["labels"], loss_mask=batch.get("loss_mask")), {}
+    return model(batch["tokens"], labels=batch["labels"], loss_mask=batch.get("loss_mask"),
+                 position_ids=batch.get("position_ids"), segment_ids=batch.get("segment_ids")), {}
 
 
 def example_batch(cfg: GPTConfig, *, batch_size: int, seq_length: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
