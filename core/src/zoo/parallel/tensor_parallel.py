@@ -1,0 +1,145 @@
+"""Tensor-parallel layers (Megatron-LM, Shoeybi et al. 2019) and vocab-parallel cross entropy.
+
+Each layer holds only its shard. `load_full` takes the full (unsharded) tensor and keeps this
+rank's slice, so a model initialised from one seed is the same model for every TP size, which is
+what lets every layout be compared with a single process. Activations are ``[..., hidden]``; with
+sequence parallelism the inputs and outputs of a TP region are sharded along dim 0 (sequence).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.parallel import comm
+
+
+def _tp(group: Any) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W split along its output rows: each rank computes a slice of y."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, group: Any,
+                 gather_output: bool = False, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        n, _ = _tp(group)
+        if out_features % n:
+            raise ValueError(f"out_features={out_features} does not split over tp={n}")
+        self.weight = nn.Parameter(torch.empty(out_features // n, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features // n)) if bias else None
+
+    @torch.no_grad()
+    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight.copy_(comm.split(weight, self.group, 0))
+        if self.bias is not None and bias is not None:
+            self.bias.copy_(comm.split(bias, self.group, 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = comm.gather_seq(x, self.group) if self.sequence_parallel else comm.copy_to(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return comm.gather_from(y, self.group, -1) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W split along its input columns; partial results are summed."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, group: Any,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
+        n, _ = _tp(group)
+        if in_features % n:
+            raise ValueError(f"in_features={in_features} does not split over tp={n}")
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // n))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None  # replicated, added once
+        if self.bias is not None and sequence_parallel:
+            # Added to this rank's sequence shard only: its gradient must be summed over TP.
+            self.bias.sequence_parallel = True  # type: ignore[attr-defined]
+
+    @torch.no_grad()
+    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight.copy_(comm.split(weight, self.group, 1))
+        if self.bias is not None and bias is not None:
+            self.bias.copy_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = comm.scatter_to(x, self.group, -1)
+        y = F.linear(x, self.weight)
+        y = comm.reduce_scatter_seq(y, self.group) if self.sequence_parallel else comm.reduce_from(y, self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split over TP ranks; ids outside this rank's range contribute zeros."""
+
+    def __init__(self, num_embeddings: int, dim: int, *, group: Any) -> None:
+        super().__init__()
+        self.group = group
+        n, r = _tp(group)
+        if num_embeddings % n:
+            raise ValueError(f"vocabulary of {num_embeddings} does not split over tp={n} (pad it)")
+        per = num_embeddings // n
+        self.start, self.end = r * per, (r + 1) * per
+        self.weight = nn.Parameter(torch.empty(per, dim))
+
+    @torch.no_grad()
+    def load_full(self, weight: torch.Tensor) -> None:
+        self.weight.copy_(weight[self.start:self.end])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        return comm.reduce_from(out, self.group)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Any) -> torch.Tensor:
+        n, r = _tp(group)
+        per = logits.shape[-1]
+        start = r * per
+        logits = logits.float()
+        # Three all-reduces: the max (stability), the target's logit, the sum of exponentials.
+        m = comm.all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        shifted = logits - m[..., None]
+        outside = (target < start) | (target >= start + per)
+        local = (target - start).masked_fill(outside, 0)
+        picked = shifted.gather(-1, local[..., None]).squeeze(-1).masked_fill(outside, 0.0)
+        picked = comm.all_reduce(picked, group)
+        exp = shifted.exp()
+        total = comm.all_reduce(exp.sum(dim=-1), group)
+        loss = total.log() - picked
+        softmax = exp / total[..., None]
+        ctx.save_for_backward(softmax, local, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        softmax, local, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        hit = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local[..., None], -hit[..., None])
+        return grad * g[..., None], None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Any) -> torch.Tensor:
+    """Per-token cross entropy of logits whose vocabulary is split over ``group`` (no gather)."""
+    return _VocabParallelCE.apply(logits, target, group)
+
+
+def reduce_sequence_parallel_grads(module: nn.Module, group: Any) -> None:
+    """Sum over TP the gradients of parameters applied to sequence shards (norm weights, row biases)."""
+    for p in module.parameters():
+        if getattr(p, "sequence_parallel", False) and p.grad is not None:
+            comm.all_reduce(p.grad, group)
