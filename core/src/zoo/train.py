@@ -6,7 +6,8 @@ clipping, precision (fp32, bf16 autocast, fp16 with loss scaling), recomputation
 NaN detection, metrics, checkpoints and exact resume.
 
 Layouts beyond plain data parallelism are refused with a clear message until the parallel core
-provides them; data parallelism uses torch's DDP for now.
+wires them into the loop; data parallelism uses the core's bucketed, overlapped gradient buffers
+(`zoo.parallel.data_parallel`).
 """
 
 from __future__ import annotations
@@ -182,9 +183,11 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
             if env.is_main:
                 print(f"{run_dir}: already trained to step {step} (train.steps={run.train.steps}); nothing to do", flush=True)
             return 0
-        train_model = model
+        buckets = None
         if env.world_size > 1:
-            train_model = torch.nn.parallel.DistributedDataParallel(model)
+            from zoo.parallel.data_parallel import GradBuckets
+
+            buckets = GradBuckets(model, torch.distributed.group.WORLD, bucket_size=run.parallel.bucket_size)
         tokenizer_dir = resolve(ds_spec.tokenizer, owner=str(ds_info))(run) if ds_spec.tokenizer else None
 
         def data(split: str, start: int) -> Iterator[Any]:
@@ -223,11 +226,13 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
                     batch = next(train_iter)
                     tokens_since += _count_tokens(batch) * env.world_size
                     last = micro == plan.grad_accum - 1
-                    sync = train_model.no_sync() if (env.world_size > 1 and not last) else contextlib.nullcontext()
+                    sync = buckets.no_sync() if (buckets is not None and not last) else contextlib.nullcontext()
                     with sync:
-                        loss, _ = forward(train_model, batch)
+                        loss, _ = forward(model, batch)
                         scaler.scale(loss / plan.grad_accum).backward()
                     total += loss.detach().float() / plan.grad_accum
+                if buckets is not None:
+                    buckets.finish()  # the last buckets' reductions overlapped the end of backward
                 if env.world_size > 1:
                     torch.distributed.all_reduce(total)
                     total /= env.world_size
@@ -241,7 +246,10 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
                 )
                 scaler.step(opt)
                 scaler.update()
-                opt.zero_grad(set_to_none=True)
+                if buckets is not None:
+                    buckets.zero_grad()  # gradients are views into the buckets: zero, never free
+                else:
+                    opt.zero_grad(set_to_none=True)
                 step += 1
                 consumed += plan.global_batch_size
                 log_now = step % run.logging.interval == 0 or step == run.train.steps

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import time
 import traceback
@@ -63,7 +64,9 @@ def _worker(
     try:
         distributed.init(backend=backend, device="cpu", timeout_s=pg_timeout)
         out = fn(*args, **kwargs)
-        results.put((rank, "ok", out, time.monotonic()))
+        # Plain pickle to bytes: the queue's own pickler would share tensors through file
+        # descriptors that vanish when this process exits before the parent reads them.
+        results.put((rank, "ok", pickle.dumps(out), time.monotonic()))
     except BaseException as e:  # report everything, including SystemExit from CLI code under test
         # Queued before the group is torn down: tearing it down is what makes the peers fail, and
         # their errors must carry later timestamps than the cause.
@@ -127,7 +130,7 @@ def run_distributed(
                     deadline = min(deadline, time.monotonic() + _GRACE_S)
                 continue
             if status == "ok":
-                outputs[rank] = payload
+                outputs[rank] = pickle.loads(payload)  # our own child's result  # noqa: S301
             else:
                 errors.append((when, rank, payload))
                 # The other ranks will fail on the broken collective within the group timeout;

@@ -1,0 +1,102 @@
+"""Data parallelism with contiguous, bucketed gradient buffers and overlapped reduction.
+
+Gradients live in flat buffers, one per bucket, filled in reverse parameter order (the order
+backward produces them); each parameter's ``.grad`` is a view into its bucket. A post-accumulate
+hook counts ready parameters, and as soon as a bucket is complete its all-reduce is launched
+asynchronously while backward continues with earlier layers. Inside `no_sync()` (all but the last
+micro-batch of an accumulation) nothing is launched and gradients simply accumulate in the
+buffers. Buckets hold at least ``bucket_size`` elements (Megatron's default is 40M), so a step
+issues ``ceil(parameters / bucket_size)`` all-reduces at most.
+
+Reductions average over the data-parallel group, so with gradient accumulation the result equals
+one large batch when each micro-batch loss is a mean scaled by ``1 / accumulation``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device) -> None:
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(self.numel, dtype=dtype, device=device)
+        self.pending = len(params)
+        self.handle: Any = None
+
+
+class GradBuckets:
+    def __init__(self, module: nn.Module, group: Any, *, bucket_size: int = 40_000_000) -> None:
+        self.module, self.group = module, group
+        self.size = 1 if group is None else dist.get_world_size(group)
+        params = [p for p in module.parameters() if p.requires_grad]
+        seen: set[int] = set()
+        ordered = []
+        for p in reversed(params):  # backward produces the last layers' gradients first
+            if id(p) not in seen:
+                seen.add(id(p))
+                ordered.append(p)
+        self.buckets: list[_Bucket] = []
+        current: list[nn.Parameter] = []
+        count = 0
+        for p in ordered:
+            current.append(p)
+            count += p.numel()
+            if count >= bucket_size:
+                self.buckets.append(self._make(current))
+                current, count = [], 0
+        if current:
+            self.buckets.append(self._make(current))
+        self._bucket_of: dict[int, _Bucket] = {}
+        for b in self.buckets:
+            offset = 0
+            for p in b.params:
+                p.grad = b.buffer[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                self._bucket_of[id(p)] = b
+                p.register_post_accumulate_grad_hook(self._ready)
+        self.sync = True
+        self.launched = 0  # all-reduces issued (for tests and the benchmark)
+
+    @staticmethod
+    def _make(params: list[nn.Parameter]) -> _Bucket:
+        return _Bucket(params, params[0].dtype, params[0].device)
+
+    def _ready(self, p: torch.Tensor) -> None:
+        b = self._bucket_of[id(p)]
+        b.pending -= 1
+        if b.pending == 0 and self.sync and self.size > 1:
+            b.buffer.div_(self.size)
+            b.handle = dist.all_reduce(b.buffer, group=self.group, async_op=True)
+            self.launched += 1
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+            for b in self.buckets:
+                b.pending = len(b.params)
+
+    def finish(self) -> None:
+        """Wait for every launched reduction (call after the last backward of a step)."""
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+                b.handle = None
+            elif self.size > 1 and b.pending != 0:
+                raise RuntimeError("a gradient bucket never completed: some parameters received no gradient")
+            b.pending = len(b.params)
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.buffer.zero_()
