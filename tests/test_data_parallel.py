@@ -70,3 +70,42 @@ def test_dp_equals_single_process(accum, bucket_size):
         # One reduction per bucket per step, never more; never during accumulation micro-batches.
         assert got["launched"] == 3 * got["buckets"]
         assert got["buckets"] <= math.ceil(n_params / bucket_size) if bucket_size > 1 else got["buckets"] == 6
+
+
+def _zero_rank(zero: bool) -> dict:
+    import torch.distributed as dist
+
+    from zoo.parallel.data_parallel import GradBuckets
+    from zoo.parallel.zero import DistributedOptimizer
+
+    model = _model()
+    buckets = GradBuckets(model, dist.group.WORLD, bucket_size=500, shard=True)
+    opt = DistributedOptimizer(buckets, lambda groups: torch.optim.AdamW(groups, lr=0.01), weight_decay=0.1)
+    x, y = _data()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for _ in range(3):
+        F.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        buckets.finish()
+        opt.step()
+    return {"params": [p.detach().clone() for p in model.parameters()], "state_bytes": opt.state_bytes(),
+            "padded": sum(b.buffer.numel() for b in buckets.buckets)}
+
+
+def test_zero1_equals_single_process_and_shards_state():
+    torch.manual_seed(0)
+    model = _model()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=0.01)
+    x, y = _data()
+    for _ in range(3):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    unsharded = 3 * 4 * n  # fp32 master + exp_avg + exp_avg_sq
+    for got in run_distributed(_zero_rank, 2, True, timeout=120):
+        for a, b in zip(got["params"], model.parameters()):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+        # 1/DP of the unsharded state, up to the padding of each bucket to a multiple of DP.
+        assert abs(got["state_bytes"] - unsharded / 2) <= 3 * 4 * (got["padded"] - n)

@@ -122,8 +122,14 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
     if plan.tp * plan.pp * plan.cp * plan.ep > 1:
         raise ConfigError(
             f"parallel: tp={plan.tp} pp={plan.pp} cp={plan.cp} ep={plan.ep}: only data parallelism trains in this "
-            "version (the tensor/pipeline/context/expert parallel core is not built yet); use --dry-run to plan"
+            "version (tensor-parallel layers exist in zoo.parallel but are not wired into the loop yet); "
+            "use --dry-run to plan"
         )
+    if run.parallel.zero:
+        raise ConfigError("parallel.zero=1: the distributed optimizer (zoo.parallel.zero) is not wired into the "
+                          "training loop yet")
+    if run.parallel.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel: not wired into the training loop yet")
     # data.path names Megatron indexed data; otherwise the family's own default dataset.
     has_paths = run.data.path or run.data.train_path
     dataset_name = run.data.dataset or ("megatron" if has_paths else fam.default_dataset)

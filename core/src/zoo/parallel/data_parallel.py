@@ -24,17 +24,22 @@ from torch import nn
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device, pad_to: int) -> None:
         self.params = params
         self.numel = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(self.numel, dtype=dtype, device=device)
+        # Padded so it cuts into equal data-parallel shards (the distributed optimizer's unit).
+        padded = -(-self.numel // pad_to) * pad_to
+        self.buffer = torch.zeros(padded, dtype=dtype, device=device)
         self.pending = len(params)
         self.handle: Any = None
 
 
 class GradBuckets:
-    def __init__(self, module: nn.Module, group: Any, *, bucket_size: int = 40_000_000) -> None:
-        self.module, self.group = module, group
+    def __init__(self, module: nn.Module, group: Any, *, bucket_size: int = 40_000_000, shard: bool = False) -> None:
+        """``shard``: reduce-scatter instead of all-reduce; each rank then owns 1/DP of every bucket
+        (ZeRO-1, `zoo.parallel.zero`). gloo has no reduce-scatter: it all-reduces and each rank
+        reads its shard, which is correct but moves more bytes than NCCL's reduce-scatter."""
+        self.module, self.group, self.shard = module, group, shard
         self.size = 1 if group is None else dist.get_world_size(group)
         params = [p for p in module.parameters() if p.requires_grad]
         seen: set[int] = set()
@@ -65,16 +70,19 @@ class GradBuckets:
         self.sync = True
         self.launched = 0  # all-reduces issued (for tests and the benchmark)
 
-    @staticmethod
-    def _make(params: list[nn.Parameter]) -> _Bucket:
-        return _Bucket(params, params[0].dtype, params[0].device)
+    def _make(self, params: list[nn.Parameter]) -> _Bucket:
+        return _Bucket(params, params[0].dtype, params[0].device, self.size)
 
     def _ready(self, p: torch.Tensor) -> None:
         b = self._bucket_of[id(p)]
         b.pending -= 1
         if b.pending == 0 and self.sync and self.size > 1:
             b.buffer.div_(self.size)
-            b.handle = dist.all_reduce(b.buffer, group=self.group, async_op=True)
+            if self.shard and dist.get_backend(self.group) == "nccl":
+                out = b.buffer.chunk(self.size)[dist.get_rank(self.group)]
+                b.handle = dist.reduce_scatter_tensor(out, b.buffer.clone(), group=self.group, async_op=True)
+            else:
+                b.handle = dist.all_reduce(b.buffer, group=self.group, async_op=True)
             self.launched += 1
 
     @contextlib.contextmanager
