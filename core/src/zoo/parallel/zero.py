@@ -30,8 +30,8 @@ class DistributedOptimizer:
         self.buckets, self.group = buckets, buckets.group
         self.size = buckets.size
         self.rank = 0 if self.group is None else dist.get_rank(self.group)
-        # (bucket, shard start, param, start in param, length, master)
-        self.pieces: list[tuple[Any, int, nn.Parameter, int, int, torch.Tensor]] = []
+        # (bucket, offset of the piece in the bucket, length, float32 master of the piece)
+        self.pieces: list[tuple[Any, int, int, torch.Tensor]] = []
         decay, no_decay = [], []
         for b in buckets.buckets:
             per = b.buffer.numel() // self.size
@@ -41,7 +41,7 @@ class DistributedOptimizer:
                 a, z = max(lo, offset), min(hi, offset + p.numel())
                 if a < z:
                     master = p.detach().reshape(-1)[a - offset:z - offset].float().clone().requires_grad_(True)
-                    self.pieces.append((b, a, p, a - offset, z - a, master))
+                    self.pieces.append((b, a, z - a, master))
                     (decay if p.dim() >= 2 else no_decay).append(master)
                 offset += p.numel()
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -60,10 +60,10 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        for b, a, p, start, n, master in self.pieces:
+        for b, a, n, master in self.pieces:
             master.grad = b.buffer[a:a + n].float()  # this rank's reduced gradient slice
         self.optimizer.step()
-        for b, a, p, start, n, master in self.pieces:
+        for b, a, n, master in self.pieces:
             b.buffer[a:a + n].copy_(master.to(b.buffer.dtype))  # reuse the grad buffer to gather params
         for b in self.buckets.buckets:
             if self.size > 1:
