@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from zoo.parallel.data_parallel import GradBuckets
 
