@@ -39,8 +39,8 @@ class Family:
     - ``example_batch(config, *, batch_size, seq_length, generator) -> dict``: a small random
       batch of the shape the model takes; the conformance suite and dry runs use it.
     - ``generate(model, config, **request)``: the generation entry (tokens, images, captions).
-    - ``checkpoint_formats[fmt](config) -> zoo.mapping.MappingTable``: declarative key mapping to
-      and from an external format (``"hf"``, ``"mamba_ssm"``, ...).
+    - ``checkpoint_formats[fmt]``: a `zoo.convert.ExternalFormat` (its architecture names, key
+      mapping table for a config, config translation) for ``"hf"``, ``"mamba_ssm"``, ...
     """
 
     name: str
