@@ -56,6 +56,12 @@ class Family:
     default_dataset: str | None = None  # a dataset name from a `zoo_datasets` hook
     checkpoint_formats: Mapping[str, Ref] = field(default_factory=dict)
     generate: Ref | None = None
+    # Tensor parallelism, applied by the core (`zoo.parallel.apply`): module-name patterns ("*" for
+    # one name component) -> "column", "column_gated" ([gate; up] halves split per rank), "row",
+    # "vocab_embedding" or "vocab_head"; and per module pattern the attributes holding head counts
+    # that become per-rank counts.
+    tp_plan: Mapping[str, str] = field(default_factory=dict)
+    tp_local: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     recipe: Mapping[str, Any] = field(default_factory=dict)  # "section.key" -> default for all flavors
     flavor_recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 

@@ -275,6 +275,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     """
     if loss_mask is None:
         loss_mask = torch.ones_like(labels, dtype=torch.bool)
+    group = getattr(weight, "tp_group", None)
+    if group is not None:  # a vocab-parallel head (zoo.parallel.apply): logits stay sharded
+        from zoo.parallel import comm
+        from zoo.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+        logits = comm.copy_to(hidden, group) @ weight.t()
+        per_token = vocab_parallel_cross_entropy(logits, labels, group)
+        mask = loss_mask.to(per_token.dtype)
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)
     if torch.is_autocast_enabled(hidden.device.type):
         hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
     # Gradients are formed in forward only when backward can follow (never under no_grad/eval).

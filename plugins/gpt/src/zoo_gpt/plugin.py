@@ -149,9 +149,15 @@ _COMMON = dict(
     generate="zoo_gpt.model:generate",
     default_dataset="python-docs",
     checkpoint_formats={"hf": "zoo_gpt.convert:HF"},
+    tp_local={"layers.*.attn": ("h", "kv")},
     recipe={"train.seq_length": 128, "train.micro_batch_size": 16, "optimizer.lr": 2e-3, "optimizer.weight_decay": 0.1,
             "schedule.warmup_steps": 30, "train.steps": 400, "train.eval_interval": 100, "logging.interval": 20},
 )
+
+
+def _tp_plan(mlp: str) -> dict[str, str]:
+    return {"embed": "vocab_embedding", "layers.*.attn.qkv": "column", "layers.*.attn.proj": "row",
+            "layers.*.mlp.fc": mlp, "layers.*.mlp.proj": "row", "head": "vocab_head"}
 
 
 @hookimpl
@@ -162,12 +168,14 @@ def zoo_families() -> list[Family]:
             description="LLaMA decoder: RMSNorm, RoPE (theta, llama3/linear scaling), SwiGLU, grouped-query attention",
             flavors={"tiny": llama_tiny, "3-1B": llama3_1b, "3-3B": llama3_3b, "3-8B": llama3_8b,
                      "3-70B": llama3_70b, "2-7B": llama2_7b},
+            tp_plan=_tp_plan("column_gated"),  # SwiGLU's fused [gate; up]
             **_COMMON,
         ),
         Family(
             name="gpt2",
             description="GPT-2 decoder: learned positions, LayerNorm, tanh-GELU MLP, biases, tied embeddings",
             flavors={"tiny": gpt2_tiny, "124M": gpt2_124m, "355M": gpt2_355m, "774M": gpt2_774m, "1.5B": gpt2_1_5b},
+            tp_plan=_tp_plan("column"),
             **_COMMON,
         ),
     ]

@@ -1,0 +1,101 @@
+"""Apply tensor parallelism to a plain model from the family's static plan (torchtitan's way:
+the model file stays architecture only; a table names which modules split how).
+
+Every rank builds the full model from the same seed, then each planned `nn.Linear`/`nn.Embedding`
+is replaced by its tensor-parallel counterpart holding this rank's slice, so the sharded model is
+the same model for any TP size. Styles:
+
+- ``column``: output rows split contiguously (a fused q|k|v laid out per KV group hands every
+  rank whole groups); ``column_gated``: a fused ``[gate; up]`` whose halves are split per rank and
+  re-joined as ``[gate_r; up_r]``; ``row``: input columns split, partial sums all-reduced;
+- ``vocab_embedding`` / ``vocab_head``: vocabulary rows split; a tied head shares the embedding's
+  shard, and the loss is computed vocab-parallel (`zoo.nn.linear_cross_entropy`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from zoo.parallel import comm
+from zoo.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+
+def _matches(name: str, pattern: str) -> bool:
+    parts, pats = name.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats))
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def _mark(module: nn.Module, group: Any, names: tuple[str, ...]) -> None:
+    for n in names:
+        p = getattr(module, n, None)
+        if isinstance(p, nn.Parameter):
+            p.tensor_parallel = True  # type: ignore[attr-defined]
+            p.tp_group = group  # type: ignore[attr-defined]
+
+
+@torch.no_grad()
+def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], local: Mapping[str, tuple[str, ...]],
+                          group: Any) -> nn.Module:
+    n = comm._size(group)
+    if n == 1:
+        return model
+    embeddings: dict[int, VocabParallelEmbedding] = {}
+    for name, mod in list(model.named_modules()):
+        style = next((s for p, s in plan.items() if _matches(name, p)), None)
+        if style is None:
+            continue
+        if style in ("column", "column_gated", "vocab_head"):
+            assert isinstance(mod, nn.Linear), f"{name}: {style} needs nn.Linear, found {type(mod).__name__}"
+            if style == "vocab_head" and id(mod.weight) in embeddings:  # tied: share the embedding's shard
+                new = ColumnParallelLinear(mod.in_features, mod.out_features, bias=False, group=group)
+                new.weight = embeddings[id(mod.weight)].weight
+            else:
+                new = ColumnParallelLinear(mod.in_features, mod.out_features, bias=mod.bias is not None, group=group)
+                w, b = mod.weight, mod.bias
+                if style == "column_gated":  # [gate; up] -> [gate_r; up_r]
+                    g, u = w.chunk(2, dim=0)
+                    w = torch.cat([comm.split(g, group, 0), comm.split(u, group, 0)])
+                    if b is not None:
+                        gb, ub = b.chunk(2)
+                        b = torch.cat([comm.split(gb, group, 0), comm.split(ub, group, 0)])
+                    new.weight.copy_(w)
+                    if b is not None:
+                        new.bias.copy_(b)
+                else:
+                    new.load_full(w, b)
+            if style == "vocab_head":
+                new.weight.tp_group = group  # type: ignore[attr-defined]  (the loss goes vocab-parallel)
+            _mark(new, group, ("weight", "bias"))
+        elif style == "row":
+            assert isinstance(mod, nn.Linear), f"{name}: row needs nn.Linear"
+            new = RowParallelLinear(mod.in_features, mod.out_features, bias=mod.bias is not None, group=group)
+            new.load_full(mod.weight, mod.bias)
+            _mark(new, group, ("weight",))
+        elif style == "vocab_embedding":
+            assert isinstance(mod, nn.Embedding), f"{name}: vocab_embedding needs nn.Embedding"
+            new = VocabParallelEmbedding(mod.num_embeddings, mod.embedding_dim, group=group)
+            new.load_full(mod.weight)
+            embeddings[id(mod.weight)] = new
+            _mark(new, group, ("weight",))
+        else:
+            raise ValueError(f"tp_plan: unknown style {style!r} for {name}")
+        _set(model, name, new)
+    for name, mod in model.named_modules():
+        for pattern, attrs in local.items():
+            if _matches(name, pattern):
+                for a in attrs:
+                    value = getattr(mod, a)
+                    if value % n:
+                        raise ValueError(f"{name}.{a}={value} does not split over tp={n}")
+                    setattr(mod, a, value // n)
+    return model
