@@ -119,9 +119,11 @@ def test_nan_loss_is_reported_with_the_step(tmp_path):
     assert "loss is nan at step" in line or "loss is inf at step" in line
 
 
-def test_layouts_beyond_data_parallel_are_refused_before_training(tmp_path):
+def test_layouts_not_built_yet_are_refused_before_training(tmp_path):
+    out = run_zoo("train", "--model", "llama", "--run-dir", str(tmp_path), "parallel.pp=2", "--world-size", "2")
+    assert out.returncode == 2 and "only tensor and data parallelism train" in _one_line(out.stderr)
     out = run_zoo("train", "--model", "mixer", "--run-dir", str(tmp_path), "parallel.tp=2", "--world-size", "2")
-    assert out.returncode == 2 and "only data parallelism trains" in _one_line(out.stderr)
+    assert out.returncode == 2 and "family 'mixer' declares no tp_plan" in _one_line(out.stderr)
 
 
 # The command surface is frozen here on purpose: adding a command or option is a deliberate act

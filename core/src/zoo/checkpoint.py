@@ -18,6 +18,7 @@ import json
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,15 +67,25 @@ def _param_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def optimizer_tensors(opt: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
-    """Optimizer state keyed by parameter name (layout independent), plus its param groups as JSON."""
+Transform = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer, model: torch.nn.Module, transform: Transform | None = None
+                      ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """Optimizer state keyed by parameter name (layout independent), plus its param groups as JSON.
+
+    ``transform(param_name, tensor)`` maps parameter-shaped state to its stored form (the full
+    tensor of a tensor-parallel shard)."""
     names = _param_names(model)
     state = opt.state_dict()
     order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
     tensors: dict[str, torch.Tensor] = {}
     for idx, st in state["state"].items():
         for k, v in st.items():
-            tensors[f"{order[idx]}::{k}"] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+            t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+            if transform is not None and t.dim() > 0:
+                t = transform(order[idx], t)
+            tensors[f"{order[idx]}::{k}"] = t
     groups = []
     for g, live in zip(state["param_groups"], opt.param_groups):
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in live["params"]]})
@@ -82,7 +93,7 @@ def optimizer_tensors(opt: torch.optim.Optimizer, model: torch.nn.Module) -> tup
 
 
 def load_optimizer(opt: torch.optim.Optimizer, model: torch.nn.Module, tensors: dict[str, torch.Tensor],
-                   groups: list[dict[str, Any]], *, where: Path) -> None:
+                   groups: list[dict[str, Any]], *, where: Path, transform: Transform | None = None) -> None:
     names = _param_names(model)
     order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
     saved_order = [n for g in groups for n in g["params"]]
@@ -92,6 +103,8 @@ def load_optimizer(opt: torch.optim.Optimizer, model: torch.nn.Module, tensors: 
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
         name, _, field = key.partition("::")
+        if transform is not None and value.dim() > 0:
+            value = transform(name, value)
         state.setdefault(order.index(name), {})[field] = value
     param_groups = []
     i = 0
@@ -104,11 +117,16 @@ def load_optimizer(opt: torch.optim.Optimizer, model: torch.nn.Module, tensors: 
 
 def save(root: Path, *, step: int, run: Any, model: torch.nn.Module, opt: torch.optim.Optimizer,
          scaler: torch.amp.GradScaler, consumed_samples: int, tokenizer_dir: Path | None,
-         keep_last: int | None) -> Path:
+         keep_last: int | None, write: bool = True, model_state: dict[str, torch.Tensor] | None = None,
+         transform: Transform | None = None) -> Path:
+    """Every rank calls this (gathers are collective); only the ranks with ``write`` write files."""
+    opt_tensors, groups = optimizer_tensors(opt, model, transform)
+    path = step_dir(root, step)
+    if not write:
+        return path
     # A save killed mid-write leaves only a hidden partial directory (never loaded); clear them.
     for stale in root.glob(".step_*.partial-*") if root.is_dir() else ():
         shutil.rmtree(stale, ignore_errors=True)
-    opt_tensors, groups = optimizer_tensors(opt, model)
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
@@ -123,7 +141,8 @@ def save(root: Path, *, step: int, run: Any, model: torch.nn.Module, opt: torch.
         "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
     }
     path = write_model_dir(
-        step_dir(root, step), family=run.family, flavor=run.flavor, config=run.model, state=model.state_dict(),
+        path, family=run.family, flavor=run.flavor, config=run.model,
+        state=model_state if model_state is not None else model.state_dict(),
         extra_meta={"kind": "train", "step": step},
         tensor_files={"optimizer.safetensors": opt_tensors, "rng.safetensors": rng},
         files={"state.json": json.dumps(state).encode(), "config.yaml": run.to_yaml().encode()},

@@ -5,9 +5,10 @@ What the loop does not know: the model and its loss (the family's `build` and `l
 clipping, precision (fp32, bf16 autocast, fp16 with loss scaling), recomputation, validation,
 NaN detection, metrics, checkpoints and exact resume.
 
-Layouts beyond plain data parallelism are refused with a clear message until the parallel core
-wires them into the loop; data parallelism uses the core's bucketed, overlapped gradient buffers
-(`zoo.parallel.data_parallel`).
+Tensor parallelism is applied from the family's plan (`zoo.parallel.apply`) and data parallelism
+uses the core's bucketed, overlapped gradient buffers (`zoo.parallel.data_parallel`); pipeline,
+context and expert parallelism are refused with a clear message until they exist. Checkpoints hold
+full tensors, so a run resumes under any TP/DP layout.
 """
 
 from __future__ import annotations
@@ -119,12 +120,16 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
     from zoo.registry import get_registry
 
     fam, owner = entry.family, str(entry.plugin)
-    if plan.tp * plan.pp * plan.cp * plan.ep > 1:
+    if plan.pp * plan.cp * plan.ep > 1:
         raise ConfigError(
-            f"parallel: tp={plan.tp} pp={plan.pp} cp={plan.cp} ep={plan.ep}: only data parallelism trains in this "
-            "version (tensor-parallel layers exist in zoo.parallel but are not wired into the loop yet); "
-            "use --dry-run to plan"
+            f"parallel: pp={plan.pp} cp={plan.cp} ep={plan.ep}: only tensor and data parallelism train in this "
+            "version (pipeline, context and expert parallelism are not built yet); use --dry-run to plan"
         )
+    if plan.tp > 1 and not fam.tp_plan:
+        raise ConfigError(f"parallel.tp={plan.tp}: family {fam.name!r} declares no tp_plan")
+    if plan.tp > 1 and run.train.precision == "fp16":
+        raise ConfigError("train.precision=fp16 with parallel.tp > 1 is not supported yet (loss-scale overflow checks "
+                          "must agree across tensor-parallel ranks); use bf16")
     if run.parallel.zero:
         raise ConfigError("parallel.zero=1: the distributed optimizer (zoo.parallel.zero) is not wired into the "
                           "training loop yet")
@@ -152,11 +157,31 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
         )
 
     with distributed.session(backend=run.parallel.backend, device=run.train.device, timeout_s=run.parallel.timeout_s) as env:
+        if env.world_size != plan.world_size:
+            raise ConfigError(f"the layout was planned for {plan.world_size} processes but this job has "
+                              f"{env.world_size} (--world-size is for --dry-run planning)")
         torch.manual_seed(run.train.seed)
         dev_type = "cuda" if env.device.startswith("cuda") else "cpu"
         precision = run.train.precision
         amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         model = build(run.model, fam.spec_for(run.model)).to(env.device)
+        tp_group = dp_group = None
+        dp_rank = env.rank
+        if env.world_size > 1:
+            from zoo.parallel.grid import ProcessGrid
+
+            grid = ProcessGrid({"tp": plan.tp, "dp": plan.dp}, run.parallel.order.split("-"), rank=env.rank,
+                               world_size=env.world_size)
+            tp_group = grid.group("tp") if plan.tp > 1 else None
+            dp_group = grid.group("dp") if plan.dp > 1 else None
+            dp_rank = grid.index("dp")
+        if tp_group is not None:
+            from zoo.parallel.apply import apply_tensor_parallel
+
+            try:
+                apply_tensor_parallel(model, fam.tp_plan, fam.tp_local, tp_group)
+            except ValueError as e:
+                raise ConfigError(f"parallel.tp={plan.tp}: {e}") from None
         recompute.apply(model, run.train.recompute)
         opt = torch.optim.AdamW(
             param_groups(model, run.optimizer.weight_decay),
@@ -164,21 +189,35 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
         )
         scaler = torch.amp.GradScaler(dev_type, enabled=precision == "fp16")
         step, consumed = 0, 0
+        from zoo.parallel import apply as tp
+
+        def shard(state: dict[str, Any]) -> dict[str, Any]:
+            return tp.load_full_state_dict(model, state) if tp_group is not None else state
+
+        def shard_one(name: str, t: Any) -> Any:
+            st = tp.tp_style(model, name)
+            return tp.shard_full(t, *st) if st else t
+
+        def gather_one(name: str, t: Any) -> Any:
+            st = tp.tp_style(model, name)
+            return tp.gather_full(t, *st) if st else t
         if run.checkpoint.load and resume_from is None:
             from zoo.convert import load as load_any
 
             source = run.checkpoint.load.removeprefix("hf:")
             loaded = load_any(source, device=env.device)
-            load_into(model, loaded.model.state_dict(), what=source)
+            load_into(model, shard(loaded.model.state_dict()), what=source)
         if resume_from is not None:
             md = read_meta(resume_from)
             if md.family != run.family:
                 raise ConfigError(f"{resume_from}: a checkpoint of {md.family!r}, not {run.family!r}")
             from zoo.convert import read_model_state
 
-            load_into(model, read_model_state(md), what=str(resume_from))
+            full = read_model_state(md)  # checkpoints hold full tensors: any TP size loads them
+            load_into(model, shard(full), what=str(resume_from))
             state, opt_tensors, rng = ckpt.load_train_state(md)
-            ckpt.load_optimizer(opt, model, opt_tensors, state["optimizer_param_groups"], where=resume_from)
+            ckpt.load_optimizer(opt, model, opt_tensors, state["optimizer_param_groups"], where=resume_from,
+                                transform=shard_one)
             if state.get("scaler") and scaler.is_enabled():
                 scaler.load_state_dict(state["scaler"])
             ckpt.restore_rng(state, rng)
@@ -193,11 +232,11 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
         if env.world_size > 1:
             from zoo.parallel.data_parallel import GradBuckets
 
-            buckets = GradBuckets(model, torch.distributed.group.WORLD, bucket_size=run.parallel.bucket_size)
+            buckets = GradBuckets(model, dp_group, bucket_size=run.parallel.bucket_size) if dp_group is not None else None
         tokenizer_dir = resolve(ds_spec.tokenizer, owner=str(ds_info))(run) if ds_spec.tokenizer else None
 
         def data(split: str, start: int) -> Iterator[Any]:
-            return iter(build_data(run, split=split, dp_rank=env.rank, dp_size=env.world_size, consumed_samples=start))
+            return iter(build_data(run, split=split, dp_rank=dp_rank, dp_size=plan.dp, consumed_samples=start))
 
         def forward(m: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
             with torch.autocast(dev_type, dtype=amp_dtype, enabled=amp_dtype is not None), recompute.scope(run.train.recompute):
@@ -215,9 +254,17 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
         t_last, tokens_since = time.perf_counter(), 0
         loss_value = float("nan")
 
+        last_saved = [-1]  # decided identically on every rank (no filesystem check: it may not be shared)
+
         def save() -> None:
+            last_saved[0] = step
+            # Full tensors (gathered over TP, a collective every rank joins); global rank 0 writes.
+            full = tp.full_state_dict(model) if tp_group is not None else None
             path = ckpt.save(ckpt_root, step=step, run=run, model=model, opt=opt, scaler=scaler,
-                             consumed_samples=consumed, tokenizer_dir=tokenizer_dir, keep_last=run.checkpoint.keep_last)
+                             consumed_samples=consumed, tokenizer_dir=tokenizer_dir, keep_last=run.checkpoint.keep_last,
+                             write=env.is_main, model_state=full, transform=gather_one if tp_group is not None else None)
+            if env.world_size > 1:
+                torch.distributed.barrier()  # nobody runs ahead of a checkpoint that is not written yet
             if env.is_main and run.logging.progress:
                 print(f"saved checkpoint {path}", flush=True)
 
@@ -230,7 +277,7 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
                 total = torch.zeros((), device=env.device)
                 for micro in range(plan.grad_accum):
                     batch = next(train_iter)
-                    tokens_since += _count_tokens(batch) * env.world_size
+                    tokens_since += _count_tokens(batch) * plan.dp
                     last = micro == plan.grad_accum - 1
                     sync = buckets.no_sync() if (buckets is not None and not last) else contextlib.nullcontext()
                     with sync:
@@ -239,17 +286,19 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
                     total += loss.detach().float() / plan.grad_accum
                 if buckets is not None:
                     buckets.finish()  # the last buckets' reductions overlapped the end of backward
-                if env.world_size > 1:
-                    torch.distributed.all_reduce(total)
-                    total /= env.world_size
+                if dp_group is not None:  # TP ranks already agree; average over data-parallel ranks
+                    torch.distributed.all_reduce(total, group=dp_group)
+                    total /= plan.dp
                 loss_value = total.item()
                 if not math.isfinite(loss_value):
                     raise ZooError(f"loss is {loss_value} at step {step + 1} (lr {lr:.3g}); lower optimizer.lr or check the data")
                 scaler.unscale_(opt)
-                grad_norm = (
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), run.optimizer.grad_clip).item()
-                    if run.optimizer.grad_clip > 0 else float("nan")
-                )
+                if tp_group is not None:
+                    grad_norm = tp.clip_grad_norm(model, run.optimizer.grad_clip, tp_group)
+                elif run.optimizer.grad_clip > 0:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), run.optimizer.grad_clip).item()
+                else:
+                    grad_norm = float("nan")
                 scaler.step(opt)
                 scaler.update()
                 if buckets is not None:
@@ -259,14 +308,22 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
                 step += 1
                 consumed += plan.global_batch_size
                 log_now = step % run.logging.interval == 0 or step == run.train.steps
+                eval_now = bool(run.train.eval_interval) and log_now and (
+                    step % run.train.eval_interval == 0 or step == run.train.steps)
+                # Every rank evaluates (tensor-parallel forwards are collective); DP ranks average.
+                val = _evaluate(model, forward, data("valid", 0), run.train.eval_steps) if eval_now else None
+                if val is not None and dp_group is not None:
+                    v = torch.tensor([val])
+                    torch.distributed.all_reduce(v, group=dp_group)
+                    val = v.item() / plan.dp
                 if env.is_main and log_now:
                     now = time.perf_counter()
                     tps = tokens_since / max(now - t_last, 1e-9)
                     t_last, tokens_since = now, 0
                     record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                               "tokens_per_s": tps, "mfu": tps * flops_per_token / env.world_size / peak}
-                    if run.train.eval_interval and (step % run.train.eval_interval == 0 or step == run.train.steps):
-                        record["val_loss"] = _evaluate(model, forward, data("valid", 0), run.train.eval_steps)
+                    if val is not None:
+                        record["val_loss"] = val
                     assert metrics is not None
                     metrics.log(record)
                     fields = {"loss": f"{loss_value:.4f}", "lr": f"{lr:.3g}", "tok/s": f"{tps:,.0f}",
@@ -278,7 +335,7 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
                     progress.update(step, {"loss": f"{loss_value:.4f}"}, log_line=False)
                 if run.checkpoint.interval and step % run.checkpoint.interval == 0 and step < run.train.steps:
                     save()
-            if run.train.steps > 0 and (step == run.train.steps) and not _saved_at(ckpt_root, step):
+            if run.train.steps > 0 and step == run.train.steps and last_saved[0] != step:
                 save()
         finally:
             if metrics is not None:
@@ -287,12 +344,6 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
             print(f"trained {run.family} ({run.flavor}, {n_params:,} parameters) for {step} steps; "
                   f"final loss {loss_value:.4f}; run directory {run_dir}", flush=True)
     return 0
-
-
-def _saved_at(root: Path, step: int) -> bool:
-    from zoo.checkpoint import step_dir
-
-    return (step_dir(root, step) / "COMPLETE").is_file()
 
 
 def _evaluate(model: Any, forward: Any, it: Iterator[Any], steps: int) -> float:

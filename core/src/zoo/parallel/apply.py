@@ -35,12 +35,69 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def _mark(module: nn.Module, group: Any, names: tuple[str, ...]) -> None:
+def _mark(module: nn.Module, group: Any, names: tuple[str, ...], style: str) -> None:
+    """Record how a parameter is sharded (``rows``, ``gated_rows``, ``cols``) for gathering it back."""
     for n in names:
         p = getattr(module, n, None)
-        if isinstance(p, nn.Parameter):
+        if isinstance(p, nn.Parameter) and not hasattr(p, "tp_style"):
             p.tensor_parallel = True  # type: ignore[attr-defined]
-            p.tp_group = group  # type: ignore[attr-defined]
+            p.tp_shard_group = group  # type: ignore[attr-defined]
+            p.tp_style = style if p.dim() > 1 or style != "cols" else "rows"  # type: ignore[attr-defined]
+
+
+def gather_full(t: torch.Tensor, style: str, group: Any) -> torch.Tensor:
+    """The full tensor from this rank's shard (all ranks of ``group`` must call it)."""
+    if style == "cols":
+        return comm.all_gather(t, group, 1)
+    full = comm.all_gather(t, group, 0)
+    if style == "gated_rows":  # [g0; u0; g1; u1] -> [g0; g1; u0; u1]
+        parts = full.chunk(2 * comm._size(group))
+        full = torch.cat(parts[0::2] + parts[1::2])
+    return full
+
+
+def shard_full(t: torch.Tensor, style: str, group: Any) -> torch.Tensor:
+    """This rank's shard of a full tensor (the inverse of `gather_full`)."""
+    if style == "cols":
+        return comm.split(t, group, 1)
+    if style == "gated_rows":
+        g, u = t.chunk(2)
+        return torch.cat([comm.split(g, group, 0), comm.split(u, group, 0)])
+    return comm.split(t, group, 0)
+
+
+def tp_style(model: nn.Module, name: str) -> tuple[str, Any] | None:
+    try:
+        p = model.get_parameter(name)
+    except AttributeError:
+        return None
+    style = getattr(p, "tp_style", None)
+    return (style, p.tp_shard_group) if style else None  # type: ignore[attr-defined]
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict, with the same keys as the plain model (collective on TP ranks)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        st = tp_style(model, name)
+        out[name] = gather_full(t, *st) if st else t
+    # Tied tensors stay tied, so the checkpoint stores them once.
+    by_id = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in by_id:
+            out[name] = out[by_id[id(p)]]
+        else:
+            by_id[id(p)] = name
+    return out
+
+
+def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Slice a full state dict to this rank's shards (keys as in the plain model)."""
+    out = {}
+    for name, t in state.items():
+        st = tp_style(model, name)
+        out[name] = shard_full(t, *st) if st else t
+    return out
 
 
 @torch.no_grad()
@@ -75,18 +132,18 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], local: Mapp
                     new.load_full(w, b)
             if style == "vocab_head":
                 new.weight.tp_group = group  # type: ignore[attr-defined]  (the loss goes vocab-parallel)
-            _mark(new, group, ("weight", "bias"))
+            _mark(new, group, ("weight", "bias"), "gated_rows" if style == "column_gated" else "rows")
         elif style == "row":
             assert isinstance(mod, nn.Linear), f"{name}: row needs nn.Linear"
             new = RowParallelLinear(mod.in_features, mod.out_features, bias=mod.bias is not None, group=group)
             new.load_full(mod.weight, mod.bias)
-            _mark(new, group, ("weight",))
+            _mark(new, group, ("weight",), "cols")
         elif style == "vocab_embedding":
             assert isinstance(mod, nn.Embedding), f"{name}: vocab_embedding needs nn.Embedding"
             new = VocabParallelEmbedding(mod.num_embeddings, mod.embedding_dim, group=group)
             new.load_full(mod.weight)
             embeddings[id(mod.weight)] = new
-            _mark(new, group, ("weight",))
+            _mark(new, group, ("weight",), "rows")
         else:
             raise ValueError(f"tp_plan: unknown style {style!r} for {name}")
         _set(model, name, new)
@@ -99,3 +156,24 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], local: Mapp
                         raise ValueError(f"{name}.{a}={value} does not split over tp={n}")
                     setattr(mod, a, value // n)
     return model
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, tp_group: Any) -> float:
+    """Clip by the global gradient norm of the unsharded model: sharded gradients' squares are summed
+    over TP, replicated ones counted once."""
+    sharded, replicated = [], []
+    seen: set[int] = set()
+    for p in model.parameters():
+        if p.grad is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (sharded if getattr(p, "tensor_parallel", False) else replicated).append(p.grad.detach().float())
+    local = sum((g.pow(2).sum() for g in sharded), torch.zeros(()))
+    total = comm.all_reduce(local.clone(), tp_group) + sum((g.pow(2).sum() for g in replicated), torch.zeros(()))
+    norm = float(total.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm
