@@ -87,8 +87,9 @@ def _zero_rank(zero: bool) -> dict:
         F.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
         buckets.finish()
         opt.step()
+    names = {id(p): n for n, p in model.named_parameters()}
     return {"params": [p.detach().clone() for p in model.parameters()], "state_bytes": opt.state_bytes(),
-            "padded": sum(b.buffer.numel() for b in buckets.buckets)}
+            "padded": sum(b.buffer.numel() for b in buckets.buckets), "state": opt.full_state(names)}
 
 
 def test_zero1_equals_single_process_and_shards_state():
@@ -104,8 +105,14 @@ def test_zero1_equals_single_process_and_shards_state():
         opt.step()
     n = sum(p.numel() for p in model.parameters())
     unsharded = 3 * 4 * n  # fp32 master + exp_avg + exp_avg_sq
+    names = {id(p): n for n, p in model.named_parameters()}
     for got in run_distributed(_zero_rank, 2, True, timeout=120):
         for a, b in zip(got["params"], model.parameters()):
             torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+        # The sharded Adam state, gathered, is the plain optimizer's state.
+        for p in model.parameters():
+            for field in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(got["state"][f"{names[id(p)]}::{field}"], opt.state[p][field],
+                                           rtol=1e-5, atol=1e-7)
         # 1/DP of the unsharded state, up to the padding of each bucket to a multiple of DP.
         assert abs(got["state_bytes"] - unsharded / 2) <= 3 * 4 * (got["padded"] - n)

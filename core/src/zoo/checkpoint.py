@@ -118,9 +118,11 @@ def load_optimizer(opt: torch.optim.Optimizer, model: torch.nn.Module, tensors: 
 def save(root: Path, *, step: int, run: Any, model: torch.nn.Module, opt: torch.optim.Optimizer,
          scaler: torch.amp.GradScaler, consumed_samples: int, tokenizer_dir: Path | None,
          keep_last: int | None, write: bool = True, model_state: dict[str, torch.Tensor] | None = None,
-         transform: Transform | None = None) -> Path:
-    """Every rank calls this (gathers are collective); only the ranks with ``write`` write files."""
-    opt_tensors, groups = optimizer_tensors(opt, model, transform)
+         transform: Transform | None = None,
+         opt_state: tuple[dict[str, torch.Tensor], list[dict[str, Any]]] | None = None) -> Path:
+    """Every rank calls this (gathers are collective); only the ranks with ``write`` write files.
+    ``opt_state`` replaces the optimizer's own export (the distributed optimizer gathers its shards)."""
+    opt_tensors, groups = opt_state if opt_state is not None else optimizer_tensors(opt, model, transform)
     path = step_dir(root, step)
     if not write:
         return path

@@ -130,9 +130,8 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
     if plan.tp > 1 and run.train.precision == "fp16":
         raise ConfigError("train.precision=fp16 with parallel.tp > 1 is not supported yet (loss-scale overflow checks "
                           "must agree across tensor-parallel ranks); use bf16")
-    if run.parallel.zero:
-        raise ConfigError("parallel.zero=1: the distributed optimizer (zoo.parallel.zero) is not wired into the "
-                          "training loop yet")
+    if run.parallel.zero and run.train.precision == "fp16":
+        raise ConfigError("parallel.zero=1 with train.precision=fp16 is not supported yet; use bf16 or fp32")
     if run.parallel.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel: not wired into the training loop yet")
     # data.path names Megatron indexed data; otherwise the family's own default dataset.
@@ -183,10 +182,23 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
             except ValueError as e:
                 raise ConfigError(f"parallel.tp={plan.tp}: {e}") from None
         recompute.apply(model, run.train.recompute)
-        opt = torch.optim.AdamW(
-            param_groups(model, run.optimizer.weight_decay),
-            lr=run.optimizer.lr, betas=(run.optimizer.beta1, run.optimizer.beta2), eps=run.optimizer.eps,
-        )
+        def adamw(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(groups, lr=run.optimizer.lr, betas=(run.optimizer.beta1, run.optimizer.beta2),
+                                     eps=run.optimizer.eps)
+
+        buckets = zero = None
+        if dp_group is not None:
+            from zoo.parallel.data_parallel import GradBuckets
+
+            buckets = GradBuckets(model, dp_group, bucket_size=run.parallel.bucket_size, shard=bool(run.parallel.zero))
+        if buckets is not None and run.parallel.zero:
+            from zoo.parallel.zero import DistributedOptimizer
+
+            # fp32 master weights and Adam state only for this rank's shard of every bucket.
+            opt = zero = DistributedOptimizer(buckets, adamw, weight_decay=run.optimizer.weight_decay)
+        else:
+            opt = adamw(param_groups(model, run.optimizer.weight_decay))
+        names = {id(p): n for n, p in model.named_parameters()}
         scaler = torch.amp.GradScaler(dev_type, enabled=precision == "fp16")
         step, consumed = 0, 0
         from zoo.parallel import apply as tp
@@ -216,8 +228,12 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
             full = read_model_state(md)  # checkpoints hold full tensors: any TP size loads them
             load_into(model, shard(full), what=str(resume_from))
             state, opt_tensors, rng = ckpt.load_train_state(md)
-            ckpt.load_optimizer(opt, model, opt_tensors, state["optimizer_param_groups"], where=resume_from,
-                                transform=shard_one)
+            if zero is not None:
+                zero.load_full_state({k: shard_one(k.partition("::")[0], v) if v.dim() else v
+                                      for k, v in opt_tensors.items()}, names)
+            else:
+                ckpt.load_optimizer(opt, model, opt_tensors, state["optimizer_param_groups"], where=resume_from,
+                                    transform=shard_one)
             if state.get("scaler") and scaler.is_enabled():
                 scaler.load_state_dict(state["scaler"])
             ckpt.restore_rng(state, rng)
@@ -228,11 +244,6 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
             if env.is_main:
                 print(f"{run_dir}: already trained to step {step} (train.steps={run.train.steps}); nothing to do", flush=True)
             return 0
-        buckets = None
-        if env.world_size > 1:
-            from zoo.parallel.data_parallel import GradBuckets
-
-            buckets = GradBuckets(model, dp_group, bucket_size=run.parallel.bucket_size) if dp_group is not None else None
         tokenizer_dir = resolve(ds_spec.tokenizer, owner=str(ds_info))(run) if ds_spec.tokenizer else None
 
         def data(split: str, start: int) -> Iterator[Any]:
@@ -260,9 +271,16 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
             last_saved[0] = step
             # Full tensors (gathered over TP, a collective every rank joins); global rank 0 writes.
             full = tp.full_state_dict(model) if tp_group is not None else None
+            opt_state = None
+            if zero is not None:  # the same form as a plain optimizer's: ZeRO-1 can be switched on resume
+                tensors = {k: gather_one(k.partition("::")[0], v) if v.dim() else v
+                           for k, v in zero.full_state(names).items()}
+                opt_state = (tensors, ckpt.optimizer_tensors(adamw(param_groups(model, run.optimizer.weight_decay)),
+                                                             model)[1])
             path = ckpt.save(ckpt_root, step=step, run=run, model=model, opt=opt, scaler=scaler,
                              consumed_samples=consumed, tokenizer_dir=tokenizer_dir, keep_last=run.checkpoint.keep_last,
-                             write=env.is_main, model_state=full, transform=gather_one if tp_group is not None else None)
+                             write=env.is_main, model_state=full, transform=gather_one if tp_group is not None else None,
+                             opt_state=opt_state)
             if env.world_size > 1:
                 torch.distributed.barrier()  # nobody runs ahead of a checkpoint that is not written yet
             if env.is_main and run.logging.progress:
@@ -292,15 +310,18 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
                 loss_value = total.item()
                 if not math.isfinite(loss_value):
                     raise ZooError(f"loss is {loss_value} at step {step + 1} (lr {lr:.3g}); lower optimizer.lr or check the data")
-                scaler.unscale_(opt)
-                if tp_group is not None:
-                    grad_norm = tp.clip_grad_norm(model, run.optimizer.grad_clip, tp_group)
-                elif run.optimizer.grad_clip > 0:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), run.optimizer.grad_clip).item()
+                if zero is not None:  # clips over the shards, updates them, gathers the parameters
+                    grad_norm = zero.step(max_norm=run.optimizer.grad_clip, tp_group=tp_group)
                 else:
-                    grad_norm = float("nan")
-                scaler.step(opt)
-                scaler.update()
+                    scaler.unscale_(opt)
+                    if tp_group is not None:
+                        grad_norm = tp.clip_grad_norm(model, run.optimizer.grad_clip, tp_group)
+                    elif run.optimizer.grad_clip > 0:
+                        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), run.optimizer.grad_clip).item()
+                    else:
+                        grad_norm = float("nan")
+                    scaler.step(opt)
+                    scaler.update()
                 if buckets is not None:
                     buckets.zero_grad()  # gradients are views into the buckets: zero, never free
                 else:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from zoo.parallel.data_parallel import GradBuckets
 
@@ -29,8 +30,8 @@ class DistributedOptimizer:
         self.buckets, self.group = buckets, buckets.group
         self.size = buckets.size
         self.rank = 0 if self.group is None else dist.get_rank(self.group)
-        # (bucket, offset of the piece in the bucket, length, float32 master of the piece)
-        self.pieces: list[tuple[Any, int, int, torch.Tensor]] = []
+        # (bucket, offset of the piece in the bucket, length, float32 master, parameter, offset in it)
+        self.pieces: list[tuple[Any, int, int, torch.Tensor, nn.Parameter, int]] = []
         decay, no_decay = [], []
         for b in buckets.buckets:
             per = b.buffer.numel() // self.size
@@ -40,7 +41,7 @@ class DistributedOptimizer:
                 a, z = max(lo, offset), min(hi, offset + p.numel())
                 if a < z:
                     master = p.detach().reshape(-1)[a - offset:z - offset].float().clone().requires_grad_(True)
-                    self.pieces.append((b, a, z - a, master))
+                    self.pieces.append((b, a, z - a, master, p, a - offset))
                     (decay if p.dim() >= 2 else no_decay).append(master)
                 offset += p.numel()
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -52,29 +53,84 @@ class DistributedOptimizer:
 
     def state_bytes(self) -> int:
         """Bytes of float32 master weights plus optimizer state held by this rank."""
-        total = sum(m.numel() * m.element_size() for *_, m in self.pieces)
+        total = sum(piece[3].numel() * piece[3].element_size() for piece in self.pieces)
         for st in self.optimizer.state.values():
             total += sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor) and v.dim())
         return total
 
     @torch.no_grad()
-    def step(self) -> None:
-        for b, a, n, master in self.pieces:
+    def step(self, *, max_norm: float = 0.0, tp_group: Any = None) -> float:
+        """Update this rank's shard and all-gather the parameters; returns the global gradient norm
+        (clipping to ``max_norm`` when positive). Tensor-parallel shards' squares are summed over
+        ``tp_group``, everything over the data-parallel group."""
+        from zoo.parallel import comm
+
+        sharded = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64)
+        for b, a, n, master, p, _ in self.pieces:
             master.grad = b.buffer[a:a + n].float()  # this rank's reduced gradient slice
+            sq = master.grad.double().pow(2).sum()
+            if getattr(p, "tensor_parallel", False):
+                sharded += sq
+            else:
+                replicated += sq
+        total = comm.all_reduce(comm.all_reduce(sharded, tp_group) + replicated, self.group)
+        norm = float(total.sqrt())
+        if max_norm > 0 and norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for piece in self.pieces:
+                piece[3].grad.mul_(scale)
         self.optimizer.step()
-        for b, a, n, master in self.pieces:
+        for b, a, n, master, _, _ in self.pieces:
             b.buffer[a:a + n].copy_(master.to(b.buffer.dtype))  # reuse the grad buffer to gather params
         for b in self.buckets.buckets:
-            if self.size > 1:
-                per = b.buffer.numel() // self.size
-                mine = b.buffer[self.rank * per:(self.rank + 1) * per].clone()
-                parts = [torch.empty_like(mine) for _ in range(self.size)]
-                dist.all_gather(parts, mine, group=self.group)
-                full = torch.cat(parts)
-            else:
-                full = b.buffer
+            full = self._gather(b.buffer)
             offset = 0
             for p in b.params:
                 p.copy_(full[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
         self.buckets.zero_grad()
+        return norm
+
+    def _gather(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return flat
+        per = flat.numel() // self.size
+        mine = flat[self.rank * per:(self.rank + 1) * per].clone()
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(parts, mine, group=self.group)
+        return torch.cat(parts)
+
+    def full_state(self, names: dict[int, str]) -> dict[str, torch.Tensor]:
+        """Adam state as full per-parameter tensors keyed ``name::field``, the same form a plain
+        optimizer's checkpoint has (so checkpoints move between ZeRO-1 on and off). Collective."""
+        fields = sorted({k for st in self.optimizer.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim()})
+        out: dict[str, torch.Tensor] = {}
+        step = next((st["step"] for st in self.optimizer.state.values() if "step" in st), None)
+        for b in self.buckets.buckets:
+            for f in fields:
+                flat = torch.zeros(b.buffer.numel(), dtype=torch.float32)
+                for pb, a, n, master, _, _ in self.pieces:
+                    if pb is b and master in self.optimizer.state:
+                        flat[a:a + n] = self.optimizer.state[master][f]
+                full = self._gather(flat)
+                offset = 0
+                for p in b.params:
+                    out[f"{names[id(p)]}::{f}"] = full[offset:offset + p.numel()].view_as(p).clone()
+                    offset += p.numel()
+            if step is not None:
+                for p in b.params:
+                    out[f"{names[id(p)]}::step"] = torch.as_tensor(step).clone()
+        return out
+
+    def load_full_state(self, tensors: dict[str, torch.Tensor], names: dict[int, str]) -> None:
+        for _, _, n, master, p, start in self.pieces:
+            name = names[id(p)]
+            st: dict[str, Any] = {}
+            for key, value in tensors.items():
+                pname, _, field = key.partition("::")
+                if pname != name:
+                    continue
+                st[field] = value.clone() if value.dim() == 0 else value.reshape(-1)[start:start + n].clone().float()
+            if st:
+                self.optimizer.state[master] = st
