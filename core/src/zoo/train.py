@@ -24,6 +24,7 @@ from typing import Any
 from zoo.errors import ConfigError, ZooError
 from zoo.family import resolve
 from zoo.io import atomic_write_text
+from zoo.parallel import apply as tp
 
 
 def lr_at(step: int, *, peak: float, warmup: int, total: int, decay: str, min_ratio: float) -> float:
@@ -182,6 +183,7 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
             except ValueError as e:
                 raise ConfigError(f"parallel.tp={plan.tp}: {e}") from None
         recompute.apply(model, run.train.recompute)
+
         def adamw(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
             return torch.optim.AdamW(groups, lr=run.optimizer.lr, betas=(run.optimizer.beta1, run.optimizer.beta2),
                                      eps=run.optimizer.eps)
@@ -201,8 +203,9 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
         names = {id(p): n for n, p in model.named_parameters()}
         scaler = torch.amp.GradScaler(dev_type, enabled=precision == "fp16")
         step, consumed = 0, 0
-        from zoo.parallel import apply as tp
 
+        # Checkpoints hold full tensors; under tensor parallelism they are sliced on load and
+        # gathered on save.
         def shard(state: dict[str, Any]) -> dict[str, Any]:
             return tp.load_full_state_dict(model, state) if tp_group is not None else state
 
@@ -213,6 +216,7 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
         def gather_one(name: str, t: Any) -> Any:
             st = tp.tp_style(model, name)
             return tp.gather_full(t, *st) if st else t
+
         if run.checkpoint.load and resume_from is None:
             from zoo.convert import load as load_any
 
