@@ -22,11 +22,9 @@ def _docs(dtype, n=30, seed=0):
     return [(rng.random(rng.integers(1, 50)) * hi).astype(dtype) for _ in range(n)]
 
 
-@pytest.mark.parametrize("code", sorted(DTYPES))
-def test_megatron_files_read_identically_here(tmp_path, code):
-    dtype = DTYPES[code]
-    docs = _docs(dtype)
-    builder = mc.IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=dtype)
+def _write_with_megatron(prefix, docs, dtype) -> None:
+    """Ten one-sequence documents, one document of four sequences, the rest in one document."""
+    builder = mc.IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
     for d in docs[:10]:
         builder.add_item(torch.from_numpy(d))
         builder.end_document()
@@ -34,7 +32,14 @@ def test_megatron_files_read_identically_here(tmp_path, code):
     for d in docs[14:]:
         builder.add_item(torch.from_numpy(d))
     builder.end_document()
-    builder.finalize(str(tmp_path / "m.idx"))
+    builder.finalize(f"{prefix}.idx")
+
+
+@pytest.mark.parametrize("code", sorted(DTYPES))
+def test_megatron_files_read_identically_here(tmp_path, code):
+    dtype = DTYPES[code]
+    docs = _docs(dtype)
+    _write_with_megatron(tmp_path / "m", docs, dtype)
     ours, theirs = IndexedDataset(tmp_path / "m"), mc.IndexedDataset(str(tmp_path / "m"))
     assert len(ours) == len(theirs) == len(docs)
     assert ours.dtype == np.dtype(dtype)
@@ -59,15 +64,7 @@ def test_files_written_here_load_in_megatron_byte_for_byte(tmp_path, code):
         for d in docs[14:]:
             w.add_item(d)
         w.end_document()
-    builder = mc.IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=dtype)
-    for d in docs[:10]:
-        builder.add_item(torch.from_numpy(d))
-        builder.end_document()
-    builder.add_document(torch.from_numpy(np.concatenate(docs[10:14])), [len(d) for d in docs[10:14]])
-    for d in docs[14:]:
-        builder.add_item(torch.from_numpy(d))
-    builder.end_document()
-    builder.finalize(str(tmp_path / "m.idx"))
+    _write_with_megatron(tmp_path / "m", docs, dtype)
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"z{ext}").read_bytes() == (tmp_path / f"m{ext}").read_bytes()
     theirs = mc.IndexedDataset(str(tmp_path / "z"))
