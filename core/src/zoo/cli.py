@@ -189,16 +189,17 @@ def resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
     return entry, run
 
 
-def count_parameters(entry: Any, run: Any) -> int:
-    """Build the model on the meta device (no memory) and count its parameters."""
+def count_parameters(entry: Any, run: Any, tp: int = 1) -> tuple[int, int]:
+    """Build the model on the meta device (no memory); (total parameters, parameters per TP rank)."""
     import torch
 
     from zoo.family import resolve
+    from zoo.parallel.apply import parameters_per_rank
 
     build = resolve(entry.family.build, owner=str(entry.plugin))
     with torch.device("meta"):
         model = build(run.model, entry.family.spec_for(run.model))
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters()), parameters_per_rank(model, entry.family.tp_plan, tp)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -209,10 +210,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     plan = layout.plan(run.parallel, run.train, run.model, world_size=world)
     if args.dry_run:
         print(run.to_yaml().rstrip())
-        n = count_parameters(entry, run)
+        n, per_rank = count_parameters(entry, run, plan.tp)
         print(f"# model: {run.family} ({run.flavor}) from {entry.plugin.distribution} {entry.plugin.version}")
         print(f"# parameters: {n:,} ({_human(n)})")
         print(f"# layout: {plan.describe()}")
+        if plan.tp > 1:
+            print(f"# parameters per tensor-parallel rank: {per_rank:,} ({_human(per_rank)})")
         return 0
     from zoo import train
 

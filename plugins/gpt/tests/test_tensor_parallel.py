@@ -112,3 +112,14 @@ def test_zoo_train_tp_matches_one_process_and_resumes_anywhere(tmp_path, corpus_
     assert out.returncode == 0, out.stderr
     for a, b in zip(_losses(cont), _losses(tmp_path / "one")[3:]):
         assert abs(a - b) <= 2e-5 * abs(b)
+
+
+def test_dry_run_shows_parameters_per_rank():
+    from _gpt_helpers import zoo
+
+    out = zoo("train", "--model", "llama", "--flavor", "3-8B", "--dry-run", "--world-size", "8", "parallel.tp=8")
+    assert out.returncode == 0, out.stderr
+    # Independent count: every matrix of Llama 3 8B is split eight ways except the norms (replicated).
+    norms = 32 * 2 * 4096 + 4096
+    expected = (8_030_261_248 - norms) // 8 + norms
+    assert f"# parameters per tensor-parallel rank: {expected:,}" in out.stdout

@@ -177,3 +177,16 @@ def clip_grad_norm(model: nn.Module, max_norm: float, tp_group: Any) -> float:
             if p.grad is not None:
                 p.grad.mul_(scale)
     return norm
+
+
+def parameters_per_rank(model: nn.Module, plan: Mapping[str, str], tp: int) -> int:
+    """Parameters one tensor-parallel rank holds (planned modules split, the rest replicated)."""
+    total, seen = 0, set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        module = name.rpartition(".")[0]
+        split = tp > 1 and any(_matches(module, pat) for pat in plan)
+        total += p.numel() // tp if split else p.numel()
+    return total
