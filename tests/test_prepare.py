@@ -53,6 +53,9 @@ def test_output_equals_megatron_reference_for_any_worker_count(tmp_path, tokeniz
     docs = _docs(600)
     src = tmp_path / "corpus.jsonl"
     src.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    chunks = prep.plan_chunks([src])
+    assert len(chunks) > 5 and all(c.end - c.start <= 4096 + 1000 for c in chunks)
+    assert [c.start for c in chunks[1:]] == [c.end for c in chunks[:-1]]  # contiguous, no line split twice
     totals = prepare_text(inputs=[str(src)], output_prefix=str(tmp_path / "out"), tokenizer=str(tokenizer_dir),
                           json_keys=["text", "title"], append_eod=True, workers=workers, on_error="fail", progress=False)
     assert totals["docs"] == 600

@@ -99,8 +99,7 @@ def write_model_dir(
     overwrite: bool = False,
 ) -> Path:
     """Write a complete zoo model directory atomically (temp dir, marker last, rename)."""
-    import dataclasses
-
+    from zoo.config import _plain
     from zoo.io import atomic_write_text
     from zoo.tensorio import save_file
 
@@ -119,7 +118,7 @@ def write_model_dir(
         if tokenizer_from is not None:
             copy_tokenizer_files(tokenizer_from, tmp)
         meta = {"format": "zoo", "format_version": FORMAT_VERSION, "family": family, "flavor": flavor,
-                "model_config": _plain(dataclasses.asdict(config)), "ties": ties, **(extra_meta or {})}
+                "model_config": _plain(config), "ties": ties, **(extra_meta or {})}
         atomic_write_text(tmp / META, json.dumps(meta, indent=2))
         _fsync_dir(tmp)
         (tmp / COMPLETE).write_text("")  # last: only now is the directory a checkpoint
@@ -149,14 +148,6 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _plain(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    return obj
 
 
 def read_model_state(md: ModelDir) -> dict[str, Any]:

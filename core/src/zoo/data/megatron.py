@@ -208,16 +208,13 @@ class Source:
         return d, sample_tokens(self.datasets[d], self.indices[d], int(self.local[g]), seq_length=self.seq)[0]
 
 
-def batches(run: Any, blend: Any, *, split: str, dp_rank: int, dp_size: int, consumed_samples: int,
-            cache_dir: Path) -> Iterator[dict[str, Any]]:
+def batches(run: Any, blend: list[tuple[float | None, str]], *, split: str, dp_rank: int, dp_size: int,
+            consumed_samples: int, cache_dir: Path, whole: bool = False) -> Iterator[dict[str, Any]]:
+    """Micro-batches of ``blend`` (weight, prefix) pairs for one data-parallel rank; ``whole``: the
+    split uses every document of its datasets (a per-split blend) instead of ``data.split``."""
     import torch
 
-    whole = False
-    per_split = getattr(run.data, f"{split}_path", None) if not isinstance(blend, Path) else None
-    if per_split:
-        blend, whole = per_split, True
-    pairs = parse_blend(blend) if not isinstance(blend, Path) else [(None, str(blend))]
-    source = Source(run, pairs, split=split, target=samples_needed(run, split, dp_size), cache_dir=cache_dir, whole=whole)
+    source = Source(run, blend, split=split, target=samples_needed(run, split, dp_size), cache_dir=cache_dir, whole=whole)
     mbs = run.train.micro_batch_size
     gbs = run.train.global_batch_size or mbs * dp_size
     per_rank = gbs // dp_size
@@ -241,10 +238,10 @@ def batches(run: Any, blend: Any, *, split: str, dp_rank: int, dp_size: int, con
 def build(run: Any, *, split: str, dp_rank: int, dp_size: int, consumed_samples: int = 0) -> Iterator[dict[str, Any]]:
     """The ``megatron`` dataset: ``data.path`` (with ``data.split``) and/or per-split ``data.<split>_path``,
     each a prefix or a Megatron blend of prefixes."""
-    blend = getattr(run.data, f"{split}_path", None) or run.data.path
-    if not blend:
+    per_split = getattr(run.data, f"{split}_path", None)
+    blend = parse_blend(per_split or run.data.path) if (per_split or run.data.path) else None
+    if blend is None:
         raise ConfigError(f"no data for the {split} split: set data.path or data.{split}_path")
-    first = Path(parse_blend(blend)[0][1])
-    cache = Path(run.data.cache_dir) if run.data.cache_dir else first.parent / "cache"
-    return batches(run, run.data.path or blend, split=split, dp_rank=dp_rank, dp_size=dp_size,
-                   consumed_samples=consumed_samples, cache_dir=cache)
+    cache = Path(run.data.cache_dir) if run.data.cache_dir else Path(blend[0][1]).parent / "cache"
+    return batches(run, blend, split=split, dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed_samples,
+                   cache_dir=cache, whole=bool(per_split))

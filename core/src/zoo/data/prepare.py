@@ -62,7 +62,8 @@ def find_inputs(paths: Sequence[str]) -> list[Path]:
     return out
 
 
-def plan_chunks(files: Sequence[Path], chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
+def plan_chunks(files: Sequence[Path], chunk_bytes: int | None = None) -> list[Chunk]:
+    chunk_bytes = chunk_bytes or CHUNK_BYTES  # read at call time, so it can be tuned (and tested)
     chunks = []
     for f in files:
         size = f.stat().st_size
