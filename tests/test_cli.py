@@ -119,11 +119,22 @@ def test_nan_loss_is_reported_with_the_step(tmp_path):
     assert "loss is nan at step" in line or "loss is inf at step" in line
 
 
-def test_layouts_not_built_yet_are_refused_before_training(tmp_path):
-    out = run_zoo("train", "--model", "llama", "--run-dir", str(tmp_path), "parallel.pp=2", "--world-size", "2")
-    assert out.returncode == 2 and "only tensor and data parallelism train" in _one_line(out.stderr)
-    out = run_zoo("train", "--model", "mixer", "--run-dir", str(tmp_path), "parallel.tp=2", "--world-size", "2")
-    assert out.returncode == 2 and "family 'mixer' declares no tp_plan" in _one_line(out.stderr)
+def test_layouts_a_family_cannot_run_are_refused_before_training(tmp_path):
+    cases = [
+        (("--model", "mixer", "parallel.tp=2", "--world-size", "2"), "family 'mixer' declares no tp_plan"),
+        (("--model", "mixer", "parallel.pp=2", "--world-size", "2"), "family 'mixer' declares no pipeline spec"),
+        (("--model", "mixer", "parallel.cp=2", "--world-size", "2"), "family 'mixer' declares no sequence spec"),
+        (("--model", "llama", "parallel.ep=2", "--world-size", "2"), "ep=2 but the model has no experts"),
+        (("--model", "llama", "parallel.pp=2", "parallel.vpp=2", "model.num_layers=4", "--world-size", "2"),
+         "needs the micro-batches per step (1) to be a multiple of pp=2"),
+        (("--model", "llama", "parallel.pp=2", "parallel.pp_layers=[1,2]", "--world-size", "2"),
+         "pp_layers=[1, 2] sums to 3, the model has 2 layers"),
+        (("--model", "llama", "parallel.cp=2", "data.reset_attention_mask=true", "--world-size", "2"),
+         "ring attention has no document masking"),
+    ]
+    for args, message in cases:
+        out = run_zoo("train", "--run-dir", str(tmp_path), *args)
+        assert out.returncode == 2 and message in _one_line(out.stderr), (args, out.stderr)
 
 
 # The command surface is frozen here on purpose: adding a command or option is a deliberate act

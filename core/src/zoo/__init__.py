@@ -7,7 +7,7 @@ The public surface is small: the plugin contract (`Family`, `DatasetSpec`, `Comm
 
 from __future__ import annotations
 
-from zoo.family import CommandSpec, DatasetSpec, Family, Ref
+from zoo.family import CommandSpec, DatasetSpec, Family, PipelineSpec, Ref, SequenceSpec
 from zoo.hookspecs import hookimpl
 
 __version__ = "0.1.0"
@@ -16,7 +16,9 @@ __all__ = [
     "CommandSpec",
     "DatasetSpec",
     "Family",
+    "PipelineSpec",
     "Ref",
+    "SequenceSpec",
     "__version__",
     "get_family",
     "hookimpl",

@@ -30,6 +30,8 @@ class ParallelConfig:
     tp: int = 1  # tensor parallel size
     pp: int = 1  # pipeline stages
     vpp: int = 1  # virtual stages (model chunks) per pipeline rank, interleaved 1F1B when > 1
+    pp_layers: list[int] | None = None  # layers per (virtual) stage, e.g. [3, 4, 4, 3]; None: even
+    pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"  # gpipe: all forwards, then all backwards
     cp: int = 1  # context parallel size (ring attention)
     ep: int = 1  # expert parallel size
     etp: int | None = None  # expert tensor parallel size; None: same as tp

@@ -26,6 +26,43 @@ _NAME = re.compile(r"^[a-z][a-z0-9_.-]*$")
 
 
 @dataclass(frozen=True, kw_only=True)
+class PipelineSpec:
+    """How the core cuts a model into pipeline stages (and where sequence parallelism begins).
+
+    ``layers`` names the model's `nn.ModuleList` of repeated blocks; ``first`` the top-level
+    modules only the first stage keeps (embeddings), ``last`` those only the last stage keeps
+    (final norm, output head). On every other stage those attributes are ``None`` and the model's
+    forward must then take the hidden state where it normally takes ``batch[input_key]`` and return
+    the hidden state instead of the loss (torchtitan's convention: one forward, no stage code).
+    The blocks keep their global index as their name, so parameter names and checkpoints do not
+    depend on the layout.
+    """
+
+    layers: str = "layers"
+    first: tuple[str, ...] = ()
+    last: tuple[str, ...] = ()
+    input_key: str = "tokens"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceSpec:
+    """Where the sequence lives, for context and sequence parallelism.
+
+    ``dim``: the sequence dimension of the hidden state between blocks (1 for ``(B, T, D)``;
+    Megatron's ``(T, B, D)`` would be 0). ``keys``: the batch tensors split along their dim 1
+    under context parallelism. ``positions``: the batch key of position ids, which the core fills
+    with ``0..T-1`` when absent before it splits the sequence (so the model sees global positions);
+    None if the model takes none. ``loss_mask``: the batch key marking the tokens the loss averages
+    over, so context-parallel ranks' means are weighted into the global mean.
+    """
+
+    dim: int = 1
+    keys: tuple[str, ...] = ("tokens", "labels", "loss_mask", "position_ids")
+    positions: str | None = "position_ids"
+    loss_mask: str | None = "loss_mask"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Family:
     """A model family: one readable architecture, its sizes, and how it trains and converts.
 
@@ -62,6 +99,10 @@ class Family:
     # that become per-rank counts.
     tp_plan: Mapping[str, str] = field(default_factory=dict)
     tp_local: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Pipeline stages (and the sequence-parallel region): None means the family runs with pp=1 only.
+    pipeline: PipelineSpec | None = None
+    # Context parallelism and sequence parallelism: None means cp=1 and no sequence parallelism.
+    sequence: SequenceSpec | None = None
     recipe: Mapping[str, Any] = field(default_factory=dict)  # "section.key" -> default for all flavors
     flavor_recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 

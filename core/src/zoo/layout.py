@@ -65,10 +65,20 @@ def plan(parallel: ParallelConfig, train: TrainConfig, model: Any, *, world_size
 
     layers, heads, kv_heads = field("num_layers"), field("num_heads"), field("num_kv_heads")
     vocab, experts = field("vocab_size"), field("num_experts")
-    if layers is not None and p.pp * p.vpp > layers:
+    stages = p.pp * p.vpp
+    if p.pp_layers is not None:
+        if p.pp == 1:
+            raise ConfigError("parallel: pp_layers is set but pp=1")
+        if len(p.pp_layers) != stages or min(p.pp_layers) < 1:
+            raise ConfigError(f"parallel: pp_layers={p.pp_layers} must list pp*vpp = {stages} stage sizes of at least 1")
+        if layers is not None and sum(p.pp_layers) != layers:
+            raise ConfigError(f"parallel: pp_layers={p.pp_layers} sums to {sum(p.pp_layers)}, the model has "
+                              f"{layers} layers (model.num_layers)")
+    elif layers is not None and stages > layers:
         raise ConfigError(f"parallel: pp*vpp = {p.pp}*{p.vpp} stages for {layers} layers (model.num_layers)")
-    if layers is not None and p.vpp > 1 and layers % (p.pp * p.vpp):
-        raise ConfigError(f"parallel: vpp={p.vpp} with pp={p.pp} does not divide model.num_layers={layers} evenly")
+    elif layers is not None and p.vpp > 1 and layers % stages:
+        raise ConfigError(f"parallel: vpp={p.vpp} with pp={p.pp} does not divide model.num_layers={layers} evenly "
+                          "(or give parallel.pp_layers)")
     if heads is not None and heads % p.tp:
         raise ConfigError(f"parallel: tp={p.tp} does not divide model.num_heads={heads}")
     if kv_heads is not None and p.tp > 1 and kv_heads % p.tp and p.tp % kv_heads:
@@ -90,7 +100,11 @@ def plan(parallel: ParallelConfig, train: TrainConfig, model: Any, *, world_size
         raise ConfigError(
             f"train: global_batch_size={gbs} is not a multiple of micro_batch_size*dp = {train.micro_batch_size}*{dp}"
         )
+    accum = gbs // per_step
+    if p.vpp > 1 and accum % p.pp:
+        raise ConfigError(f"parallel: vpp={p.vpp} (interleaved 1F1B) needs the micro-batches per step ({accum}) to be a "
+                          f"multiple of pp={p.pp}; raise train.global_batch_size")
     return Layout(
         world_size=world_size, tp=p.tp, cp=p.cp, ep=p.ep, dp=dp, pp=p.pp, vpp=p.vpp,
-        etp=etp, expert_dp=expert_dp, grad_accum=gbs // per_step, global_batch_size=gbs,
+        etp=etp, expert_dp=expert_dp, grad_accum=accum, global_batch_size=gbs,
     )

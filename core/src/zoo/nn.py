@@ -191,10 +191,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     cached positions before q's first one (S = offset + T), so causal masking stays right when
     decoding with a KV cache. ``segment_ids`` (B, T) keeps attention inside documents packed into
     one sample (Megatron's reset_attention_mask). Under selective recomputation (`zoo.recompute`)
-    the core is recomputed in backward instead of keeping its activations.
+    the core is recomputed in backward instead of keeping its activations. Under context
+    parallelism (`zoo.parallel.context.scope`) it is ring attention over the CP group.
     """
+    from zoo.parallel.context import CP_GROUP, ring_attention
     from zoo.recompute import SELECTIVE
 
+    cp_group = CP_GROUP.get()
+    if cp_group is not None:  # context parallel: this rank holds 2 of the 2*cp sequence chunks
+        if not causal or offset or segment_ids is not None:
+            raise ValueError("context-parallel attention is causal self-attention without a KV cache or "
+                             "document masking (data.reset_attention_mask)")
+        return ring_attention(q, k, v, cp_group)  # keeps only q, k, v, out and the log-sum-exp
     if SELECTIVE.get() and torch.is_grad_enabled():
         from torch.utils.checkpoint import checkpoint
 

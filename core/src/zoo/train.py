@@ -5,10 +5,9 @@ What the loop does not know: the model and its loss (the family's `build` and `l
 clipping, precision (fp32, bf16 autocast, fp16 with loss scaling), recomputation, validation,
 NaN detection, metrics, checkpoints and exact resume.
 
-Tensor parallelism is applied from the family's plan (`zoo.parallel.apply`) and data parallelism
-uses the core's bucketed, overlapped gradient buffers (`zoo.parallel.data_parallel`); pipeline,
-context and expert parallelism are refused with a clear message until they exist. Checkpoints hold
-full tensors, so a run resumes under any TP/DP layout.
+Every layout (tensor, sequence, pipeline, context and data parallel, ZeRO-1) is applied by
+`zoo.parallel.engine.Parallel` from what the family declares; the loop is the same for all of
+them. Checkpoints hold the single-process model's full tensors, so a run resumes under any layout.
 """
 
 from __future__ import annotations
@@ -117,24 +116,12 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
     from zoo import checkpoint as ckpt
     from zoo import distributed, recompute
     from zoo.convert import load_into, read_meta
+    from zoo.parallel.engine import Parallel
     from zoo.progress import Progress, matmul_flops_per_token, measured_peak_flops
     from zoo.registry import get_registry
 
     fam, owner = entry.family, str(entry.plugin)
-    if plan.pp * plan.cp * plan.ep > 1:
-        raise ConfigError(
-            f"parallel: pp={plan.pp} cp={plan.cp} ep={plan.ep}: only tensor and data parallelism train in this "
-            "version (pipeline, context and expert parallelism are not built yet); use --dry-run to plan"
-        )
-    if plan.tp > 1 and not fam.tp_plan:
-        raise ConfigError(f"parallel.tp={plan.tp}: family {fam.name!r} declares no tp_plan")
-    if plan.tp > 1 and run.train.precision == "fp16":
-        raise ConfigError("train.precision=fp16 with parallel.tp > 1 is not supported yet (loss-scale overflow checks "
-                          "must agree across tensor-parallel ranks); use bf16")
-    if run.parallel.zero and run.train.precision == "fp16":
-        raise ConfigError("parallel.zero=1 with train.precision=fp16 is not supported yet; use bf16 or fp32")
-    if run.parallel.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel: not wired into the training loop yet")
+    _check_layout(fam, run, plan)
     # data.path names Megatron indexed data; otherwise the family's own default dataset.
     has_paths = run.data.path or run.data.train_path
     dataset_name = run.data.dataset or ("megatron" if has_paths else fam.default_dataset)
@@ -164,51 +151,24 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
         dev_type = "cuda" if env.device.startswith("cuda") else "cpu"
         precision = run.train.precision
         amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-        model = build(run.model, fam.spec_for(run.model)).to(env.device)
-        tp_group = dp_group = None
-        dp_rank = env.rank
-        if env.world_size > 1:
-            from zoo.parallel.grid import ProcessGrid
+        # Every rank builds the same full model from one seed; the core then keeps this rank's
+        # part, so every layout trains the same model.
+        full_model = build(run.model, fam.spec_for(run.model)).to(env.device)
+        n_params = sum(p.numel() for p in full_model.parameters())
+        flops_per_token = matmul_flops_per_token(full_model, run.train.seq_length)
+        recompute.apply(full_model, run.train.recompute)
+        p_cfg = run.parallel
+        try:
+            par = Parallel(full_model, fam, tp=plan.tp, cp=plan.cp, pp=plan.pp, vpp=plan.vpp,
+                           sequence_parallel=p_cfg.sequence_parallel, order=p_cfg.order, pp_layers=p_cfg.pp_layers,
+                           pp_schedule=p_cfg.pp_schedule, rank=env.rank, world_size=env.world_size)
+        except ValueError as e:
+            raise ConfigError(f"parallel: {e}") from None
+        del full_model
+        model = par.model  # this rank's parameters (its tensor-parallel shards of its stages)
 
-            grid = ProcessGrid({"tp": plan.tp, "dp": plan.dp}, run.parallel.order.split("-"), rank=env.rank,
-                               world_size=env.world_size)
-            tp_group = grid.group("tp") if plan.tp > 1 else None
-            dp_group = grid.group("dp") if plan.dp > 1 else None
-            dp_rank = grid.index("dp")
-        if tp_group is not None:
-            from zoo.parallel.apply import apply_tensor_parallel
-
-            try:
-                apply_tensor_parallel(model, fam.tp_plan, fam.tp_local, tp_group)
-            except ValueError as e:
-                raise ConfigError(f"parallel.tp={plan.tp}: {e}") from None
-        recompute.apply(model, run.train.recompute)
-
-        def adamw(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(groups, lr=run.optimizer.lr, betas=(run.optimizer.beta1, run.optimizer.beta2),
-                                     eps=run.optimizer.eps)
-
-        buckets = zero = None
-        if dp_group is not None:
-            from zoo.parallel.data_parallel import GradBuckets
-
-            buckets = GradBuckets(model, dp_group, bucket_size=run.parallel.bucket_size, shard=bool(run.parallel.zero))
-        if buckets is not None and run.parallel.zero:
-            from zoo.parallel.zero import DistributedOptimizer
-
-            # fp32 master weights and Adam state only for this rank's shard of every bucket.
-            opt = zero = DistributedOptimizer(buckets, adamw, weight_decay=run.optimizer.weight_decay)
-        else:
-            opt = adamw(param_groups(model, run.optimizer.weight_decay))
-        names = {id(p): n for n, p in model.named_parameters()}
-        scaler = torch.amp.GradScaler(dev_type, enabled=precision == "fp16")
-        step, consumed = 0, 0
-
-        # Checkpoints hold full tensors; under tensor parallelism they are sliced on load and
-        # gathered on save.
-        def shard(state: dict[str, Any]) -> dict[str, Any]:
-            return tp.load_full_state_dict(model, state) if tp_group is not None else state
-
+        # Checkpoints hold the single-process model's full tensors: sliced to this rank's part on
+        # load, gathered (over TP and PP) on save.
         def shard_one(name: str, t: Any) -> Any:
             st = tp.tp_style(model, name)
             return tp.shard_full(t, *st) if st else t
@@ -222,22 +182,43 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
 
             source = run.checkpoint.load.removeprefix("hf:")
             loaded = load_any(source, device=env.device)
-            load_into(model, shard(loaded.model.state_dict()), what=source)
+            load_into(model, par.local_state(loaded.model.state_dict()), what=source)
         if resume_from is not None:
             md = read_meta(resume_from)
             if md.family != run.family:
                 raise ConfigError(f"{resume_from}: a checkpoint of {md.family!r}, not {run.family!r}")
             from zoo.convert import read_model_state
 
-            full = read_model_state(md)  # checkpoints hold full tensors: any TP size loads them
-            load_into(model, shard(full), what=str(resume_from))
+            full = read_model_state(md)  # checkpoints hold full tensors: any layout loads them
+            load_into(model, par.local_state(full), what=str(resume_from))
+
+        # The optimizer is made after the weights are in place: ZeRO-1 copies them into its fp32 masters.
+        def adamw(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(groups, lr=run.optimizer.lr, betas=(run.optimizer.beta1, run.optimizer.beta2),
+                                     eps=run.optimizer.eps)
+
+        buckets = par.make_buckets(p_cfg.bucket_size, shard=bool(p_cfg.zero))
+        zero = None
+        if buckets is not None and p_cfg.zero:
+            from zoo.parallel.zero import DistributedOptimizer
+
+            # fp32 master weights and Adam state only for this rank's shard of every bucket.
+            opt = zero = DistributedOptimizer(buckets, adamw, weight_decay=run.optimizer.weight_decay)
+        else:
+            opt = adamw(param_groups(model, run.optimizer.weight_decay))
+        names = {id(p): n for n, p in model.named_parameters()}
+        group_names = [[names[id(p)] for p in g["params"]] for g in param_groups(model, run.optimizer.weight_decay)]
+        scaler = torch.amp.GradScaler(dev_type, enabled=precision == "fp16")
+        step, consumed = 0, 0
+
+        if resume_from is not None:
             state, opt_tensors, rng = ckpt.load_train_state(md)
+            opt_tensors, opt_groups = par.local_optimizer(opt_tensors, state["optimizer_param_groups"], group_names)
             if zero is not None:
                 zero.load_full_state({k: shard_one(k.partition("::")[0], v) if v.dim() else v
                                       for k, v in opt_tensors.items()}, names)
             else:
-                ckpt.load_optimizer(opt, model, opt_tensors, state["optimizer_param_groups"], where=resume_from,
-                                    transform=shard_one)
+                ckpt.load_optimizer(opt, model, opt_tensors, opt_groups, where=resume_from, transform=shard_one)
             if state.get("scaler") and scaler.is_enabled():
                 scaler.load_state_dict(state["scaler"])
             ckpt.restore_rng(state, rng)
@@ -251,7 +232,7 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
         tokenizer_dir = resolve(ds_spec.tokenizer, owner=str(ds_info))(run) if ds_spec.tokenizer else None
 
         def data(split: str, start: int) -> Iterator[Any]:
-            return iter(build_data(run, split=split, dp_rank=dp_rank, dp_size=plan.dp, consumed_samples=start))
+            return iter(build_data(run, split=split, dp_rank=par.dp_rank, dp_size=plan.dp, consumed_samples=start))
 
         def forward(m: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
             with torch.autocast(dev_type, dtype=amp_dtype, enabled=amp_dtype is not None), recompute.scope(run.train.recompute):
@@ -261,8 +242,6 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
             run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(run_dir / "config.yaml", run.to_yaml())
         metrics = _Metrics(run_dir, resume_step=step, tensorboard=run.logging.tensorboard) if env.is_main else None
-        n_params = sum(p.numel() for p in model.parameters())
-        flops_per_token = matmul_flops_per_token(model, run.train.seq_length)
         peak = measured_peak_flops(env.device, amp_dtype or torch.float32) if env.is_main else 1.0
         progress = Progress(run.train.steps, enabled=env.is_main and run.logging.progress, start=step)
         train_iter = data("train", consumed)
@@ -273,18 +252,18 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
 
         def save() -> None:
             last_saved[0] = step
-            # Full tensors (gathered over TP, a collective every rank joins); global rank 0 writes.
-            full = tp.full_state_dict(model) if tp_group is not None else None
-            opt_state = None
+            # Full tensors (gathered over TP and PP: collectives every rank joins); global rank 0 writes.
+            full = par.full_model_state()
             if zero is not None:  # the same form as a plain optimizer's: ZeRO-1 can be switched on resume
                 tensors = {k: gather_one(k.partition("::")[0], v) if v.dim() else v
                            for k, v in zero.full_state(names).items()}
-                opt_state = (tensors, ckpt.optimizer_tensors(adamw(param_groups(model, run.optimizer.weight_decay)),
-                                                             model)[1])
+                groups = ckpt.optimizer_tensors(adamw(param_groups(model, run.optimizer.weight_decay)), model)[1]
+            else:
+                tensors, groups = ckpt.optimizer_tensors(opt, model, gather_one)
+            opt_state = par.gather_optimizer(tensors, groups)
             path = ckpt.save(ckpt_root, step=step, run=run, model=model, opt=opt, scaler=scaler,
                              consumed_samples=consumed, tokenizer_dir=tokenizer_dir, keep_last=run.checkpoint.keep_last,
-                             write=env.is_main, model_state=full, transform=gather_one if tp_group is not None else None,
-                             opt_state=opt_state)
+                             write=env.is_main, model_state=full, opt_state=opt_state)
             if env.world_size > 1:
                 torch.distributed.barrier()  # nobody runs ahead of a checkpoint that is not written yet
             if env.is_main and run.logging.progress:
@@ -296,34 +275,20 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
                            decay=run.schedule.decay, min_ratio=run.schedule.min_lr_ratio)
                 for group in opt.param_groups:
                     group["lr"] = lr
-                total = torch.zeros((), device=env.device)
-                for micro in range(plan.grad_accum):
-                    batch = next(train_iter)
-                    tokens_since += _count_tokens(batch) * plan.dp
-                    last = micro == plan.grad_accum - 1
-                    sync = buckets.no_sync() if (buckets is not None and not last) else contextlib.nullcontext()
-                    with sync:
-                        loss, _ = forward(model, batch)
-                        scaler.scale(loss / plan.grad_accum).backward()
-                    total += loss.detach().float() / plan.grad_accum
-                if buckets is not None:
-                    buckets.finish()  # the last buckets' reductions overlapped the end of backward
-                if dp_group is not None:  # TP ranks already agree; average over data-parallel ranks
-                    torch.distributed.all_reduce(total, group=dp_group)
-                    total /= plan.dp
+                batches = [next(train_iter) for _ in range(plan.grad_accum)]
+                tokens_since += sum(_count_tokens(b) for b in batches) * plan.dp
+                # All micro-batches (through the pipeline schedule when pp > 1); gradient
+                # reductions overlap backward, the last ones are awaited in finish_grads.
+                total = par.forward_backward(batches, forward, seq_length=run.train.seq_length, scale=scaler.scale)
+                par.finish_grads()
                 loss_value = total.item()
                 if not math.isfinite(loss_value):
                     raise ZooError(f"loss is {loss_value} at step {step + 1} (lr {lr:.3g}); lower optimizer.lr or check the data")
                 if zero is not None:  # clips over the shards, updates them, gathers the parameters
-                    grad_norm = zero.step(max_norm=run.optimizer.grad_clip, tp_group=tp_group)
+                    grad_norm = zero.step(max_norm=run.optimizer.grad_clip, tp_group=par.tp_group, pp_group=par.pp_group)
                 else:
                     scaler.unscale_(opt)
-                    if tp_group is not None:
-                        grad_norm = tp.clip_grad_norm(model, run.optimizer.grad_clip, tp_group)
-                    elif run.optimizer.grad_clip > 0:
-                        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), run.optimizer.grad_clip).item()
-                    else:
-                        grad_norm = float("nan")
+                    grad_norm = par.clip(run.optimizer.grad_clip)
                     scaler.step(opt)
                     scaler.update()
                 if buckets is not None:
@@ -335,12 +300,8 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
                 log_now = step % run.logging.interval == 0 or step == run.train.steps
                 eval_now = bool(run.train.eval_interval) and log_now and (
                     step % run.train.eval_interval == 0 or step == run.train.steps)
-                # Every rank evaluates (tensor-parallel forwards are collective); DP ranks average.
-                val = _evaluate(model, forward, data("valid", 0), run.train.eval_steps) if eval_now else None
-                if val is not None and dp_group is not None:
-                    v = torch.tensor([val])
-                    torch.distributed.all_reduce(v, group=dp_group)
-                    val = v.item() / plan.dp
+                # Every rank evaluates (parallel forwards are collective); DP and CP ranks average.
+                val = _evaluate(par, forward, data("valid", 0), run.train.eval_steps, run.train.seq_length) if eval_now else None
                 if env.is_main and log_now:
                     now = time.perf_counter()
                     tps = tokens_since / max(now - t_last, 1e-9)
@@ -371,22 +332,43 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
     return 0
 
 
-def _evaluate(model: Any, forward: Any, it: Iterator[Any], steps: int) -> float:
-    import torch
+def _evaluate(par: Any, forward: Any, it: Iterator[Any], steps: int, seq_length: int) -> float:
+    batches = []
+    for _ in range(steps):
+        try:
+            batches.append(next(it))
+        except StopIteration:
+            break
+    modules = [par.model, *par.chunks]
+    was_training = par.model.training
+    for m in modules:
+        m.eval()
+    try:
+        return par.evaluate(batches, forward, seq_length=seq_length)
+    finally:
+        for m in modules:
+            m.train(was_training)
 
-    was_training = model.training
-    model.eval()
-    total, n = 0.0, 0
-    with torch.no_grad():
-        for _ in range(steps):
-            try:
-                batch = next(it)
-            except StopIteration:
-                break
-            total += float(forward(model, batch)[0])
-            n += 1
-    model.train(was_training)
-    return total / max(n, 1)
+
+def _check_layout(fam: Any, run: Any, plan: Any) -> None:
+    """What the family or the precision cannot do under this layout, before any process starts."""
+    p = run.parallel
+    if plan.ep > 1:
+        raise ConfigError(f"parallel.ep={plan.ep}: family {fam.name!r} has no experts to distribute")
+    if plan.tp > 1 and not fam.tp_plan:
+        raise ConfigError(f"parallel.tp={plan.tp}: family {fam.name!r} declares no tp_plan")
+    if (plan.pp > 1 or p.sequence_parallel) and fam.pipeline is None:
+        what = f"parallel.pp={plan.pp}" if plan.pp > 1 else "parallel.sequence_parallel"
+        raise ConfigError(f"{what}: family {fam.name!r} declares no pipeline spec (its layer list)")
+    if plan.cp > 1 and fam.sequence is None:
+        raise ConfigError(f"parallel.cp={plan.cp}: family {fam.name!r} declares no sequence spec")
+    if plan.cp > 1 and run.data.reset_attention_mask:
+        raise ConfigError("parallel.cp > 1 with data.reset_attention_mask: ring attention has no document masking")
+    if run.train.precision == "fp16" and (plan.tp > 1 or plan.pp > 1):
+        raise ConfigError("train.precision=fp16 with parallel.tp > 1 or pp > 1 is not supported yet (loss-scale "
+                          "overflow checks must agree across model-parallel ranks); use bf16")
+    if p.zero and run.train.precision == "fp16":
+        raise ConfigError("parallel.zero=1 with train.precision=fp16 is not supported yet; use bf16 or fp32")
 
 
 __all__ = ["lr_at", "param_groups", "run"]

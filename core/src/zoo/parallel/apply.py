@@ -158,18 +158,61 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], local: Mapp
     return model
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, tp_group: Any) -> float:
-    """Clip by the global gradient norm of the unsharded model: sharded gradients' squares are summed
-    over TP, replicated ones counted once."""
-    sharded, replicated = [], []
+@torch.no_grad()
+def apply_sequence_parallel(model: nn.Module, layers: str, dim: int, group: Any) -> None:
+    """Shard the residual stream between tensor-parallel regions along the sequence (Korthikanti et
+    al. 2022): the input of the first block is split over TP, the output of the last one gathered;
+    column-parallel layers all-gather their input and row-parallel ones reduce-scatter their
+    output along ``dim``. Norms (and other replicated parameters) inside the blocks then see only
+    their sequence shard, so their gradients are summed over TP after backward
+    (`reduce_sequence_parallel_grads`). Call after `apply_tensor_parallel`, before cutting stages."""
+    if comm._size(group) == 1:
+        return
+    blocks = getattr(model, layers)
+    for block in blocks:
+        for mod in block.modules():
+            if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+                mod.sequence_parallel, mod.seq_dim = True, dim
+                if isinstance(mod, RowParallelLinear) and mod.bias is not None:
+                    mod.bias.sequence_parallel = True  # type: ignore[attr-defined]
+        for p in block.parameters():
+            if not getattr(p, "tensor_parallel", False):
+                p.sequence_parallel = True  # type: ignore[attr-defined]
+
+    def scatter(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (comm.scatter_seq(args[0], group, dim), *args[1:])
+
+    def gather(_: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+        # What follows runs replicated on every TP rank (final norm, then the head, whose input
+        # gradient is already all-reduced), so the backward takes this rank's slice: a
+        # reduce-scatter would count the full gradient TP times.
+        return comm.gather_from(out, group, dim)
+
+    blocks[0].register_forward_pre_hook(scatter)
+    blocks[len(blocks) - 1].register_forward_hook(gather)
+
+
+def grad_norm_squared(params: Any, *, tp_group: Any = None, pp_group: Any = None) -> torch.Tensor:
+    """Sum of squared gradients of the whole (unsharded) model, from this rank's parameters: TP
+    shards summed over TP, replicated ones counted once, stages summed over PP, the last stage's
+    copy of a tied embedding skipped."""
+    sharded, replicated = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     seen: set[int] = set()
-    for p in model.parameters():
-        if p.grad is None or id(p) in seen:
+    for p in params:
+        if p.grad is None or id(p) in seen or getattr(p, "pipeline_duplicate", False):
             continue
         seen.add(id(p))
-        (sharded if getattr(p, "tensor_parallel", False) else replicated).append(p.grad.detach().float())
-    local = sum((g.pow(2).sum() for g in sharded), torch.zeros(()))
-    total = comm.all_reduce(local.clone(), tp_group) + sum((g.pow(2).sum() for g in replicated), torch.zeros(()))
+        sq = p.grad.detach().double().pow(2).sum()
+        if getattr(p, "tensor_parallel", False):
+            sharded += sq
+        else:
+            replicated += sq
+    return comm.all_reduce(comm.all_reduce(sharded, tp_group) + replicated, pp_group)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, tp_group: Any, pp_group: Any = None) -> float:
+    """Clip by the global gradient norm of the unsharded model (see `grad_norm_squared`)."""
+    total = grad_norm_squared(model.parameters(), tp_group=tp_group, pp_group=pp_group)
     norm = float(total.sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)

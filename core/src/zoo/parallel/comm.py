@@ -4,7 +4,8 @@ Tensor parallel (Megatron's regions): ``copy_to`` (forward identity, backward al
 ``reduce_from`` (all-reduce / identity), ``scatter_to`` (split the last dim / all-gather),
 ``gather_from`` (all-gather the last dim / split). Sequence parallel along dim 0:
 ``scatter_seq`` (split / all-gather), ``gather_seq`` (all-gather / reduce-scatter),
-``reduce_scatter_seq`` (reduce-scatter / all-gather). Every function is the identity when the
+``reduce_scatter_seq`` (reduce-scatter / all-gather); the sequence dimension is a parameter
+(0 in Megatron's ``(T, B, D)`` layout, 1 for ``(B, T, D)``). Every function is the identity when the
 group is None or has one rank. gloo lacks some collectives (``reduce_scatter_tensor``): those fall
 back to an all-reduce followed by taking this rank's slice.
 """
@@ -107,24 +108,24 @@ class _GatherFrom(torch.autograd.Function):
 
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return all_gather(x, group, 0)
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return reduce_scatter(g, ctx.group, 0), None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return reduce_scatter(g, ctx.group, ctx.dim), None, None
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return reduce_scatter(x, group, 0)
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter(x, group, dim)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_gather(g, ctx.group, 0), None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return all_gather(g, ctx.group, ctx.dim), None, None
 
 
 def copy_to(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -143,13 +144,13 @@ def gather_from(x: torch.Tensor, group: Any, dim: int = -1) -> torch.Tensor:
     return x if _size(group) == 1 else _GatherFrom.apply(x, group, dim)
 
 
-def scatter_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
-    return x if _size(group) == 1 else _ScatterTo.apply(x, group, 0)
+def scatter_seq(x: torch.Tensor, group: Any, dim: int = 0) -> torch.Tensor:
+    return x if _size(group) == 1 else _ScatterTo.apply(x, group, dim)
 
 
-def gather_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
-    return x if _size(group) == 1 else _GatherSeq.apply(x, group)
+def gather_seq(x: torch.Tensor, group: Any, dim: int = 0) -> torch.Tensor:
+    return x if _size(group) == 1 else _GatherSeq.apply(x, group, dim)
 
 
-def reduce_scatter_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
-    return x if _size(group) == 1 else _ReduceScatterSeq.apply(x, group)
+def reduce_scatter_seq(x: torch.Tensor, group: Any, dim: int = 0) -> torch.Tensor:
+    return x if _size(group) == 1 else _ReduceScatterSeq.apply(x, group, dim)

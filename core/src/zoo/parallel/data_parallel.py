@@ -74,6 +74,8 @@ class GradBuckets:
         return _Bucket(params, params[0].dtype, params[0].device, self.size)
 
     def _ready(self, p: torch.Tensor) -> None:
+        if not self.sync:  # accumulating: nothing to launch (a pipeline sets `sync` per chunk)
+            return
         b = self._bucket_of[id(p)]
         b.pending -= 1
         if b.pending == 0 and self.sync and self.size > 1:

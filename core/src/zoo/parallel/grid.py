@@ -17,7 +17,9 @@ from typing import Any
 
 class ProcessGrid:
     def __init__(self, sizes: Mapping[str, int], order: Sequence[str], *, rank: int, world_size: int,
-                 create_groups: bool = True) -> None:
+                 create_groups: bool = True, share: ProcessGrid | None = None) -> None:
+        """``share``: another grid over the same ranks whose groups are reused where the rank
+        sets coincide (the expert grid's pipeline groups are the dense grid's)."""
         order = [a for a in order if a in sizes]
         total = 1
         for a in order:
@@ -31,6 +33,8 @@ class ProcessGrid:
             self.strides[a] = stride
             stride *= self.sizes[a]
         self._groups: dict[tuple[str, ...], Any] = {}
+        self._made: dict[tuple[int, ...], Any] = share._made if share is not None else {}
+        self._create = create_groups
         if create_groups and world_size > 1:
             self._create_all()
 
@@ -56,21 +60,21 @@ class ProcessGrid:
     def _create_all(self) -> None:
         import torch.distributed as dist
 
-        # Every rank must create every group, in the same order.
+        # Every rank must create every group, in the same order. Axes of size 1 add nothing: a
+        # rank set is created once (tp x cp with cp=1 is the tp group) and single ranks get none.
+        made = self._made
         for n in range(1, len(self.order) + 1):
             for axes in itertools.combinations(self.order, n):
-                seen: set[tuple[int, ...]] = set()
                 for r in range(self.world_size):
                     ranks = tuple(self.ranks_of(axes, r))
-                    if ranks in seen:
-                        continue
-                    seen.add(ranks)
-                    group = dist.new_group(list(ranks))
-                    if self.rank in ranks:
-                        self._groups[axes] = group
+                    if len(ranks) > 1 and ranks not in made:
+                        made[ranks] = dist.new_group(list(ranks))
+                    if r == self.rank:
+                        self._groups[axes] = made.get(ranks)
 
     def group(self, *axes: str) -> Any:
-        """The process group along ``axes`` that contains this rank (None when world size is 1)."""
+        """The process group along ``axes`` that contains this rank (None when it would hold this
+        rank alone: the collectives in `zoo.parallel.comm` are then skipped)."""
         return self._groups.get(self._key(axes))
 
     def size(self, *axes: str) -> int:
@@ -82,3 +86,42 @@ class ProcessGrid:
     def index(self, *axes: str) -> int:
         """This rank's position inside the group along ``axes``."""
         return self.ranks_of(self._key(axes)).index(self.rank)
+
+    def group_at(self, axis: str, positions: Sequence[int]) -> Any:
+        """The group of ranks that differ only along ``axis`` and sit at ``positions`` on it (e.g.
+        the first and last pipeline stage: Megatron's embedding group). Collective: every rank
+        calls it with the same arguments. None if this rank is not at one of ``positions``, or if
+        the positions name fewer than two distinct places."""
+        import torch.distributed as dist
+
+        wanted = sorted({p % self.sizes[axis] for p in positions})
+        if len(wanted) < 2 or self.world_size == 1:
+            return None
+        mine = None
+        seen: set[tuple[int, ...]] = set()
+        for r in range(self.world_size):
+            line = self.ranks_of([axis], r)
+            ranks = tuple(line[i] for i in wanted)
+            if ranks in seen:
+                continue
+            seen.add(ranks)
+            group = dist.new_group(list(ranks))
+            if self.rank in ranks:
+                mine = group
+        return mine
+
+
+def expert_grid(dense: ProcessGrid, *, etp: int, ep: int) -> ProcessGrid:
+    """The expert grid beside a dense (tp, cp, dp, pp) grid: axes etp, ep, edp, pp in the dense
+    order (tp -> etp, dp -> edp, cp dropped), ``edp = world / (etp * ep * pp)``. Pipeline stage
+    ``i`` holds the same ranks in both grids, so the pipeline groups are shared. Collective."""
+    pp = dense.sizes.get("pp", 1)
+    if dense.world_size % (etp * ep * pp):
+        raise ValueError(f"world size {dense.world_size} is not divisible by etp*ep*pp = {etp}*{ep}*{pp}")
+    sizes = {"etp": etp, "ep": ep, "edp": dense.world_size // (etp * ep * pp), "pp": pp}
+    rename = {"tp": "etp", "ep": "ep", "dp": "edp", "pp": "pp"}
+    order = [rename[a] for a in dense.order if a in rename]
+    order += [a for a in sizes if a not in order]
+    return ProcessGrid(sizes, order, rank=dense.rank, world_size=dense.world_size,
+                       create_groups=dense._create, share=dense)
+

@@ -31,6 +31,7 @@ class ColumnParallelLinear(nn.Module):
                  gather_output: bool = False, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        self.seq_dim = 0
         n, _ = _tp(group)
         if out_features % n:
             raise ValueError(f"out_features={out_features} does not split over tp={n}")
@@ -44,7 +45,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias.copy_(comm.split(bias, self.group, 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = comm.gather_seq(x, self.group) if self.sequence_parallel else comm.copy_to(x, self.group)
+        x = comm.gather_seq(x, self.group, self.seq_dim) if self.sequence_parallel else comm.copy_to(x, self.group)
         y = F.linear(x, self.weight, self.bias)
         return comm.gather_from(y, self.group, -1) if self.gather_output else y
 
@@ -56,6 +57,7 @@ class RowParallelLinear(nn.Module):
                  input_is_parallel: bool = True, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
+        self.seq_dim = 0
         n, _ = _tp(group)
         if in_features % n:
             raise ValueError(f"in_features={in_features} does not split over tp={n}")
@@ -75,7 +77,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = comm.scatter_to(x, self.group, -1)
         y = F.linear(x, self.weight)
-        y = comm.reduce_scatter_seq(y, self.group) if self.sequence_parallel else comm.reduce_from(y, self.group)
+        y = comm.reduce_scatter_seq(y, self.group, self.seq_dim) if self.sequence_parallel else comm.reduce_from(y, self.group)
         return y + self.bias if self.bias is not None else y
 
 

@@ -59,10 +59,11 @@ class DistributedOptimizer:
         return total
 
     @torch.no_grad()
-    def step(self, *, max_norm: float = 0.0, tp_group: Any = None) -> float:
+    def step(self, *, max_norm: float = 0.0, tp_group: Any = None, pp_group: Any = None) -> float:
         """Update this rank's shard and all-gather the parameters; returns the global gradient norm
         (clipping to ``max_norm`` when positive). Tensor-parallel shards' squares are summed over
-        ``tp_group``, everything over the data-parallel group."""
+        ``tp_group``, everything over the data-parallel group and the pipeline stages (the last
+        stage's copy of a tied embedding counted once)."""
         from zoo.parallel import comm
 
         sharded = torch.zeros((), dtype=torch.float64)
@@ -70,11 +71,13 @@ class DistributedOptimizer:
         for b, a, n, master, p, _ in self.pieces:
             master.grad = b.buffer[a:a + n].float()  # this rank's reduced gradient slice
             sq = master.grad.double().pow(2).sum()
+            if getattr(p, "pipeline_duplicate", False):
+                continue
             if getattr(p, "tensor_parallel", False):
                 sharded += sq
             else:
                 replicated += sq
-        total = comm.all_reduce(comm.all_reduce(sharded, tp_group) + replicated, self.group)
+        total = comm.all_reduce(comm.all_reduce(comm.all_reduce(sharded, tp_group) + replicated, self.group), pp_group)
         norm = float(total.sqrt())
         if max_norm > 0 and norm > max_norm:
             scale = max_norm / (norm + 1e-6)
@@ -123,7 +126,12 @@ class DistributedOptimizer:
                     out[f"{names[id(p)]}::step"] = torch.as_tensor(step).clone()
         return out
 
+    @torch.no_grad()
     def load_full_state(self, tensors: dict[str, torch.Tensor], names: dict[int, str]) -> None:
+        """Adam state from `full_state`'s form; the fp32 masters are re-read from the parameters
+        (loaded just before), never left at the values they had when the optimizer was made."""
+        for _, _, n, master, p, start in self.pieces:
+            master.copy_(p.detach().reshape(-1)[start:start + n].float())
         for _, _, n, master, p, start in self.pieces:
             name = names[id(p)]
             st: dict[str, Any] = {}

@@ -38,8 +38,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: KVCache | None,
                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        b, t, _ = x.shape
-        qkv = self.qkv(x).view(b, t, self.kv, self.h // self.kv + 2, self.hd)  # per KV group: q..., k, v
+        qkv = self.qkv(x)
+        b, t = qkv.shape[:2]  # (not x's: under sequence parallelism x holds a slice of the sequence)
+        qkv = qkv.view(b, t, self.kv, self.h // self.kv + 2, self.hd)  # per KV group: q..., k, v
         # split (not indexing): its backward is one concatenation instead of three zero-filled buffers
         q, k, v = qkv.split([self.h // self.kv, 1, 1], dim=3)
         q = q.reshape(b, t, self.h, self.hd).transpose(1, 2)  # (B, H, T, hd)
@@ -119,12 +120,13 @@ class GPT(nn.Module):
         without materialising the logits (`zoo.nn.linear_cross_entropy`). ``position_ids`` (B, T)
         restart positions per packed document; ``segment_ids`` (B, T) keep attention inside them.
         """
-        b, t = tokens.shape
+        t = tokens.shape[1]
         start = cache.pos if cache is not None else 0
         if start + t > self.cfg.max_seq_length:
             raise ValueError(f"{start + t} positions exceed the model's context of {self.cfg.max_seq_length}")
         positions = position_ids if position_ids is not None else torch.arange(start, start + t, device=tokens.device)
-        x = self.embed(tokens)  # (B, T, D)
+        # A later pipeline stage has no embedding and receives the hidden state instead of tokens.
+        x = self.embed(tokens) if self.embed is not None else tokens  # (B, T, D)
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
         rope = self.rotary(positions) if self.rotary is not None else None
@@ -132,6 +134,8 @@ class GPT(nn.Module):
             x = blk(x, rope, cache, segment_ids)
         if cache is not None:
             cache.pos += t
+        if self.head is None:  # not the last pipeline stage: hand the hidden state on
+            return x
         x = self.norm(x)
         if labels is not None:
             mask = loss_mask.flatten().bool() if loss_mask is not None else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from zoo import Family, hookimpl
+from zoo import Family, PipelineSpec, SequenceSpec, hookimpl
 from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, NormSpec
 
 
@@ -150,6 +150,9 @@ _COMMON = dict(
     default_dataset="python-docs",
     checkpoint_formats={"hf": "zoo_gpt.convert:HF"},
     tp_local={"layers.*.attn": ("h", "kv")},
+    pipeline=PipelineSpec(layers="layers", first=("embed", "pos_embed"), last=("norm", "head"), input_key="tokens"),
+    sequence=SequenceSpec(dim=1, keys=("tokens", "labels", "loss_mask", "position_ids", "segment_ids"),
+                          positions="position_ids", loss_mask="loss_mask"),
     recipe={"train.seq_length": 128, "train.micro_batch_size": 16, "optimizer.lr": 2e-3, "optimizer.weight_decay": 0.1,
             "schedule.warmup_steps": 30, "train.steps": 400, "train.eval_interval": 100, "logging.interval": 20},
 )

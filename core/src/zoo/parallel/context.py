@@ -1,0 +1,188 @@
+"""Context parallelism: ring attention over a load-balanced split of the sequence.
+
+The sequence is cut into ``2 cp`` chunks and CP rank ``i`` holds chunks ``i`` and ``2 cp - 1 - i``
+(a causal mask then gives every rank the same work). Inside attention, each rank keeps its
+queries while the key/value blocks travel around the ring (``cp - 1`` hops, each overlapped with
+the block computed meanwhile); partial results are merged by their log-sum-exp, so the result is
+exactly softmax attention over the whole sequence (Liu et al. 2023, "Ring Attention"). Backward
+recomputes the block scores from the saved log-sum-exp (flash-attention style) and sends the
+key/value gradients around the ring with the blocks, so they arrive at their owner after ``cp``
+hops. Grouped-query heads are handled without repeating K/V. Pure PyTorch on any backend.
+
+The core switches it on around forwards with `scope`; `zoo.nn.attention` then routes causal
+attention here. Batches are split with `split_batch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+CP_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("zoo_cp_group", default=None)
+
+_TAG_KV, _TAG_DKV = 1 << 20, (1 << 20) + 1  # apart from pipeline tags (2 * stage + direction)
+
+
+@contextlib.contextmanager
+def scope(group: Any) -> Iterator[None]:
+    token = CP_GROUP.set(group if group is not None and dist.get_world_size(group) > 1 else None)
+    try:
+        yield
+    finally:
+        CP_GROUP.reset(token)
+
+
+def local_positions(seq_len: int, cp: int, rank: int, device: Any = None) -> torch.Tensor:
+    """Global positions held by CP rank ``rank``: chunks ``rank`` and ``2 cp - 1 - rank``."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} does not split into 2*cp = {2 * cp} chunks")
+    c = seq_len // (2 * cp)
+    a, b = rank * c, (2 * cp - 1 - rank) * c
+    return torch.cat([torch.arange(a, a + c, device=device), torch.arange(b, b + c, device=device)])
+
+
+def split_batch(batch: Mapping[str, Any], keys: Sequence[str], *, cp: int, rank: int, seq_len: int,
+                dim: int = 1, positions_key: str | None = None) -> dict[str, Any]:
+    """This CP rank's part of a batch: every tensor under ``keys`` indexed along ``dim``. When
+    ``positions_key`` is absent it is added first (0..T-1), so the model sees global positions."""
+    out = dict(batch)
+    ref = next((out[k] for k in keys if k in out and torch.is_tensor(out[k])), None)
+    if positions_key and positions_key not in out and ref is not None:
+        out[positions_key] = torch.arange(seq_len, device=ref.device).expand(ref.shape[0], seq_len)
+    if cp == 1:
+        return out
+    for k in (*keys, *( [positions_key] if positions_key else [])):
+        v = out.get(k)
+        if torch.is_tensor(v) and v.dim() > dim and v.shape[dim] == seq_len:
+            idx = local_positions(seq_len, cp, rank, device=v.device)
+            out[k] = v.index_select(dim, idx)
+    return out
+
+
+# ----------------------------------------------------------------------------- ring attention
+
+
+def _peers(group: Any) -> tuple[int, int, int, int]:
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    ranks = dist.get_process_group_ranks(group)
+    return n, r, ranks[(r + 1) % n], ranks[(r - 1) % n]
+
+
+def _exchange(t: torch.Tensor, nxt: int, prv: int, tag: int) -> tuple[Any, Any, torch.Tensor]:
+    """Send ``t`` to the next rank and receive the previous rank's into a new tensor (async)."""
+    incoming = torch.empty_like(t)
+    send = dist.isend(t.contiguous(), nxt, tag=tag)
+    recv = dist.irecv(incoming, prv, tag=tag)
+    return send, recv, incoming
+
+
+def _blocks(r: int, src: int, cp: int) -> list[tuple[int, int, bool]]:
+    """(q chunk 0/1, kv chunk 0/1, diagonal?) pairs with any unmasked entry, for rank ``r``'s
+    queries against rank ``src``'s keys."""
+    q_idx, k_idx = (r, 2 * cp - 1 - r), (src, 2 * cp - 1 - src)
+    out = []
+    for a, qi in enumerate(q_idx):
+        for b, kj in enumerate(k_idx):
+            if kj < qi:
+                out.append((a, b, False))
+            elif kj == qi:
+                out.append((a, b, True))
+    return out
+
+
+def _acc(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)  # softmax statistics never below float32
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> torch.Tensor:
+    # q (B, KV, G, Tq, hd), k (B, KV, Tk, hd) -> (B, KV, G, Tq, Tk) in float32 (or wider)
+    acc = _acc(q)
+    s = torch.matmul(q.to(acc), k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale
+    if diagonal:
+        t = s.shape[-1]
+        s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    return s
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
+        cp, r, nxt, prv = _peers(group)
+        b, h, t, hd = q.shape
+        kvh = k.shape[1]
+        c = t // 2
+        scale = 1.0 / math.sqrt(hd)
+        qg = q.view(b, kvh, h // kvh, t, hd)
+        acc = _acc(q)
+        out = torch.zeros(b, kvh, h // kvh, t, hd, dtype=acc, device=q.device)
+        lse = torch.full((b, kvh, h // kvh, t), float("-inf"), dtype=acc, device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(cp):
+            src = (r - step) % cp
+            pending = _exchange(kv, nxt, prv, _TAG_KV) if step < cp - 1 else None
+            for a, bb, diag in _blocks(r, src, cp):
+                qs, ks = slice(a * c, (a + 1) * c), slice(bb * c, (bb + 1) * c)
+                s = _scores(qg[..., qs, :], kv[0][..., ks, :], scale, diag)
+                blk_lse = torch.logsumexp(s, dim=-1)
+                blk_out = torch.matmul(torch.exp(s - blk_lse[..., None]), kv[1][..., ks, :].to(acc).unsqueeze(2))
+                new = torch.logaddexp(lse[..., qs], blk_lse)
+                out[..., qs, :] = (out[..., qs, :] * torch.exp(lse[..., qs] - new)[..., None]
+                                   + blk_out * torch.exp(blk_lse - new)[..., None])
+                lse[..., qs] = new
+            if pending is not None:
+                pending[0].wait()
+                pending[1].wait()
+                kv = pending[2]
+        ctx.group, ctx.scale = group, scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype).view(b, h, t, hd)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, r, nxt, prv = _peers(ctx.group)
+        b, h, t, hd = q.shape
+        kvh = k.shape[1]
+        c = t // 2
+        acc = _acc(q)
+        qg = q.view(b, kvh, h // kvh, t, hd).to(acc)
+        do = dout.reshape(b, kvh, h // kvh, t, hd).to(acc)
+        delta = (do * out).sum(-1)  # (B, KV, G, T): rowwise dot of dout and out
+        dq = torch.zeros_like(qg)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=acc, device=k.device)
+        for step in range(cp):
+            src = (r - step) % cp
+            pending = _exchange(kv, nxt, prv, _TAG_KV) if step < cp - 1 else None
+            for a, bb, diag in _blocks(r, src, cp):
+                qs, ks = slice(a * c, (a + 1) * c), slice(bb * c, (bb + 1) * c)
+                kb, vb = kv[0][..., ks, :].to(acc), kv[1][..., ks, :].to(acc)
+                p = torch.exp(_scores(qg[..., qs, :], kb, ctx.scale, diag) - lse[..., qs, None])
+                dkv[1][..., ks, :] += torch.matmul(p.transpose(-1, -2), do[..., qs, :]).sum(2)
+                dp = torch.matmul(do[..., qs, :], vb.unsqueeze(2).transpose(-1, -2))
+                ds = p * (dp - delta[..., qs, None]) * ctx.scale
+                dq[..., qs, :] += torch.matmul(ds, kb.unsqueeze(2))
+                dkv[0][..., ks, :] += torch.matmul(ds.transpose(-1, -2), qg[..., qs, :]).sum(2)
+            # The gradient of the block held now travels on with it; after cp hops it is home.
+            send, recv, dkv = _exchange(dkv, nxt, prv, _TAG_DKV)
+            send.wait()
+            recv.wait()
+            if pending is not None:
+                pending[0].wait()
+                pending[1].wait()
+                kv = pending[2]
+        return (dq.to(q.dtype).view(b, h, t, hd), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
+    """Causal attention of this rank's load-balanced queries over the whole sequence.
+    q: (B, H, T_local, hd), k/v: (B, KV, T_local, hd) with T_local = 2 chunks."""
+    if q.shape[2] % 2:
+        raise ValueError(f"context-parallel attention needs an even local length, got {q.shape[2]}")
+    return _RingAttention.apply(q, k, v, group)

@@ -1,0 +1,345 @@
+"""Pipeline parallelism: stages cut from a plain model by the family's `PipelineSpec`, and the
+schedules that run micro-batches through them.
+
+Cutting: the blocks are split into ``pp * vpp`` contiguous virtual stages (even, or sizes given
+per stage); virtual stage ``s`` lives on pipeline rank ``s % pp`` as its model chunk ``s // pp``
+(Narayanan et al. 2021). A stage is a shallow copy of the model that shares its parameters, keeps
+only its blocks (under their global index, so names never depend on the layout) and sets the
+first-stage modules (embeddings) and last-stage modules (norm, head) to ``None`` elsewhere. A
+parameter shared by a first- and a last-stage module (tied embeddings) exists on both ranks; its
+gradients are summed over the embedding group (`sync_tied_grads`) so both copies stay equal.
+
+Schedules (``parallel.pp_schedule``): ``1f1b`` (warm-up of ``pp - rank - 1`` forwards, then one
+forward / one backward, then the remaining backwards; with ``vpp > 1`` the interleaved variant,
+warm-up ``2 (pp - rank - 1) + (vpp - 1) pp``) and ``gpipe`` (all forwards, then all backwards).
+Each rank executes its list of actions in order; sends are non-blocking and receives blocking,
+which is deadlock-free for these orders. Messages carry a tag per (receiving stage, direction),
+so activations and gradients that share a link never cross. A stage's output is freed right
+after it is sent (only its autograd graph is kept), as in Megatron.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zoo.family import PipelineSpec
+
+
+def split_layers(num_layers: int, stages: int, sizes: Sequence[int] | None = None) -> list[range]:
+    """Contiguous layer ranges per virtual stage: ``sizes`` if given, else as even as possible
+    (earlier stages take the remainder: the last stage also carries the head and the loss)."""
+    if sizes:
+        if len(sizes) != stages or sum(sizes) != num_layers or min(sizes) < 1:
+            raise ValueError(f"pp_layers={list(sizes)} must give {stages} stages of at least one layer "
+                             f"summing to {num_layers} layers")
+        counts = list(sizes)
+    else:
+        if stages > num_layers:
+            raise ValueError(f"{stages} pipeline stages for {num_layers} layers")
+        base, extra = divmod(num_layers, stages)
+        counts = [base + (1 if s < extra else 0) for s in range(stages)]
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+class StageLayers(nn.ModuleDict):
+    """One stage's blocks under their global indices; iterates over blocks like an `nn.ModuleList`."""
+
+    def __iter__(self):  # type: ignore[override]
+        return iter(self._modules.values())
+
+
+def _cut(model: nn.Module, spec: PipelineSpec, layer_ids: Sequence[int], *, first: bool, last: bool) -> nn.Module:
+    blocks = getattr(model, spec.layers)
+    stage = copy.copy(model)  # shares parameters; the tables below are its own
+    stage._modules = dict(model._modules)
+    stage._parameters = dict(model._parameters)
+    stage._buffers = dict(model._buffers)
+    stage._modules[spec.layers] = StageLayers({str(i): blocks[i] for i in layer_ids})
+    for names, keep in ((spec.first, first), (spec.last, last)):
+        if keep:
+            continue
+        for name in names:
+            table = stage._parameters if name in stage._parameters else stage._modules
+            table[name] = None
+    return stage
+
+
+def _check_spec(model: nn.Module, spec: PipelineSpec) -> None:
+    blocks = getattr(model, spec.layers, None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(f"pipeline.layers={spec.layers!r}: {type(model).__name__} has no nn.ModuleList by that name")
+    for name in (*spec.first, *spec.last):
+        if "." in name or not hasattr(model, name):
+            raise ValueError(f"pipeline: {type(model).__name__} has no top-level attribute {name!r}")
+
+
+def _tied(model: nn.Module, spec: PipelineSpec) -> dict[int, str]:
+    """Parameters reachable from both a first-stage and a last-stage module: id -> first-stage name."""
+    def params(names: tuple[str, ...]) -> dict[int, str]:
+        out = {}
+        for name in names:
+            obj = getattr(model, name)
+            if isinstance(obj, nn.Parameter):
+                out[id(obj)] = name
+            elif isinstance(obj, nn.Module):
+                for n, p in obj.named_parameters():
+                    out.setdefault(id(p), f"{name}.{n}")
+        return out
+
+    first, last = params(spec.first), params(spec.last)
+    return {i: first[i] for i in first if i in last}
+
+
+@dataclass
+class Stages:
+    """This rank's part of the pipeline: ``local`` holds all its parameters (for the optimizer,
+    gradient buckets and checkpoints), ``chunks`` are the model chunks the schedule runs."""
+
+    local: nn.Module
+    chunks: list[nn.Module]
+    virtual_stages: list[int]  # the global virtual stage of each chunk
+    num_virtual: int
+    # Names of this rank's parameters in the single-process model: a tied head on the last stage
+    # is the first stage's embedding.
+    canonical: dict[str, str] = field(default_factory=dict)
+    global_order: list[str] = field(default_factory=list)  # parameter names of the whole model
+    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name it shares (whole model)
+
+
+def build_stages(model: nn.Module, spec: PipelineSpec, *, pp: int, vpp: int, rank: int,
+                 sizes: Sequence[int] | None = None) -> Stages:
+    _check_spec(model, spec)
+    global_order = [n for n, _ in model.named_parameters()]
+    first_name: dict[int, str] = {}
+    aliases = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first_name:
+            aliases[n] = first_name[id(p)]
+        else:
+            first_name[id(p)] = n
+    num = pp * vpp
+    ranges = split_layers(len(getattr(model, spec.layers)), num, sizes)
+    mine = [v * pp + rank for v in range(vpp)]
+    chunks = [_cut(model, spec, ranges[s], first=s == 0, last=s == num - 1) for s in mine]
+    local = _cut(model, spec, [i for s in mine for i in ranges[s]], first=rank == 0, last=rank == pp - 1)
+    tied = _tied(model, spec) if pp > 1 else {}
+    canonical = {}
+    for name, p in local.named_parameters():
+        if id(p) in tied:
+            p.pipeline_tied = True  # type: ignore[attr-defined]
+            if rank != 0:  # the last stage's copy: counted once (on the first stage) in norms
+                p.pipeline_duplicate = True  # type: ignore[attr-defined]
+            canonical[name] = tied[id(p)]
+        else:
+            canonical[name] = name
+    return Stages(local=local, chunks=chunks, virtual_stages=mine, num_virtual=num, canonical=canonical,
+                  global_order=global_order, aliases=aliases)
+
+
+def sync_tied_grads(model: nn.Module, group: Any) -> None:
+    """Sum the gradients of tied embeddings over the first and last stage (Megatron's embedding group)."""
+    if group is None:
+        return
+    for p in model.parameters():
+        if getattr(p, "pipeline_tied", False) and p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+
+
+# ------------------------------------------------------------------------------------ schedules
+
+
+def schedule(kind: str, *, pp: int, vpp: int, rank: int, micro_batches: int) -> list[tuple[str, int, int]]:
+    """The ordered actions of pipeline rank ``rank``: ``("F" | "B", chunk, micro_batch)``."""
+    if vpp > 1 and micro_batches % pp:
+        raise ValueError(f"interleaved 1F1B needs the micro-batches per step ({micro_batches}) to be a multiple of pp={pp}")
+    total = micro_batches * vpp
+    group = pp * vpp
+
+    def mb(k: int) -> int:
+        return (k // group) * pp + k % pp
+
+    def fwd(k: int) -> tuple[str, int, int]:
+        return ("F", (k % group) // pp, mb(k))
+
+    def bwd(k: int) -> tuple[str, int, int]:
+        return ("B", vpp - 1 - (k % group) // pp, mb(k))
+
+    if kind == "forward":  # evaluation: forwards only
+        return [fwd(k) for k in range(total)]
+    if kind == "gpipe":
+        warmup = total
+    elif kind == "1f1b":
+        warmup = pp - rank - 1 if vpp == 1 else 2 * (pp - rank - 1) + (vpp - 1) * pp
+        warmup = min(warmup, total)
+    else:
+        raise ValueError(f"unknown pipeline schedule {kind!r} (1f1b, gpipe)")
+    actions = [fwd(k) for k in range(warmup)]
+    for i in range(total - warmup):
+        actions += [fwd(warmup + i), bwd(i)]
+    actions += [bwd(k) for k in range(total - warmup, total)]
+    return actions
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+_FREEABLE = {"AddBackward0"}  # outputs whose producing node saved nothing of them (residual adds)
+
+
+def _run_backward(out: torch.Tensor, grad: torch.Tensor) -> None:
+    # The engine's entry point checks the gradient against the graph's recorded shape, not the
+    # tensor's current data, so it works on an output whose storage was already freed.
+    torch.autograd.Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
+        (out,), (grad,), False, False, (), True, True)
+
+
+class Pipeline:
+    """Runs one optimizer step's micro-batches through this rank's chunks.
+
+    ``step_fn(chunk, batch) -> (output, metrics)`` is the family's loss under the core's
+    autocast/recompute scopes: on the last stage ``output`` is the loss, elsewhere the hidden state
+    sent on. On stages after the first, ``batch[input_key]`` is replaced by the received hidden
+    state. Counters (``sent``, ``sent_bytes``) feed the communication benchmark.
+    """
+
+    def __init__(self, stages: Stages, spec: PipelineSpec, *, pp_ranks: Sequence[int], pp_rank: int,
+                 kind: str = "1f1b") -> None:
+        self.stages, self.spec, self.ranks, self.rank, self.kind = stages, spec, list(pp_ranks), pp_rank, kind
+        self.pp = len(self.ranks)
+        self.vpp = len(stages.chunks)
+        self._headers_sent: set[tuple[int, tuple[int, ...]]] = set()
+        self._shapes: dict[tuple[int, tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]] = {}
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self.sent = 0
+        self.sent_bytes = 0
+
+    # Stage s lives on pipeline rank s % pp. Tags: 2*s for activations into stage s, 2*s+1 for
+    # gradients into stage s.
+    def _peer(self, stage: int) -> int:
+        return self.ranks[stage % self.pp]
+
+    def _send(self, t: torch.Tensor, stage: int, tag: int) -> None:
+        t = t.detach().contiguous()
+        self._pending.append((dist.isend(t, self._peer(stage), tag=tag), t))
+        self.sent += 1
+        self.sent_bytes += t.numel() * t.element_size()
+
+    def _recv(self, shape: Sequence[int], dtype: torch.dtype, stage: int, tag: int, device: torch.device) -> torch.Tensor:
+        t = torch.empty(tuple(shape), dtype=dtype, device=device)
+        dist.recv(t, self._peer(stage), tag=tag)
+        return t
+
+    def _send_activation(self, out: torch.Tensor, to: int, key: tuple[int, ...]) -> None:
+        if (to, key) not in self._headers_sent:  # first time for this input shape: say the shape
+            header = torch.tensor([_DTYPES.index(out.dtype), out.dim(), *out.shape] + [0] * (8 - out.dim()),
+                                  dtype=torch.int64)
+            self._send(header, to, 2 * to)
+            self._headers_sent.add((to, key))
+        self._send(out, to, 2 * to)
+
+    def _recv_activation(self, stage: int, key: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        if (stage, key) not in self._shapes:
+            header = self._recv((10,), torch.int64, stage - 1, 2 * stage, torch.device("cpu")).tolist()
+            self._shapes[(stage, key)] = (tuple(header[2:2 + header[1]]), _DTYPES[header[0]])
+        shape, dtype = self._shapes[(stage, key)]
+        return self._recv(shape, dtype, stage - 1, 2 * stage, device)
+
+    def _reap(self, wait: bool = False) -> None:
+        keep = []
+        for work, t in self._pending:
+            if wait:
+                work.wait()
+            elif not work.is_completed():
+                keep.append((work, t))
+        self._pending = keep
+
+    def run(self, batches: Sequence[dict[str, Any]], step_fn: Callable[[nn.Module, dict[str, Any]], tuple[Any, Any]],
+            *, scale_loss: Callable[[torch.Tensor, int], torch.Tensor],
+            before_backward: Callable[[int, bool], None] | None = None, forward_only: bool = False) -> list[torch.Tensor]:
+        """Forward and backward of every micro-batch; returns the last stage's unscaled losses in
+        micro-batch order (empty elsewhere); ``scale_loss(loss, micro_batch)`` is what is
+        backpropagated. ``before_backward(chunk, is_last_for_chunk)`` lets gradient buckets
+        reduce on each chunk's final backward only."""
+        m = len(batches)
+        key_name = self.spec.input_key
+        last_stage = self.stages.num_virtual - 1
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor, tuple[int, ...], torch.dtype]] = {}
+        losses: dict[int, torch.Tensor] = {}
+        kind = "forward" if forward_only else self.kind
+        for action, c, mb in schedule(kind, pp=self.pp, vpp=self.vpp, rank=self.rank, micro_batches=m):
+            s = self.stages.virtual_stages[c]
+            batch = batches[mb]
+            key = tuple(batch[key_name].shape)
+            if action == "F":
+                x = None
+                if s > 0:
+                    device = batch[key_name].device
+                    x = self._recv_activation(s, key, device).requires_grad_(not forward_only)
+                    batch = {**batch, key_name: x}
+                out, _ = step_fn(self.stages.chunks[c], batch)
+                if s == last_stage:
+                    losses[mb] = out.detach()
+                    if forward_only:
+                        continue
+                    out = scale_loss(out, mb)
+                else:
+                    self._send_activation(out, s + 1, key)
+                    if forward_only:
+                        continue
+                shape, dtype = tuple(out.shape), out.dtype
+                if s != last_stage and out.grad_fn is not None and out.grad_fn.name() in _FREEABLE:
+                    out.data = torch.empty((1,), dtype=out.dtype, device=out.device)  # the graph stays
+                saved[(c, mb)] = (x, out, shape, dtype)
+            else:
+                x, out, shape, dtype = saved.pop((c, mb))
+                if before_backward is not None:
+                    before_backward(c, mb == m - 1)
+                if s == last_stage:
+                    out.backward()
+                else:
+                    grad = self._recv(shape, dtype, s + 1, 2 * s + 1, out.device)
+                    _run_backward(out, grad)
+                if s > 0:
+                    assert x is not None
+                    self._send(x.grad if x.grad is not None else torch.zeros_like(x), s - 1, 2 * (s - 1) + 1)
+            self._reap()
+        self._reap(wait=True)
+        return [losses[i] for i in sorted(losses)]
+
+
+def gather_state(state: dict[str, torch.Tensor], group: Any) -> dict[str, torch.Tensor]:
+    """The union of every pipeline rank's tensors, on every rank of ``group`` (for full-tensor
+    checkpoints). Names already seen on an earlier rank are skipped."""
+    if group is None or dist.get_world_size(group) == 1:
+        return dict(state)
+    index = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, index, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    out: dict[str, torch.Tensor] = {}
+    me = dist.get_rank(group)
+    for r, entries in enumerate(everyone):
+        for name, shape, dtype in entries:
+            if name in out:
+                continue
+            t = state[name].contiguous() if r == me else torch.empty(shape, dtype=getattr(torch, dtype))
+            dist.broadcast(t, src=ranks[r], group=group)
+            out[name] = t
+    return out
+
+
+def gather_objects(obj: Any, group: Any) -> list[Any]:
+    if group is None or dist.get_world_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

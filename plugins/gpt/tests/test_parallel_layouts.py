@@ -1,0 +1,179 @@
+"""Every parallel layout equals one process (gloo, float32): GPT-2 (tied embeddings, learned
+positions, biases) and LLaMA (grouped-query attention, SwiGLU) trained for several optimizer
+steps through `zoo.parallel.engine.Parallel`, the same path `zoo train` takes; then the loss and
+every gradient, gathered to full shape under its single-process name, are compared."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zoo.testing import run_distributed
+
+STEPS, MICRO, SEQ = 3, 4, 16
+
+
+def _train(layout: dict, family: str, layers: int, zero: bool, steps: int = STEPS) -> dict:
+    import torch.distributed as dist
+
+    from zoo.family import resolve
+    from zoo.parallel.engine import Parallel
+    from zoo.registry import get_registry
+    from zoo.train import param_groups
+
+    fam = get_registry().get(family).family
+    cfg = fam.flavors["tiny"]()
+    cfg.num_layers = layers
+    build, example, loss_fn = (resolve(r, owner="test") for r in (fam.build, fam.example_batch, fam.loss))
+    torch.manual_seed(0)
+    model = build(cfg, fam.spec_for(cfg))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    par = Parallel(model, fam, rank=rank, world_size=world, **layout)
+    # Small buckets: several reductions per step, launched while backward runs.
+    buckets = par.make_buckets(20_000, shard=zero)
+
+    def adamw(groups):
+        # Adam's first steps move every weight by about lr whatever the gradient's size, so a
+        # gradient that is zero up to rounding would take a full step of random sign; eps keeps
+        # those still and the comparison measures the layout, not rounding amplified by Adam.
+        return torch.optim.AdamW(groups, lr=1e-3, eps=1e-6)
+
+    if zero and buckets is not None:
+        from zoo.parallel.zero import DistributedOptimizer
+
+        opt = DistributedOptimizer(buckets, adamw, weight_decay=0.1)
+    else:
+        opt = adamw(param_groups(par.model, 0.1))
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(steps + 1):
+        # The same global batch as one process; each data-parallel rank takes its share.
+        batch = [example(cfg, batch_size=2, seq_length=SEQ, generator=gen) for _ in range(MICRO)]
+        mine = batch[par.dp_rank::par.dp]
+        losses.append(par.forward_backward(mine, loss_fn, seq_length=SEQ).item())
+        par.finish_grads()
+        if step == steps:
+            break
+        if zero and buckets is not None:
+            opt.step(max_norm=1.0, tp_group=par.tp_group, pp_group=par.pp_group)
+        else:
+            par.clip(1.0)
+            opt.step()
+            if buckets is not None:
+                buckets.zero_grad()
+            else:
+                opt.zero_grad(set_to_none=True)
+    return {"losses": losses, "grads": par.full_grads(), "pp_sent": par.pipeline.sent if par.pp > 1 else 0}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error of a gradient tensor, ||a - b|| / ||b|| (float32 sums in another order
+    differ in the last bits; Adam's normalisation carries that into the next steps)."""
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+_REFS: dict = {}
+
+
+def _reference(family: str, layers: int) -> dict:
+    if (family, layers) not in _REFS:
+        _REFS[(family, layers)] = _train({}, family, layers, False)
+    return _REFS[(family, layers)]
+
+
+LAYOUTS = [
+    # (world, layout, family, layers, zero)
+    (2, {"pp": 2}, "gpt2", 2, False),
+    (2, {"pp": 2, "pp_schedule": "gpipe"}, "llama", 2, False),
+    (2, {"pp": 2, "vpp": 2}, "gpt2", 4, False),  # interleaved 1F1B, tied embeddings across stages
+    (2, {"pp": 2, "pp_layers": [1, 3]}, "llama", 4, False),  # uneven stages
+    (2, {"cp": 2}, "llama", 2, False),
+    (2, {"tp": 2, "sequence_parallel": True}, "gpt2", 2, False),
+    (4, {"tp": 2, "pp": 2}, "gpt2", 2, False),
+    (4, {"pp": 2}, "llama", 2, True),  # PP x DP with ZeRO-1
+    (4, {"cp": 2, "tp": 2, "sequence_parallel": True}, "gpt2", 2, False),
+    (4, {"cp": 2}, "llama", 2, True),  # CP x DP with ZeRO-1 (sharded over the data x context group)
+    (4, {"tp": 2, "pp": 2, "vpp": 2, "sequence_parallel": True}, "llama", 4, False),
+]
+
+
+def _ids():
+    out = []
+    for world, layout, family, _, zero in LAYOUTS:
+        name = "-".join(f"{k}{v}" if not isinstance(v, bool) else k for k, v in layout.items() if k != "pp_layers")
+        out.append(f"{family}-w{world}-{name}{'-uneven' if 'pp_layers' in layout else ''}{'-zero' if zero else ''}")
+    return out
+
+
+@pytest.mark.parametrize(("world", "layout", "family", "layers", "zero"), LAYOUTS, ids=_ids())
+def test_layout_equals_one_process(world, layout, family, layers, zero):
+    ref = _reference(family, layers)
+    for got in run_distributed(_train, world, layout, family, layers, zero, timeout=240):
+        for a, b in zip(got["losses"], ref["losses"]):
+            assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], ref["losses"])
+        assert got["grads"].keys() == ref["grads"].keys()
+        for name, g in ref["grads"].items():
+            assert _rel(got["grads"][name], g) <= 1e-5, f"{name}: relative error {_rel(got['grads'][name], g):.2e}"
+
+
+@pytest.mark.slow
+def test_eight_processes_tp_pp_dp_with_sequence_parallel_and_zero():
+    layout = {"tp": 2, "pp": 2, "vpp": 2, "sequence_parallel": True}
+    ref = _reference("llama", 4)
+    for got in run_distributed(_train, 8, layout, "llama", 4, True, timeout=600):
+        for a, b in zip(got["losses"], ref["losses"]):
+            assert abs(a - b) <= 1e-5 * abs(b)
+        for name, g in ref["grads"].items():
+            assert _rel(got["grads"][name], g) <= 1e-5, name
+
+
+def _torchrun(nproc: int, *args: str):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("ZOO_PLUGINS", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "zoo", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+
+
+def _curve(run_dir) -> list[float]:
+    import json
+
+    return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_zoo_train_20_step_curves_match_one_process_and_resume_across_layouts(tmp_path, corpus_cache):
+    """`zoo train` under torchrun: TP x PP (interleaved) with sequence parallelism, and CP x PP with
+    ZeRO-1, each follow the single-process curve for 20 steps; each resumes the other's step-10
+    checkpoint and continues the same curve."""
+    import shutil
+
+    from _gpt_helpers import small_run, zoo
+
+    args = ("train.steps=20", "checkpoint.interval=10", "optimizer.grad_clip=0.5", "train.global_batch_size=16",
+            "train.micro_batch_size=4", "model.num_layers=4", "train.eval_interval=10")
+    one = zoo(*small_run(tmp_path / "one", corpus_cache, *args))
+    assert one.returncode == 0, one.stderr
+    ref = _curve(tmp_path / "one")
+    layouts = {"a": ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.sequence_parallel=true"],
+               "b": ["parallel.cp=2", "parallel.pp=2", "parallel.zero=1"]}
+    for name, layout in layouts.items():
+        out = _torchrun(4, *small_run(tmp_path / name, corpus_cache, *args, *layout))
+        assert out.returncode == 0, out.stdout + out.stderr
+        got = _curve(tmp_path / name)
+        assert len(got) == 20
+        for a, b in zip(got, ref):
+            assert abs(a - b) <= 1e-5 * abs(b), (name, got, ref)
+    for src, dst in (("a", "b"), ("b", "a")):
+        cont = tmp_path / f"{src}-then-{dst}"
+        (cont / "checkpoints").mkdir(parents=True)
+        shutil.copytree(tmp_path / src / "checkpoints" / "step_00000010", cont / "checkpoints" / "step_00000010")
+        out = _torchrun(4, *small_run(cont, corpus_cache, *args, *layouts[dst]))
+        assert out.returncode == 0, out.stdout + out.stderr
+        got = _curve(cont)
+        assert len(got) == 10
+        for a, b in zip(got, ref[10:]):
+            assert abs(a - b) <= 1e-5 * abs(b), (src, dst, got, ref[10:])
