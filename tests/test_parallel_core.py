@@ -114,3 +114,93 @@ def test_tensor_parallel_equals_single_process(seq_parallel):
         assert abs(got["loss"] - ref["loss"]) <= 1e-6 * abs(ref["loss"])
         for k in ("c.weight", "r.weight", "r.bias", "emb", "head"):
             torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+def _rng_streams() -> dict:
+    import torch.distributed as dist
+
+    from zoo.parallel.random import TensorParallelRNG
+
+    torch.manual_seed(5)  # the default stream: alike on all ranks
+    rng = TensorParallelRNG(5, dist.get_rank())
+    outside = torch.rand(4)
+    with rng.fork():
+        inside = torch.rand(4)
+    after = torch.rand(4)
+    saved = rng.state()
+    with rng.fork():
+        nxt = torch.rand(4)
+    rng.load_state(saved)
+    with rng.fork():
+        again = torch.rand(4)
+    return {"outside": outside, "inside": inside, "after": after, "next": nxt, "again": again}
+
+
+def test_dropout_streams_differ_inside_tensor_parallel_regions_only():
+    r0, r1 = run_distributed(_rng_streams, 2, timeout=60)
+    torch.manual_seed(5)
+    plain = torch.rand(8)
+    for r in (r0, r1):  # the default stream is as if the fork never happened
+        assert torch.equal(torch.cat([r["outside"], r["after"]]), plain)
+        assert torch.equal(r["next"], r["again"])  # the stream's state restores exactly
+        assert not torch.equal(r["inside"], r["next"])  # and it continues, not restarts
+    assert not torch.equal(r0["inside"], r1["inside"])  # each TP rank its own masks
+
+
+def _exchange_and_reduce_scatter() -> dict:
+    import torch.distributed as dist
+
+    from zoo.parallel import comm
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    full = torch.randn(n, 6, 4 * n, dtype=torch.float64)  # rank r's input is full[r]
+    x = full[r].clone().requires_grad_(True)
+    # Expert-parallel style: split the last dim over ranks, gather along dim 0.
+    y = comm.exchange(x, dist.group.WORLD, split_dim=1, concat_dim=0)
+    weight = torch.arange(y.numel(), dtype=torch.float64).view_as(y) + r
+    (y * weight).sum().backward()
+    rs = comm.reduce_scatter(full[r] * (r + 1), dist.group.WORLD, dim=1)
+    return {"y": y.detach(), "grad": x.grad, "rs": rs, "weight": weight}
+
+
+def test_all_to_all_and_reduce_scatter_against_their_definitions():
+    n = 3
+    results = run_distributed(_exchange_and_reduce_scatter, n, timeout=60)
+    torch.manual_seed(0)
+    full = torch.randn(n, 6, 4 * n, dtype=torch.float64)
+    for r, got in enumerate(results):
+        # Rank r receives every rank's r-th slice of the last dim, stacked along dim 0.
+        assert torch.equal(got["y"], torch.cat([full[j][:, 4 * r:4 * r + 4] for j in range(n)], dim=0))
+        # Backward is the reverse exchange: rank r's input slice j got rank j's weight block r.
+        expected = torch.cat([results[j]["weight"][6 * r:6 * r + 6] for j in range(n)], dim=1)
+        assert torch.equal(got["grad"], expected)
+        total = sum(full[j] * (j + 1) for j in range(n))
+        assert torch.allclose(got["rs"], total[:, 4 * r:4 * r + 4])
+
+
+def test_expert_grid_shares_pipeline_groups_and_embedding_group_positions():
+    from zoo.parallel.grid import expert_grid
+
+    # 16 ranks: dense tp2 cp2 dp2 pp2; experts etp1 ep4 (edp 2) beside it.
+    for rank in range(16):
+        dense = ProcessGrid({"tp": 2, "cp": 2, "dp": 2, "pp": 2}, ["tp", "cp", "dp", "pp"], rank=rank, world_size=16,
+                            create_groups=False)
+        experts = expert_grid(dense, etp=1, ep=4)
+        assert experts.sizes == {"etp": 1, "ep": 4, "edp": 2, "pp": 2}
+        assert experts.ranks_of(["pp"]) == dense.ranks_of(["pp"])  # the same pipeline stages
+        assert experts.ranks_of(["ep"]) == [r for r in range(16) if r // 4 == rank // 4]  # neighbours first
+    with pytest.raises(ValueError, match="not divisible by etp\\*ep\\*pp"):
+        expert_grid(ProcessGrid({"tp": 2, "pp": 2}, ["tp", "pp"], rank=0, world_size=4, create_groups=False), etp=1, ep=3)
+
+
+def _embedding_group() -> list[int] | None:
+    import torch.distributed as dist
+
+    g = ProcessGrid({"tp": 1, "dp": 1, "pp": 3}, ["tp", "dp", "pp"], rank=dist.get_rank(), world_size=3)
+    group = g.group_at("pp", (0, -1))
+    return None if group is None else dist.get_process_group_ranks(group)
+
+
+def test_embedding_group_holds_first_and_last_stage():
+    assert run_distributed(_embedding_group, 3, timeout=60) == [[0, 2], None, [0, 2]]

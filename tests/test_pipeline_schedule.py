@@ -5,7 +5,6 @@ backward the next stage's), with blocking receives and non-blocking sends as the
 from __future__ import annotations
 
 import pytest
-import torch
 from torch import nn
 
 from zoo.family import PipelineSpec

@@ -177,3 +177,53 @@ def test_zoo_train_20_step_curves_match_one_process_and_resume_across_layouts(tm
         assert len(got) == 10
         for a, b in zip(got, ref[10:]):
             assert abs(a - b) <= 1e-5 * abs(b), (src, dst, got, ref[10:])
+
+
+def test_a_rank_that_raises_stops_every_rank_with_its_error(tmp_path, corpus_cache):
+    """Rank 1 (the last pipeline stage) raises in its 7th loss call; rank 0 is then waiting for
+    its gradients. The job must end promptly with rank 1's error, not hang."""
+    import os
+    import time
+
+    from _gpt_helpers import small_run
+
+    from zoo.testing.plugins import fake_distribution
+
+    root = tmp_path / "site"
+    fake_distribution(root, "zoo-flaky", "1.0", plugins={"flaky": "flaky_plugin"}, files={
+        "flaky_plugin.py": """
+            import dataclasses
+            from zoo import hookimpl
+            import zoo_gpt.plugin as gpt  # a module, not its hook: pluggy would see a second hook
+
+            @hookimpl
+            def zoo_families():
+                llama = next(f for f in gpt.zoo_families() if f.name == "llama")
+                return [dataclasses.replace(llama, name="flaky", aliases=(), loss="flaky_loss:loss")]
+        """,
+        "flaky_loss.py": """
+            import os
+            from zoo_gpt.model import loss as gpt_loss
+
+            calls = 0
+
+            def loss(model, batch):
+                global calls
+                calls += 1
+                if os.environ.get("RANK") == "1" and calls == 7:
+                    raise RuntimeError("injected failure on rank 1")
+                return gpt_loss(model, batch)
+        """,
+    })
+    args = small_run(tmp_path / "run", corpus_cache, "train.steps=10", "parallel.pp=2", "parallel.timeout_s=60")
+    args[args.index("llama")] = "flaky"
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    try:
+        start = time.monotonic()
+        out = _torchrun(2, *args)
+        elapsed = time.monotonic() - start
+    finally:
+        os.environ["PYTHONPATH"] = os.environ["PYTHONPATH"].split(os.pathsep, 1)[1]
+    assert out.returncode != 0
+    assert "injected failure on rank 1" in out.stdout + out.stderr
+    assert elapsed < 120, f"the job took {elapsed:.0f} s to stop"  # far below any hang, not a timing claim

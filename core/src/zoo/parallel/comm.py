@@ -2,12 +2,13 @@
 
 Tensor parallel (Megatron's regions): ``copy_to`` (forward identity, backward all-reduce),
 ``reduce_from`` (all-reduce / identity), ``scatter_to`` (split the last dim / all-gather),
-``gather_from`` (all-gather the last dim / split). Sequence parallel along dim 0:
+``gather_from`` (all-gather the last dim / split). Sequence parallel, along the sequence:
 ``scatter_seq`` (split / all-gather), ``gather_seq`` (all-gather / reduce-scatter),
 ``reduce_scatter_seq`` (reduce-scatter / all-gather); the sequence dimension is a parameter
 (0 in Megatron's ``(T, B, D)`` layout, 1 for ``(B, T, D)``). Every function is the identity when the
-group is None or has one rank. gloo lacks some collectives (``reduce_scatter_tensor``): those fall
-back to an all-reduce followed by taking this rank's slice.
+group is None or has one rank. Where a backend lacks a collective (older gloo: reduce-scatter) it falls
+back to an all-reduce followed by taking this rank's slice. ``exchange`` is the differentiable
+all-to-all (expert parallelism), its own conjugate with the dimensions swapped.
 """
 
 from __future__ import annotations
@@ -52,15 +53,56 @@ def split(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     return x.chunk(n, dim=dim)[_rank(group)].contiguous()
 
 
+_NATIVE: dict[str, bool] = {}  # backend -> has a working reduce-scatter (gloo gained one in torch 2.x)
+
+
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Any, *, async_op: bool = False) -> Any:
+    """``out`` = this rank's 1/n slice of the sum of ``x`` (flat, contiguous, divisible by n).
+    Native where the backend has it; otherwise an all-reduce and a copy of the slice (correct, but
+    it moves twice the bytes of a reduce-scatter)."""
+    backend = dist.get_backend(group)
+    op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    if _NATIVE.get(backend, True):
+        try:
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # the old name is deprecated in newer torch
+                return op(out, x, group=group, async_op=async_op)
+        except (RuntimeError, NotImplementedError, AttributeError):
+            _NATIVE[backend] = False
+    full = x.clone()
+    dist.all_reduce(full, group=group)
+    out.copy_(full.chunk(dist.get_world_size(group))[dist.get_rank(group)])
+    return None
+
+
 def reduce_scatter(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     n = _size(group)
     if n == 1:
         return x
-    if dim == 0 and dist.get_backend(group) == "nccl":
-        out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
-        return out
-    return split(all_reduce(x.clone(), group), group, dim)  # gloo has no reduce_scatter_tensor
+    if x.shape[dim] % n:
+        raise ValueError(f"dim {dim} of {tuple(x.shape)} does not split over {n} ranks")
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // n, *moved.shape[1:]))
+    reduce_scatter_into(out, moved, group)
+    return out.movedim(0, dim)
+
+
+def all_to_all(x: torch.Tensor, group: Any, split_dim: int, concat_dim: int) -> torch.Tensor:
+    """Split ``x`` into n parts along ``split_dim``, send part i to rank i, and concatenate what
+    arrives along ``concat_dim`` (the exchange of expert parallelism and of Ulysses-style
+    sequence/head re-sharding)."""
+    n = _size(group)
+    if n == 1:
+        return x
+    if x.shape[split_dim] % n:
+        raise ValueError(f"dim {split_dim} of {tuple(x.shape)} does not split over {n} ranks")
+    send = x.movedim(split_dim, 0).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    parts = recv.chunk(n, dim=0)  # part j came from rank j
+    return torch.cat([p.movedim(0, split_dim) for p in parts], dim=concat_dim)
 
 
 class _CopyTo(torch.autograd.Function):
@@ -126,6 +168,22 @@ class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return all_gather(g, ctx.group, ctx.dim), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, split_dim: int, concat_dim: int) -> torch.Tensor:
+        ctx.group, ctx.split_dim, ctx.concat_dim = group, split_dim, concat_dim
+        return all_to_all(x, group, split_dim, concat_dim)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return all_to_all(g, ctx.group, ctx.concat_dim, ctx.split_dim), None, None, None
+
+
+def exchange(x: torch.Tensor, group: Any, split_dim: int, concat_dim: int) -> torch.Tensor:
+    """Differentiable `all_to_all`; its backward is the reverse exchange."""
+    return x if _size(group) == 1 else _AllToAll.apply(x, group, split_dim, concat_dim)
 
 
 def copy_to(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zoo.parallel import comm
+
 
 class _Bucket:
     def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device, pad_to: int) -> None:
@@ -37,8 +39,7 @@ class _Bucket:
 class GradBuckets:
     def __init__(self, module: nn.Module, group: Any, *, bucket_size: int = 40_000_000, shard: bool = False) -> None:
         """``shard``: reduce-scatter instead of all-reduce; each rank then owns 1/DP of every bucket
-        (ZeRO-1, `zoo.parallel.zero`). gloo has no reduce-scatter: it all-reduces and each rank
-        reads its shard, which is correct but moves more bytes than NCCL's reduce-scatter."""
+        (ZeRO-1, `zoo.parallel.zero`), and only that shard of the buffer holds reduced values."""
         self.module, self.group, self.shard = module, group, shard
         self.size = 1 if group is None else dist.get_world_size(group)
         params = [p for p in module.parameters() if p.requires_grad]
@@ -68,7 +69,8 @@ class GradBuckets:
                 self._bucket_of[id(p)] = b
                 p.register_post_accumulate_grad_hook(self._ready)
         self.sync = True
-        self.launched = 0  # all-reduces issued (for tests and the benchmark)
+        self.launched = 0  # reductions issued (for tests and the benchmark)
+        self.launched_bytes = 0  # bytes of the buffers they reduced
 
     def _make(self, params: list[nn.Parameter]) -> _Bucket:
         return _Bucket(params, params[0].dtype, params[0].device, self.size)
@@ -80,12 +82,13 @@ class GradBuckets:
         b.pending -= 1
         if b.pending == 0 and self.sync and self.size > 1:
             b.buffer.div_(self.size)
-            if self.shard and dist.get_backend(self.group) == "nccl":
+            if self.shard:  # only this rank's shard is reduced; the rest of the buffer is stale
                 out = b.buffer.chunk(self.size)[dist.get_rank(self.group)]
-                b.handle = dist.reduce_scatter_tensor(out, b.buffer.clone(), group=self.group, async_op=True)
+                b.handle = comm.reduce_scatter_into(out, b.buffer.clone(), self.group, async_op=True)
             else:
                 b.handle = dist.all_reduce(b.buffer, group=self.group, async_op=True)
             self.launched += 1
+            self.launched_bytes += b.buffer.numel() * b.buffer.element_size()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -106,6 +109,18 @@ class GradBuckets:
             elif self.size > 1 and b.pending != 0:
                 raise RuntimeError("a gradient bucket never completed: some parameters received no gradient")
             b.pending = len(b.params)
+
+    def unshard(self) -> None:
+        """After a sharded (ZeRO) reduction: all-gather every bucket's reduced shards so each
+        parameter's ``.grad`` is whole again (for inspection; training never needs it)."""
+        if not self.shard or self.size == 1:
+            return
+        rank = dist.get_rank(self.group)
+        for b in self.buckets:
+            parts = list(b.buffer.chunk(self.size))
+            gathered = [torch.empty_like(p) for p in parts]
+            dist.all_gather(gathered, parts[rank].clone(), group=self.group)
+            b.buffer.copy_(torch.cat(gathered))
 
     def zero_grad(self) -> None:
         for b in self.buckets:

@@ -212,6 +212,8 @@ class Parallel:
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every gradient at its full shape under its single-process name (collective; for tests
         and debugging)."""
+        if self.buckets is not None:
+            self.buckets.unshard()
         out = {}
         for name, p in self.model.named_parameters():
             if p.grad is None or self.canonical(name) != name:

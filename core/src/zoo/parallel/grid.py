@@ -111,17 +111,20 @@ class ProcessGrid:
         return mine
 
 
-def expert_grid(dense: ProcessGrid, *, etp: int, ep: int) -> ProcessGrid:
-    """The expert grid beside a dense (tp, cp, dp, pp) grid: axes etp, ep, edp, pp in the dense
-    order (tp -> etp, dp -> edp, cp dropped), ``edp = world / (etp * ep * pp)``. Pipeline stage
-    ``i`` holds the same ranks in both grids, so the pipeline groups are shared. Collective."""
+def expert_grid(dense: ProcessGrid, *, etp: int, ep: int,
+                order: Sequence[str] = ("tp", "cp", "ep", "dp", "pp")) -> ProcessGrid:
+    """The expert grid beside a dense (tp, cp, dp, pp) grid: axes etp, ep, edp, pp in the
+    configured ``order`` (parallel.order; tp -> etp, dp -> edp, cp dropped),
+    ``edp = world / (etp * ep * pp)``. With pp last (the default), pipeline stage ``i`` holds the
+    same ranks in both grids, so the pipeline groups are shared. Collective."""
     pp = dense.sizes.get("pp", 1)
     if dense.world_size % (etp * ep * pp):
         raise ValueError(f"world size {dense.world_size} is not divisible by etp*ep*pp = {etp}*{ep}*{pp}")
     sizes = {"etp": etp, "ep": ep, "edp": dense.world_size // (etp * ep * pp), "pp": pp}
     rename = {"tp": "etp", "ep": "ep", "dp": "edp", "pp": "pp"}
-    order = [rename[a] for a in dense.order if a in rename]
-    order += [a for a in sizes if a not in order]
-    return ProcessGrid(sizes, order, rank=dense.rank, world_size=dense.world_size,
-                       create_groups=dense._create, share=dense)
-
+    grid = ProcessGrid(sizes, [rename[a] for a in order if a in rename], rank=dense.rank,
+                       world_size=dense.world_size, create_groups=dense._create, share=dense)
+    if grid.ranks_of(["pp"]) != dense.ranks_of(["pp"]):
+        raise ValueError(f"parallel.order={'-'.join(order)}: the expert grid's pipeline stages differ from the "
+                         "dense grid's; keep pp the last axis")
+    return grid

@@ -1,0 +1,56 @@
+"""Ring attention against PyTorch's own causal attention over the whole sequence (float64, so
+any difference is an error, not rounding): outputs and the gradients of q, k and v, for CP sizes
+2 and 4, multi-head and grouped-query."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from zoo.parallel.context import local_positions, split_batch
+from zoo.testing import run_distributed
+
+
+def _ring(h: int, kvh: int) -> dict:
+    import torch.distributed as dist
+
+    from zoo.parallel.context import ring_attention
+
+    torch.manual_seed(0)  # the same full tensors on every rank
+    b, t, hd = 2, 24, 8
+    q = torch.randn(b, h, t, hd, dtype=torch.float64)
+    k, v = torch.randn(b, kvh, t, hd, dtype=torch.float64), torch.randn(b, kvh, t, hd, dtype=torch.float64)
+    dout = torch.randn(b, h, t, hd, dtype=torch.float64)
+    idx = local_positions(t, dist.get_world_size(), dist.get_rank())
+    ql, kl, vl = (x.index_select(2, idx).clone().requires_grad_(True) for x in (q, k, v))
+    out = ring_attention(ql, kl, vl, dist.group.WORLD)
+    (out * dout.index_select(2, idx)).sum().backward()
+    qf, kf, vf = (x.clone().requires_grad_(True) for x in (q, k, v))
+    ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, enable_gqa=h != kvh)
+    (ref * dout).sum().backward()
+    pick = lambda x: x.index_select(2, idx)  # noqa: E731
+    return {"out": (out - pick(ref)).abs().max().item(), "dq": (ql.grad - pick(qf.grad)).abs().max().item(),
+            "dk": (kl.grad - pick(kf.grad)).abs().max().item(), "dv": (vl.grad - pick(vf.grad)).abs().max().item()}
+
+
+@pytest.mark.parametrize(("cp", "heads", "kv_heads"), [(2, 4, 4), (2, 4, 2), (4, 4, 1)])
+def test_ring_attention_equals_full_causal_attention(cp, heads, kv_heads):
+    for errors in run_distributed(_ring, cp, heads, kv_heads, timeout=120):
+        assert max(errors.values()) < 1e-12, errors
+
+
+def test_load_balanced_split_and_batch_positions():
+    # 2*cp chunks; rank i holds chunks i and 2cp-1-i, so causal work is even across ranks.
+    assert local_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert local_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    work = [sum(int(p) + 1 for p in local_positions(16, 4, r)) for r in range(4)]
+    assert len(set(work)) == 1
+    batch = {"tokens": torch.arange(16).view(2, 8), "labels": torch.arange(16).view(2, 8) + 1, "meta": "x"}
+    part = split_batch(batch, ("tokens", "labels", "position_ids"), cp=2, rank=1, seq_len=8,
+                       positions_key="position_ids")
+    assert part["tokens"].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert part["position_ids"].tolist() == [[2, 3, 4, 5]] * 2  # global positions for RoPE
+    assert part["meta"] == "x"
+    with pytest.raises(ValueError, match="does not split into 2\\*cp = 4 chunks"):
+        local_positions(10, 2, 0)
