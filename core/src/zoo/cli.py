@@ -189,17 +189,28 @@ def resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
     return entry, run
 
 
-def count_parameters(entry: Any, run: Any, tp: int = 1) -> tuple[int, int]:
-    """Build the model on the meta device (no memory); (total parameters, parameters per TP rank)."""
+def count_parameters(entry: Any, run: Any, plan: Any) -> tuple[int, list[int]]:
+    """Build the model on the meta device (no memory); (total parameters, parameters one rank of
+    each pipeline stage holds: its layers, TP-split where the family's plan splits them)."""
     import torch
 
     from zoo.family import resolve
     from zoo.parallel.apply import parameters_per_rank
 
-    build = resolve(entry.family.build, owner=str(entry.plugin))
+    fam = entry.family
+    build = resolve(fam.build, owner=str(entry.plugin))
     with torch.device("meta"):
-        model = build(run.model, entry.family.spec_for(run.model))
-    return sum(p.numel() for p in model.parameters()), parameters_per_rank(model, entry.family.tp_plan, tp)
+        model = build(run.model, fam.spec_for(run.model))
+    total = sum(p.numel() for p in model.parameters())
+    if plan.pp == 1 or fam.pipeline is None:
+        return total, [parameters_per_rank(model, fam.tp_plan, plan.tp)]
+    from zoo.parallel.pipeline import build_stages
+
+    per_stage = []
+    for rank in range(plan.pp):
+        stages = build_stages(model, fam.pipeline, pp=plan.pp, vpp=plan.vpp, rank=rank, sizes=run.parallel.pp_layers)
+        per_stage.append(parameters_per_rank(stages.local, fam.tp_plan, plan.tp))
+    return total, per_stage
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -210,12 +221,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     plan = layout.plan(run.parallel, run.train, run.model, world_size=world)
     if args.dry_run:
         print(run.to_yaml().rstrip())
-        n, per_rank = count_parameters(entry, run, plan.tp)
+        n, per_stage = count_parameters(entry, run, plan)
         print(f"# model: {run.family} ({run.flavor}) from {entry.plugin.distribution} {entry.plugin.version}")
         print(f"# parameters: {n:,} ({_human(n)})")
         print(f"# layout: {plan.describe()}")
-        if plan.tp > 1:
-            print(f"# parameters per tensor-parallel rank: {per_rank:,} ({_human(per_rank)})")
+        if plan.pp > 1:
+            for stage, count in enumerate(per_stage):
+                print(f"# parameters per rank of pipeline stage {stage}: {count:,} ({_human(count)})")
+        elif plan.tp > 1:
+            print(f"# parameters per tensor-parallel rank: {per_stage[0]:,} ({_human(per_stage[0])})")
         return 0
     from zoo import train
 

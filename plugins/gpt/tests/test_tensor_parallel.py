@@ -123,3 +123,20 @@ def test_dry_run_shows_parameters_per_rank():
     norms = 32 * 2 * 4096 + 4096
     expected = (8_030_261_248 - norms) // 8 + norms
     assert f"# parameters per tensor-parallel rank: {expected:,}" in out.stdout
+
+
+def test_dry_run_shows_parameters_per_pipeline_stage():
+    from _gpt_helpers import zoo
+
+    out = zoo("train", "--model", "llama", "--flavor", "3-8B", "--dry-run", "--world-size", "16",
+              "parallel.tp=2", "parallel.pp=4")
+    assert out.returncode == 0, out.stderr
+    # Independent arithmetic for Llama 3 8B: 8 layers per stage, matrices split over TP=2, norms whole.
+    attn = 2 * 4096 * 4096 + 2 * 1024 * 4096
+    mlp = 3 * 4096 * 14336
+    layer = (attn + mlp) // 2 + 2 * 4096
+    vocab = 128256 * 4096 // 2
+    expected = [8 * layer + vocab, 8 * layer, 8 * layer, 8 * layer + vocab + 4096]
+    for stage, n in enumerate(expected):
+        assert f"# parameters per rank of pipeline stage {stage}: {n:,}" in out.stdout
+    assert "world 16 = tp=2 x cp=1 x dp=2 x pp=4" in out.stdout

@@ -141,7 +141,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 
 
 def reduce_sequence_parallel_grads(module: nn.Module, group: Any) -> None:
-    """Sum over TP the gradients of parameters applied to sequence shards (norm weights, row biases)."""
-    for p in module.parameters():
-        if getattr(p, "sequence_parallel", False) and p.grad is not None:
-            comm.all_reduce(p.grad, group)
+    """Sum over TP the gradients of parameters applied to sequence shards (norm weights, row
+    biases), all in one all-reduce of their concatenation."""
+    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads or comm._size(group) == 1:
+        return
+    flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
