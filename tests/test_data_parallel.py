@@ -116,3 +116,59 @@ def test_zero1_equals_single_process_and_shards_state():
                                            rtol=1e-5, atol=1e-7)
         # 1/DP of the unsharded state, up to the padding of each bucket to a multiple of DP.
         assert abs(got["state_bytes"] - unsharded / 2) <= 3 * 4 * (got["padded"] - n)
+
+
+def _zero_bf16_rank() -> dict:
+    import torch.distributed as dist
+
+    from zoo.parallel.data_parallel import GradBuckets
+    from zoo.parallel.zero import DistributedOptimizer
+
+    model = _model().to(torch.bfloat16)  # bf16 parameters and gradients
+    buckets = GradBuckets(model, dist.group.WORLD, bucket_size=500, shard=True)
+    opt = DistributedOptimizer(buckets, lambda groups: torch.optim.AdamW(groups, lr=0.01), weight_decay=0.1)
+    x, y = _data()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for _ in range(3):
+        F.mse_loss(model(x.chunk(world)[rank].bfloat16()).float(), y.chunk(world)[rank]).backward()
+        buckets.finish()
+        opt.step()
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {"params": [p.detach().clone() for p in model.parameters()], "state_bytes": opt.state_bytes(),
+            "padded": sum(b.buffer.numel() for b in buckets.buckets), "state": opt.full_state(names),
+            "dtypes": {b.buffer.dtype for b in buckets.buckets}}
+
+
+def test_zero1_with_bf16_parameters_keeps_fp32_masters():
+    # Reference: one process, bf16 model, the textbook mixed-precision optimizer (fp32 copies
+    # updated by AdamW from the bf16 gradients, written back rounded to bf16).
+    model = _model().to(torch.bfloat16)
+    masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    decay = [m for m, p in zip(masters, model.parameters()) if p.dim() >= 2]
+    rest = [m for m, p in zip(masters, model.parameters()) if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=0.01)
+    x, y = _data()
+    for _ in range(3):
+        model.zero_grad()
+        F.mse_loss(model(x.bfloat16()).float(), y).backward()
+        for m, p in zip(masters, model.parameters()):
+            m.grad = p.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, model.parameters()):
+                p.copy_(m)
+    n = sum(p.numel() for p in model.parameters())
+    names = {id(p): name for name, p in model.named_parameters()}
+    for got in run_distributed(_zero_bf16_rank, 2, timeout=120):
+        assert got["dtypes"] == {torch.bfloat16}  # gradients stay in the parameters' dtype
+        for a, b in zip(got["params"], model.parameters()):
+            assert a.dtype == torch.bfloat16
+            # Two half-batch gradients averaged in bf16 versus one whole-batch gradient: bf16 rounding.
+            torch.testing.assert_close(a.float(), b.detach().float(), rtol=2e-2, atol=2e-2)
+        for m, p in zip(masters, model.parameters()):  # the fp32 masters are kept and saved
+            master = got["state"][f"{names[id(p)]}::master"]
+            assert master.dtype == torch.float32
+            torch.testing.assert_close(master, m.detach(), rtol=2e-2, atol=2e-2)
+            assert not torch.equal(master, master.bfloat16().float())  # more precise than the parameters
+        # Master + two moments in fp32 per parameter, 1/DP of them per rank (Megatron's 12/d bytes).
+        assert abs(got["state_bytes"] - 12 * n / 2) <= 12 * (got["padded"] - n)

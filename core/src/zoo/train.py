@@ -192,6 +192,9 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
             full = read_model_state(md)  # checkpoints hold full tensors: any layout loads them
             load_into(model, par.local_state(full), what=str(resume_from))
 
+        if run.train.param_dtype == "bf16":
+            model.to(torch.bfloat16)  # after loading: the fp32 masters come from the checkpoint or these
+
         # The optimizer is made after the weights are in place: ZeRO-1 copies them into its fp32 masters.
         def adamw(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
             return torch.optim.AdamW(groups, lr=run.optimizer.lr, betas=(run.optimizer.beta1, run.optimizer.beta2),
@@ -199,7 +202,7 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
 
         buckets = par.make_buckets(p_cfg.bucket_size, shard=bool(p_cfg.zero))
         zero = None
-        if buckets is not None and p_cfg.zero:
+        if p_cfg.zero:
             from zoo.parallel.zero import DistributedOptimizer
 
             # fp32 master weights and Adam state only for this rank's shard of every bucket.
@@ -217,7 +220,8 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
             if zero is not None:
                 zero.load_full_state({k: shard_one(k.partition("::")[0], v) if v.dim() else v
                                       for k, v in opt_tensors.items()}, names)
-            else:
+            else:  # fp32 masters saved by a bf16-parameter run are not a plain optimizer's state
+                opt_tensors = {k: v for k, v in opt_tensors.items() if not k.endswith("::master")}
                 ckpt.load_optimizer(opt, model, opt_tensors, opt_groups, where=resume_from, transform=shard_one)
             if state.get("scaler") and scaler.is_enabled():
                 scaler.load_state_dict(state["scaler"])
@@ -367,6 +371,9 @@ def _check_layout(fam: Any, run: Any, plan: Any) -> None:
     if run.train.precision == "fp16" and (plan.tp > 1 or plan.pp > 1):
         raise ConfigError("train.precision=fp16 with parallel.tp > 1 or pp > 1 is not supported yet (loss-scale "
                           "overflow checks must agree across model-parallel ranks); use bf16")
+    if run.train.param_dtype == "bf16" and not (p.zero and run.train.precision == "bf16"):
+        raise ConfigError("train.param_dtype=bf16 needs parallel.zero=1 (its distributed optimizer keeps the fp32 "
+                          "master weights) and train.precision=bf16")
     if p.zero and run.train.precision == "fp16":
         raise ConfigError("parallel.zero=1 with train.precision=fp16 is not supported yet; use bf16 or fp32")
 

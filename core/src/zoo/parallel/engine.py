@@ -83,7 +83,10 @@ class Parallel:
     # ----------------------------------------------------------------------------- set-up
 
     def make_buckets(self, bucket_size: int, *, shard: bool) -> Any:
-        if self.dp_cp_group is None:
+        """Gradient buckets over the data x context group; with ``shard`` (the distributed
+        optimizer) also for a single data-parallel rank, where they hold the fp32-master
+        optimizer's gradients without reducing anything."""
+        if self.dp_cp_group is None and not shard:
             return None
         from zoo.parallel.data_parallel import GradBuckets
 

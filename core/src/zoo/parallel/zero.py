@@ -124,6 +124,16 @@ class DistributedOptimizer:
             if step is not None:
                 for p in b.params:
                     out[f"{names[id(p)]}::step"] = torch.as_tensor(step).clone()
+            if b.buffer.dtype != torch.float32:  # low-precision parameters: the fp32 masters are the truth
+                flat = torch.zeros(b.buffer.numel(), dtype=torch.float32)
+                for pb, a, n, master, _, _ in self.pieces:
+                    if pb is b:
+                        flat[a:a + n] = master.detach()
+                full = self._gather(flat)
+                offset = 0
+                for p in b.params:
+                    out[f"{names[id(p)]}::master"] = full[offset:offset + p.numel()].view(p.shape).clone()
+                    offset += p.numel()
         return out
 
     @torch.no_grad()
@@ -131,13 +141,15 @@ class DistributedOptimizer:
         """Adam state from `full_state`'s form; the fp32 masters are re-read from the parameters
         (loaded just before), never left at the values they had when the optimizer was made."""
         for _, _, n, master, p, start in self.pieces:
-            master.copy_(p.detach().reshape(-1)[start:start + n].float())
+            saved = tensors.get(f"{names[id(p)]}::master")
+            source = saved if saved is not None else p.detach()
+            master.copy_(source.reshape(-1)[start:start + n].float())
         for _, _, n, master, p, start in self.pieces:
             name = names[id(p)]
             st: dict[str, Any] = {}
             for key, value in tensors.items():
                 pname, _, field = key.partition("::")
-                if pname != name:
+                if pname != name or field == "master":
                     continue
                 st[field] = value.clone() if value.dim() == 0 else value.reshape(-1)[start:start + n].clone().float()
             if st:
