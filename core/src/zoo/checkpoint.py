@@ -177,3 +177,104 @@ def restore_rng(state: dict[str, Any], rng: dict[str, torch.Tensor]) -> None:
 
 
 __all__ = ["complete_checkpoints", "latest", "load_train_state", "read_meta", "resolve_checkpoint", "save"]
+
+
+# ---------------------------------------------------------------------- sharded (format 2) form
+
+
+def _style(model: torch.nn.Module, name: str) -> str | None:
+    from zoo.parallel.apply import tp_style
+
+    st = tp_style(model, name)
+    return st[0] if st else None
+
+
+def sharded_entries(par: Any, model: torch.nn.Module, optimizer_state: dict[str, torch.Tensor],
+                    ties: dict[str, str]) -> list[Any]:
+    """The tensors this rank holds, under single-process names, each marked with whether this
+    rank is the one replica that writes it (first data/context rank; first TP rank for tensors
+    TP does not split). ``optimizer_state`` is ``local name::field`` -> TP-local tensor."""
+    from zoo.dist_checkpoint import Entry
+
+    replica_0 = par.dp_rank == 0 and par.cp_rank == 0
+    out = []
+    for name, t in model.state_dict().items():
+        canon = par.canonical(name)
+        if canon != name or name in ties:  # a tied alias: stored once, under the name it shares
+            continue
+        style = _style(model, name)
+        out.append(Entry(name, t, style, replica_0 and (style is not None or par.tp_rank == 0)))
+    for key, t in optimizer_state.items():
+        name, _, field = key.partition("::")
+        canon = par.canonical(name)
+        if canon != name or name in ties:
+            continue
+        style = _style(model, name) if t.dim() else None
+        out.append(Entry(key, t, style, replica_0 and (style is not None or par.tp_rank == 0)))
+    return out
+
+
+def save_sharded(root: Path, *, step: int, run: Any, par: Any, model: torch.nn.Module, optimizer_state: dict[str, torch.Tensor],
+                 groups: list[dict[str, Any]], scaler: torch.amp.GradScaler, consumed_samples: int,
+                 tokenizer_dir: Path | None, keep_last: int | None, ties: dict[str, str], saver: Any, token: str,
+                 rank: int, world_size: int, timeout_s: float) -> Path:
+    """Every rank calls this at the same step; the snapshot is taken now, the writing is done by
+    ``saver`` (now, or in the background). Returns the directory the checkpoint will have."""
+    from zoo.config import _plain
+    from zoo.dist_checkpoint import finalize, snapshot, write_rank
+
+    snap = snapshot(sharded_entries(par, model, optimizer_state, ties), tp=par.tp, tp_rank=par.tp_rank)
+    dst = step_dir(root, step)
+    tmp = root / f".{dst.name}.partial-{token}"
+    state = {"step": step, "consumed_samples": consumed_samples, "optimizer_param_groups": groups,
+             "scaler": scaler.state_dict() if scaler.is_enabled() else None}
+    meta = {"format": "zoo", "family": run.family, "flavor": run.flavor, "model_config": _plain(run.model),
+            "ties": ties, "kind": "train", "step": step}
+    config_yaml = run.to_yaml().encode()
+
+    def work() -> None:
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".step_*.partial-*"):  # killed saves of earlier runs
+                if not stale.name.endswith(f"-{token}"):
+                    shutil.rmtree(stale, ignore_errors=True)
+        write_rank(tmp, rank, snap)
+        if rank == 0:
+            finalize(tmp, dst, world_size=world_size, meta=meta, state=state, files={"config.yaml": config_yaml},
+                     tokenizer_from=tokenizer_dir, timeout_s=timeout_s)
+            if keep_last:
+                for _, old in complete_checkpoints(root)[:-keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    saver.submit(work)
+    return dst
+
+
+def load_sharded(path: Path, *, par: Any, model: torch.nn.Module, rank: int, world_size: int
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any], Any]:
+    """This rank's model tensors (local names), optimizer tensors (``canonical name::field``,
+    TP-local), the loop state and the RNG states to restore, read from a sharded checkpoint."""
+    from zoo.dist_checkpoint import ShardedCheckpoint
+
+    ck = ShardedCheckpoint(path)
+    what = f" (loading {path})"
+    local: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        local[name] = ck.read_local(par.canonical(name), t.shape, _style(model, name), par.tp, par.tp_rank, what=what)
+    opt: dict[str, torch.Tensor] = {}
+    fields: dict[str, list[str]] = {}
+    for key in ck.names():
+        pname, sep, field = key.partition("::")
+        if sep:
+            fields.setdefault(pname, []).append(field)
+    for name, p in model.named_parameters():
+        canon = par.canonical(name)
+        for field in fields.get(canon, []):
+            key = f"{canon}::{field}"
+            if len(ck.shape(key)) == 0:
+                opt[key] = ck.full(key)
+            else:
+                opt[key] = ck.read_local(key, p.shape, _style(model, name), par.tp, par.tp_rank, what=what)
+    state = json.loads((path / "state.json").read_text())
+    same_world = ck.index.get("world_size") == world_size
+    return local, opt, state, ck.rng(rank if same_world else 0)

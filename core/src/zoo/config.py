@@ -137,7 +137,9 @@ class CheckpointConfig:
     resume: str = "auto"
     load: str | None = None  # initial weights, e.g. "hf:/path/to/model"
     keep_last: int | None = None  # retention; None keeps all
-    async_save: bool = False
+    interval_minutes: float = 0.0  # also save when this many minutes passed since the last save; 0: off
+    async_save: bool = False  # copy tensors off and write in a background thread while training goes on
+    save_on_sigterm: bool = True  # preemption: SIGTERM saves at the end of the current step, then exits
 
 
 @dataclass(kw_only=True)

@@ -77,7 +77,13 @@ def read_meta(path: str | os.PathLike[str]) -> ModelDir:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{p / META}: not valid JSON ({e})") from None
     version = meta.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if meta.get("sharded"):
+        from zoo.dist_checkpoint import FORMAT_VERSION as SHARDED_VERSION
+
+        if not isinstance(version, int) or version > SHARDED_VERSION:
+            raise CheckpointError(f"{p}: checkpoint format version {version!r}; this zoo reads versions up to "
+                                  f"{SHARDED_VERSION} (upgrade zoo-core)")
+    elif not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointError(f"{p}: checkpoint format version {version!r}; this zoo reads versions up to {FORMAT_VERSION} (upgrade zoo-core)")
     for key in ("family", "model_config"):
         if key not in meta:
@@ -151,9 +157,16 @@ def _fsync_dir(path: Path) -> None:
 
 
 def read_model_state(md: ModelDir) -> dict[str, Any]:
+    """The model's full tensors (a sharded training checkpoint is assembled tensor by tensor)."""
     from zoo.tensorio import load_file
 
-    state = load_file(md.path / "model.safetensors")
+    if md.meta.get("sharded"):
+        from zoo.dist_checkpoint import ShardedCheckpoint
+
+        ck = ShardedCheckpoint(md.path)
+        state = {name: ck.full(name) for name in ck.names() if "::" not in name}
+    else:
+        state = load_file(md.path / "model.safetensors")
     for alias, original in md.meta.get("ties", {}).items():
         if original not in state:
             raise CheckpointError(f"{md.path}: tied tensor {alias!r} refers to missing {original!r}")

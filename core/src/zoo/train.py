@@ -164,18 +164,14 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
                            pp_schedule=p_cfg.pp_schedule, rank=env.rank, world_size=env.world_size)
         except ValueError as e:
             raise ConfigError(f"parallel: {e}") from None
+        ties = _ties(full_model)
         del full_model
         model = par.model  # this rank's parameters (its tensor-parallel shards of its stages)
 
-        # Checkpoints hold the single-process model's full tensors: sliced to this rank's part on
-        # load, gathered (over TP and PP) on save.
+        # Format-1 checkpoints and HF weights hold full tensors: sliced to this rank's part on load.
         def shard_one(name: str, t: Any) -> Any:
             st = tp.tp_style(model, name)
             return tp.shard_full(t, *st) if st else t
-
-        def gather_one(name: str, t: Any) -> Any:
-            st = tp.tp_style(model, name)
-            return tp.gather_full(t, *st) if st else t
 
         if run.checkpoint.load and resume_from is None:
             from zoo.convert import load as load_any
@@ -183,14 +179,19 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
             source = run.checkpoint.load.removeprefix("hf:")
             loaded = load_any(source, device=env.device)
             load_into(model, par.local_state(loaded.model.state_dict()), what=source)
+        sharded = None  # (optimizer tensors, loop state, RNG) of a sharded checkpoint
         if resume_from is not None:
             md = read_meta(resume_from)
             if md.family != run.family:
                 raise ConfigError(f"{resume_from}: a checkpoint of {md.family!r}, not {run.family!r}")
-            from zoo.convert import read_model_state
+            if md.meta.get("sharded"):  # each rank reads only the slices it holds, under any layout
+                local, *sharded = ckpt.load_sharded(resume_from, par=par, model=model, rank=env.rank,
+                                                    world_size=env.world_size)
+                load_into(model, local, what=str(resume_from))
+            else:  # format 1: full tensors in one file
+                from zoo.convert import read_model_state
 
-            full = read_model_state(md)  # checkpoints hold full tensors: any layout loads them
-            load_into(model, par.local_state(full), what=str(resume_from))
+                load_into(model, par.local_state(read_model_state(md)), what=str(resume_from))
 
         if run.train.param_dtype == "bf16":
             model.to(torch.bfloat16)  # after loading: the fp32 masters come from the checkpoint or these
@@ -215,17 +216,28 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
         step, consumed = 0, 0
 
         if resume_from is not None:
-            state, opt_tensors, rng = ckpt.load_train_state(md)
+            if sharded:
+                opt_tensors, state, rng = sharded
+                local_shards = True  # already this rank's TP shards
+            else:
+                state, opt_tensors, rng = ckpt.load_train_state(md)
+                local_shards = False
             opt_tensors, opt_groups = par.local_optimizer(opt_tensors, state["optimizer_param_groups"], group_names)
+            to_local = (lambda name, t: t) if local_shards else shard_one
             if zero is not None:
-                zero.load_full_state({k: shard_one(k.partition("::")[0], v) if v.dim() else v
+                zero.load_full_state({k: to_local(k.partition("::")[0], v) if v.dim() else v
                                       for k, v in opt_tensors.items()}, names)
             else:  # fp32 masters saved by a bf16-parameter run are not a plain optimizer's state
                 opt_tensors = {k: v for k, v in opt_tensors.items() if not k.endswith("::master")}
-                ckpt.load_optimizer(opt, model, opt_tensors, opt_groups, where=resume_from, transform=shard_one)
+                ckpt.load_optimizer(opt, model, opt_tensors, opt_groups, where=resume_from, transform=to_local)
             if state.get("scaler") and scaler.is_enabled():
                 scaler.load_state_dict(state["scaler"])
-            ckpt.restore_rng(state, rng)
+            if sharded:
+                from zoo.dist_checkpoint import restore_rng
+
+                restore_rng(*rng)
+            else:
+                ckpt.restore_rng(state, rng)
             step, consumed = int(state["step"]), int(state["consumed_samples"])
             if env.is_main:
                 print(f"resuming from {resume_from} (step {step})", flush=True)
@@ -254,24 +266,28 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
 
         last_saved = [-1]  # decided identically on every rank (no filesystem check: it may not be shared)
 
+        from zoo.dist_checkpoint import Saver
+
+        saver = Saver(asynchronous=run.checkpoint.async_save)
+        token = _run_token(env.world_size)  # names this run's partial checkpoint directories
+
         def save() -> None:
             last_saved[0] = step
-            # Full tensors (gathered over TP and PP: collectives every rank joins); global rank 0 writes.
-            full = par.full_model_state()
-            if zero is not None:  # the same form as a plain optimizer's: ZeRO-1 can be switched on resume
-                tensors = {k: gather_one(k.partition("::")[0], v) if v.dim() else v
-                           for k, v in zero.full_state(names).items()}
-                groups = ckpt.optimizer_tensors(adamw(param_groups(model, run.optimizer.weight_decay)), model)[1]
+            # Each rank snapshots what it holds (ZeRO shards gathered over DP first: a collective);
+            # the files are written now or in the background, one save in flight at most.
+            if zero is not None:
+                opt_state = zero.full_state(names)
             else:
-                tensors, groups = ckpt.optimizer_tensors(opt, model, gather_one)
-            opt_state = par.gather_optimizer(tensors, groups)
-            path = ckpt.save(ckpt_root, step=step, run=run, model=model, opt=opt, scaler=scaler,
-                             consumed_samples=consumed, tokenizer_dir=tokenizer_dir, keep_last=run.checkpoint.keep_last,
-                             write=env.is_main, model_state=full, opt_state=opt_state)
-            if env.world_size > 1:
-                torch.distributed.barrier()  # nobody runs ahead of a checkpoint that is not written yet
+                opt_state = {f"{names[id(p)]}::{k}": (v if torch.is_tensor(v) else torch.tensor(v))
+                             for p, st in opt.state.items() for k, v in st.items()}
+            groups = par.global_groups(ckpt.optimizer_tensors(adamw(param_groups(model, run.optimizer.weight_decay)),
+                                                              model)[1])
+            path = ckpt.save_sharded(ckpt_root, step=step, run=run, par=par, model=model, optimizer_state=opt_state,
+                                     groups=groups, scaler=scaler, consumed_samples=consumed, tokenizer_dir=tokenizer_dir,
+                                     keep_last=run.checkpoint.keep_last, ties=ties, saver=saver, token=token,
+                                     rank=env.rank, world_size=env.world_size, timeout_s=run.parallel.timeout_s)
             if env.is_main and run.logging.progress:
-                print(f"saved checkpoint {path}", flush=True)
+                print(f"{'saving' if saver.asynchronous else 'saved'} checkpoint {path}", flush=True)
 
         try:
             while step < run.train.steps:
@@ -327,6 +343,7 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
                     save()
             if run.train.steps > 0 and step == run.train.steps and last_saved[0] != step:
                 save()
+            saver.wait()  # the last checkpoint is complete before the run ends
         finally:
             if metrics is not None:
                 metrics.close(run_dir / "loss.png" if step > 0 else None)
@@ -352,6 +369,30 @@ def _evaluate(par: Any, forward: Any, it: Iterator[Any], steps: int, seq_length:
     finally:
         for m in modules:
             m.train(was_training)
+
+
+def _ties(model: Any) -> dict[str, str]:
+    """Tied parameter names of the whole model: alias -> the name it shares (stored once)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
+
+
+def _run_token(world_size: int) -> str:
+    """A token every rank agrees on (rank 0's), unique to this run."""
+    import secrets
+
+    token = [secrets.token_hex(4)]
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(token, src=0)
+    return token[0]
 
 
 def _check_layout(fam: Any, run: Any, plan: Any) -> None:

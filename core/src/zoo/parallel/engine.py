@@ -51,6 +51,7 @@ class Parallel:
         self.dp_group = g.group("dp")
         self.dp_cp_group = g.group("dp", "cp")  # gradients are averaged over data and context ranks
         self.dp_rank, self.cp_rank, self.pp_rank = g.index("dp"), g.index("cp"), g.index("pp")
+        self.tp_rank = g.index("tp")
         seq = family.sequence
         if cp > 1 and seq is None:
             raise ValueError(f"parallel.cp={cp}: family {family.name!r} declares no sequence spec (SequenceSpec)")
@@ -224,6 +225,17 @@ class Parallel:
             st = tp_apply.tp_style(self.model, name)
             out[name] = tp_apply.gather_full(p.grad, *st) if st else p.grad.detach().clone()
         return gather_state(out, self.pp_group) if self.stages is not None else out
+
+    def global_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Optimizer param groups with every stage's parameter names, in single-process order."""
+        if self.stages is None:
+            return groups
+        order = {n: i for i, n in enumerate(self.stages.global_order)}
+        merged = []
+        for per_stage in zip(*gather_objects(groups, self.pp_group)):
+            names = {n for g in per_stage for n in g["params"] if n in order}
+            merged.append({**per_stage[0], "params": sorted(names, key=order.__getitem__)})
+        return merged
 
     def gather_optimizer(self, tensors: dict[str, torch.Tensor], groups: list[dict[str, Any]]
                          ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:

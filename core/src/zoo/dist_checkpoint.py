@@ -1,0 +1,353 @@
+"""Sharded training checkpoints: every rank writes only what it owns, any layout reads them.
+
+Layout of ``step_00000100/`` (format version 2; version 1 is the single-file form of
+`zoo.checkpoint`, still read)::
+
+    zoo.json                  family, flavor, model config, format version, "sharded": true
+    index.json                every tensor's global shape and dtype, and its pieces: file, key,
+                              offset in the global tensor, shape; every file's SHA-256
+    shards/rank00003.safetensors   the pieces rank 3 owns (a replicated tensor is written once)
+    shards/rank00003.json     rank 3's piece list, checksum and RNG states (its "done" marker)
+    state.json                step, consumed samples, optimizer param groups (global names), scaler
+    config.yaml, tokenizer.json
+    COMPLETE                  written last
+
+Names are the single-process model's (``layers.7.attn.qkv.weight``: pipeline stages keep global
+layer indices), optimizer state is ``name::exp_avg`` etc. in the parameter's global shape, so a
+checkpoint is the same whatever layout wrote it. Loading computes, for each tensor this rank holds
+(a tensor-parallel shard of a parameter of its stages), the global box it covers and reads only the
+overlapping byte ranges of the pieces (safetensors slices). Nothing is pickled.
+
+Writing: all ranks write into ``.step_00000100.partial-<run token>``; each rank's JSON marker comes
+after its tensors are on disk; global rank 0 waits for every marker, writes the index, state and
+COMPLETE, renames the directory into place and updates ``latest`` atomically. A directory without
+COMPLETE never has a step name, so a killed save is never loaded. With ``async_save`` the tensors
+are copied to host memory in the training thread and written by a background thread (at most one
+save in flight; the next save, or the end of training, waits for it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from zoo.convert import COMPLETE, META, _fsync_dir
+from zoo.io import atomic_write_text
+from zoo.tensorio import CheckpointError
+
+FORMAT_VERSION = 2
+INDEX = "index.json"
+SHARDS = "shards"
+
+# (slices of the local tensor, offset of that region in the global tensor)
+Region = tuple[tuple[slice, ...], tuple[int, ...]]
+
+
+def regions(local_shape: Sequence[int], style: str | None, tp: int, tp_rank: int) -> tuple[tuple[int, ...], list[Region]]:
+    """The global shape of a tensor and where this rank's local tensor sits in it, for the
+    tensor-parallel styles of `zoo.parallel.apply` (``None``: replicated, the whole tensor)."""
+    shape = tuple(local_shape)
+    whole = tuple(slice(None) for _ in shape)
+    zero = (0,) * len(shape)
+    if style is None or tp == 1:
+        return shape, [(whole, zero)]
+    if style == "cols":
+        return (shape[0], shape[1] * tp, *shape[2:]), [(whole, (0, tp_rank * shape[1], *zero[2:]))]
+    if style == "rows":
+        return (shape[0] * tp, *shape[1:]), [(whole, (tp_rank * shape[0], *zero[1:]))]
+    if style == "gated_rows":  # local [gate_r; up_r], global [gate_0..gate_n; up_0..up_n]
+        half = shape[0] // 2
+        rest = tuple(slice(None) for _ in shape[1:])
+        return (shape[0] * tp, *shape[1:]), [
+            ((slice(0, half), *rest), (tp_rank * half, *zero[1:])),
+            ((slice(half, shape[0]), *rest), (tp * half + tp_rank * half, *zero[1:])),
+        ]
+    raise ValueError(f"unknown tensor-parallel style {style!r}")
+
+
+@dataclass
+class Entry:
+    """One tensor this rank holds: its single-process name, local data, TP style, and whether
+    this rank is the one replica that writes it."""
+
+    name: str
+    tensor: torch.Tensor
+    style: str | None
+    write: bool
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    py = random.getstate()
+    np_state = np.random.get_state()
+    return tensors, {"python": [py[0], list(py[1]), py[2]], "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+
+
+def restore_rng(tensors: Mapping[str, torch.Tensor], other: Mapping[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    if torch.cuda.is_available():
+        cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("cuda"))]
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)
+    v, internal, gauss = other["python"]
+    random.setstate((v, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = other["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+# ------------------------------------------------------------------------------------- saving
+
+
+@dataclass
+class _Snapshot:
+    """What one rank saves, already copied off the live tensors (so training may go on)."""
+
+    tensors: dict[str, torch.Tensor]  # file key -> data
+    pieces: list[dict[str, Any]]  # name, key, offset, shape
+    globals: dict[str, dict[str, Any]]  # name -> shape, dtype (for every tensor this rank holds)
+    rng_tensors: dict[str, torch.Tensor]
+    rng_other: dict[str, Any]
+
+
+def snapshot(entries: Sequence[Entry], *, tp: int, tp_rank: int) -> _Snapshot:
+    tensors, pieces, globals_ = {}, [], {}
+    for e in entries:
+        shape, regs = regions(e.tensor.shape, e.style, tp, tp_rank)
+        globals_[e.name] = {"shape": list(shape), "dtype": str(e.tensor.dtype).removeprefix("torch.")}
+        if not e.write:
+            continue
+        for i, (sl, offset) in enumerate(regs):
+            key = f"{e.name}#{i}"
+            data = e.tensor.detach()[sl].to("cpu", copy=True).contiguous()
+            tensors[key] = data
+            pieces.append({"name": e.name, "key": key, "offset": list(offset), "shape": list(data.shape)})
+    rng_t, rng_o = _rng_state()
+    return _Snapshot(tensors, pieces, globals_, rng_t, rng_o)
+
+
+def _rank_name(rank: int) -> str:
+    return f"rank{rank:05d}"
+
+
+def write_rank(tmp: Path, rank: int, snap: _Snapshot) -> None:
+    """This rank's tensors, then its marker (the marker says the tensors are complete)."""
+    from safetensors.torch import save_file
+
+    shards = tmp / SHARDS
+    shards.mkdir(parents=True, exist_ok=True)
+    name = _rank_name(rank)
+    path = shards / f"{name}.safetensors"
+    save_file(snap.tensors, str(path))
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    save_file(snap.rng_tensors, str(shards / f"{name}.rng.safetensors"))
+    marker = {"rank": rank, "file": f"{SHARDS}/{name}.safetensors", "sha256": _sha256(path),
+              "rng_file": f"{SHARDS}/{name}.rng.safetensors", "rng": snap.rng_other,
+              "pieces": snap.pieces, "tensors": snap.globals}
+    atomic_write_text(shards / f"{name}.json", json.dumps(marker))
+
+
+def finalize(tmp: Path, dst: Path, *, world_size: int, meta: Mapping[str, Any], state: Mapping[str, Any],
+             files: Mapping[str, bytes], tokenizer_from: Path | None, timeout_s: float) -> Path:
+    """Global rank 0: wait for every rank's marker, write the index and the rest, mark complete,
+    move into place."""
+    from zoo.tensorio import copy_tokenizer_files
+
+    deadline = time.monotonic() + timeout_s
+    markers = []
+    for r in range(world_size):
+        path = tmp / SHARDS / f"{_rank_name(r)}.json"
+        while not path.is_file():
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"{tmp}: rank {r} did not finish its part of the checkpoint in {timeout_s:.0f} s")
+            time.sleep(0.01)
+        markers.append(json.loads(path.read_text()))
+    tensors: dict[str, dict[str, Any]] = {}
+    for m in markers:
+        for name, g in m["tensors"].items():
+            t = tensors.setdefault(name, {"shape": g["shape"], "dtype": g["dtype"], "pieces": []})
+            if t["shape"] != g["shape"] or t["dtype"] != g["dtype"]:
+                raise CheckpointError(f"{tmp}: ranks disagree on {name!r}: {t['shape']} {t['dtype']} vs {g['shape']} {g['dtype']}")
+        for p in m["pieces"]:
+            tensors[p["name"]]["pieces"].append({"file": m["file"], "key": p["key"], "offset": p["offset"], "shape": p["shape"]})
+    for name, t in tensors.items():  # every element written exactly once
+        covered = sum(int(np.prod(p["shape"])) for p in t["pieces"])
+        if covered != int(np.prod(t["shape"])):
+            raise CheckpointError(f"{tmp}: {name!r} has {covered} of {int(np.prod(t['shape']))} elements written")
+    index = {"format": "zoo-sharded", "format_version": FORMAT_VERSION, "world_size": world_size,
+             "tensors": tensors, "files": {m["file"]: m["sha256"] for m in markers},
+             "rng": {str(m["rank"]): {"file": m["rng_file"], "other": m["rng"]} for m in markers}}
+    atomic_write_text(tmp / INDEX, json.dumps(index))
+    atomic_write_text(tmp / "state.json", json.dumps(state))
+    for name, data in files.items():
+        (tmp / name).write_bytes(data)
+    if tokenizer_from is not None:
+        copy_tokenizer_files(tokenizer_from, tmp)
+    atomic_write_text(tmp / META, json.dumps({**meta, "format_version": FORMAT_VERSION, "sharded": True}, indent=2))
+    _fsync_dir(tmp / SHARDS)
+    _fsync_dir(tmp)
+    (tmp / COMPLETE).write_text("")  # last: only now is the directory a checkpoint
+    _fsync_dir(tmp)
+    if dst.exists():  # a checkpoint of the same step from a run that resumed before it
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        os.replace(dst, old)
+        os.replace(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dst)
+    _fsync_dir(dst.parent)
+    atomic_write_text(dst.parent / "latest", dst.name + "\n")
+    return dst
+
+
+class Saver:
+    """Runs saves synchronously or in a background thread, one at a time."""
+
+    def __init__(self, *, asynchronous: bool) -> None:
+        self.asynchronous = asynchronous
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def wait(self) -> None:
+        """Block until the save in flight is written; re-raise its failure here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def submit(self, work: Callable[[], None]) -> None:
+        self.wait()  # at most one save in flight
+        if not self.asynchronous:
+            work()
+            return
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as e:  # surfaced by the next wait()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="zoo-checkpoint", daemon=True)
+        self._thread.start()
+
+
+# ------------------------------------------------------------------------------------- loading
+
+
+class ShardedCheckpoint:
+    """Reads global boxes of tensors from a sharded checkpoint, touching only the bytes needed."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        index_path = self.path / INDEX
+        if not index_path.is_file():
+            raise CheckpointError(f"{self.path}: sharded checkpoint without {INDEX}")
+        try:
+            index = json.loads(index_path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{index_path}: not valid JSON ({e})") from None
+        version = index.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION or version < 2:
+            raise CheckpointError(f"{index_path}: sharded format version {version!r}; this zoo reads version "
+                                  f"{FORMAT_VERSION} (upgrade zoo-core for newer ones)")
+        self.index = index
+        self.tensors: dict[str, dict[str, Any]] = index["tensors"]
+        self._open: dict[str, Any] = {}
+
+    def _file(self, rel: str) -> Any:
+        handle = self._open.get(rel)
+        if handle is None:
+            from safetensors import safe_open
+
+            path = self.path / rel
+            if not path.is_file():
+                raise CheckpointError(f"{self.path}: shard file {rel} is missing")
+            expected = self.index["files"].get(rel)
+            if expected is not None and _sha256(path) != expected:
+                raise CheckpointError(f"{path}: checksum mismatch (the file is corrupted or was changed)")
+            handle = safe_open(str(path), framework="pt")
+            self._open[rel] = handle
+        return handle
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name]["shape"])
+
+    def read(self, name: str, offset: Sequence[int], shape: Sequence[int], *, what: str = "") -> torch.Tensor:
+        """The box ``[offset, offset + shape)`` of global tensor ``name``."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"{self.path}: no tensor {name!r}{what}")
+        out = torch.empty(tuple(shape), dtype=getattr(torch, t["dtype"]))
+        filled = 0
+        for p in t["pieces"]:
+            lo = [max(a, b) for a, b in zip(offset, p["offset"])]
+            hi = [min(a + s, b + q) for a, s, b, q in zip(offset, shape, p["offset"], p["shape"])]
+            if any(h <= lo_ for lo_, h in zip(lo, hi)):
+                continue
+            src = tuple(slice(lo_ - po, h - po) for lo_, h, po in zip(lo, hi, p["offset"]))
+            dst = tuple(slice(lo_ - o, h - o) for lo_, h, o in zip(lo, hi, offset))
+            piece = self._file(p["file"]).get_slice(p["key"])[src] if src else self._file(p["file"]).get_tensor(p["key"])
+            out[dst] = piece
+            filled += piece.numel()
+        if filled != out.numel():
+            raise CheckpointError(f"{self.path}: {name!r} box {list(offset)}+{list(shape)} is not fully covered")
+        return out
+
+    def read_local(self, name: str, local_shape: Sequence[int], style: str | None, tp: int, tp_rank: int,
+                   *, what: str = "") -> torch.Tensor:
+        """This rank's shard of ``name`` for a tensor of ``local_shape`` split by ``style``."""
+        shape, regs = regions(local_shape, style, tp, tp_rank)
+        if name in self.tensors and self.shape(name) != shape:
+            raise CheckpointError(f"{self.path}: {name!r} has shape {list(self.shape(name))} in the checkpoint, "
+                                  f"the model needs {list(shape)}{what}")
+        out = None
+        for sl, offset in regs:
+            region_shape = torch.empty(tuple(local_shape), device="meta")[sl].shape
+            part = self.read(name, offset, region_shape, what=what)
+            if out is None:
+                out = torch.empty(tuple(local_shape), dtype=part.dtype)
+            out[sl] = part
+        assert out is not None
+        return out
+
+    def full(self, name: str) -> torch.Tensor:
+        return self.read(name, (0,) * len(self.shape(name)), self.shape(name))
+
+    def names(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        entry = self.index["rng"].get(str(rank)) or self.index["rng"]["0"]
+        from zoo.tensorio import load_file
+
+        return load_file(self.path / entry["file"]), entry["other"]
+
+
+__all__ = ["Entry", "Saver", "ShardedCheckpoint", "finalize", "regions", "restore_rng", "snapshot", "write_rank"]
