@@ -271,8 +271,12 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
         saver = Saver(asynchronous=run.checkpoint.async_save)
         token = _run_token(env.world_size)  # names this run's partial checkpoint directories
 
+        saved_at = [time.monotonic()]
+        preempt = _Preemption(run.checkpoint.save_on_sigterm)
+
         def save() -> None:
             last_saved[0] = step
+            saved_at[0] = time.monotonic()
             # Each rank snapshots what it holds (ZeRO shards gathered over DP first: a collective);
             # the files are written now or in the background, one save in flight at most.
             if zero is not None:
@@ -339,12 +343,26 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
                     progress.update(step, fields, log_line=True)
                 elif env.is_main:
                     progress.update(step, {"loss": f"{loss_value:.4f}"}, log_line=False)
-                if run.checkpoint.interval and step % run.checkpoint.interval == 0 and step < run.train.steps:
+                due = bool(run.checkpoint.interval) and step % run.checkpoint.interval == 0
+                stop = False
+                if preempt.watching or run.checkpoint.interval_minutes > 0:
+                    # Every rank must take the same decision: rank 0's clock, anyone's SIGTERM.
+                    late = run.checkpoint.interval_minutes > 0 and time.monotonic() - saved_at[0] >= 60 * run.checkpoint.interval_minutes
+                    flags = torch.tensor([float(preempt.requested), float(late and env.is_main)])
+                    if env.world_size > 1:
+                        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+                    stop, due = bool(flags[0]), due or bool(flags[1])
+                if (due or stop) and step < run.train.steps:
                     save()
+                if stop:
+                    if env.is_main:
+                        print(f"SIGTERM: saved step {step} and stopping; rerun the same command to continue", flush=True)
+                    break
             if run.train.steps > 0 and step == run.train.steps and last_saved[0] != step:
                 save()
             saver.wait()  # the last checkpoint is complete before the run ends
         finally:
+            preempt.restore()
             if metrics is not None:
                 metrics.close(run_dir / "loss.png" if step > 0 else None)
         if env.is_main:
@@ -369,6 +387,30 @@ def _evaluate(par: Any, forward: Any, it: Iterator[Any], steps: int, seq_length:
     finally:
         for m in modules:
             m.train(was_training)
+
+
+class _Preemption:
+    """SIGTERM (a scheduler preempting the job) asks for a save at the end of the current step."""
+
+    def __init__(self, enabled: bool) -> None:
+        import signal
+        import threading
+
+        self.requested = False
+        self.watching = enabled and threading.current_thread() is threading.main_thread()
+        self._previous: Any = None
+        if self.watching:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        if self.watching:
+            import signal
+
+            signal.signal(signal.SIGTERM, self._previous)
+            self.watching = False
 
 
 def _ties(model: Any) -> dict[str, str]:

@@ -19,3 +19,18 @@ def small_run(run_dir: Path, cache: Path, *extra: str) -> list[str]:
     return ["train", "--model", "llama", "--run-dir", str(run_dir), f"data.cache_dir={cache}",
             "train.seq_length=64", "train.micro_batch_size=8", "logging.interval=1", "train.eval_interval=0",
             "logging.progress=false", *extra]
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node N -m zoo ARGS`` (one thread per process: CI has 2 cores)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("ZOO_PLUGINS", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "zoo", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def curve(run_dir: Path) -> list[float]:
+    """The training losses a run logged, in order."""
+    import json
+
+    return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

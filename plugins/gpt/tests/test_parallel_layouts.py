@@ -128,30 +128,14 @@ def test_eight_processes_tp_pp_dp_with_sequence_parallel_and_zero():
             assert _rel(got["grads"][name], g) <= 1e-5, name
 
 
-def _torchrun(nproc: int, *args: str):
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("ZOO_PLUGINS", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "zoo", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-
-
-def _curve(run_dir) -> list[float]:
-    import json
-
-    return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_zoo_train_20_step_curves_match_one_process_and_resume_across_layouts(tmp_path, corpus_cache):
     """`zoo train` under torchrun: TP x PP (interleaved) with sequence parallelism, and CP x PP with
     ZeRO-1, each follow the single-process curve for 20 steps; each resumes the other's step-10
     checkpoint and continues the same curve."""
     import shutil
 
-    from _gpt_helpers import small_run, zoo
+    from _gpt_helpers import curve as _curve
+    from _gpt_helpers import small_run, torchrun, zoo
 
     args = ("train.steps=20", "checkpoint.interval=10", "optimizer.grad_clip=0.5", "train.global_batch_size=16",
             "train.micro_batch_size=4", "model.num_layers=4", "train.eval_interval=10")
@@ -161,7 +145,7 @@ def test_zoo_train_20_step_curves_match_one_process_and_resume_across_layouts(tm
     layouts = {"a": ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.sequence_parallel=true"],
                "b": ["parallel.cp=2", "parallel.pp=2", "parallel.zero=1"]}
     for name, layout in layouts.items():
-        out = _torchrun(4, *small_run(tmp_path / name, corpus_cache, *args, *layout))
+        out = torchrun(4, *small_run(tmp_path / name, corpus_cache, *args, *layout))
         assert out.returncode == 0, out.stdout + out.stderr
         got = _curve(tmp_path / name)
         assert len(got) == 20
@@ -171,7 +155,7 @@ def test_zoo_train_20_step_curves_match_one_process_and_resume_across_layouts(tm
         cont = tmp_path / f"{src}-then-{dst}"
         (cont / "checkpoints").mkdir(parents=True)
         shutil.copytree(tmp_path / src / "checkpoints" / "step_00000010", cont / "checkpoints" / "step_00000010")
-        out = _torchrun(4, *small_run(cont, corpus_cache, *args, *layouts[dst]))
+        out = torchrun(4, *small_run(cont, corpus_cache, *args, *layouts[dst]))
         assert out.returncode == 0, out.stdout + out.stderr
         got = _curve(cont)
         assert len(got) == 10
@@ -185,7 +169,7 @@ def test_a_rank_that_raises_stops_every_rank_with_its_error(tmp_path, corpus_cac
     import os
     import time
 
-    from _gpt_helpers import small_run
+    from _gpt_helpers import small_run, torchrun
 
     from zoo.testing.plugins import fake_distribution
 
@@ -220,7 +204,7 @@ def test_a_rank_that_raises_stops_every_rank_with_its_error(tmp_path, corpus_cac
     os.environ["PYTHONPATH"] = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
     try:
         start = time.monotonic()
-        out = _torchrun(2, *args)
+        out = torchrun(2, *args)
         elapsed = time.monotonic() - start
     finally:
         os.environ["PYTHONPATH"] = os.environ["PYTHONPATH"].split(os.pathsep, 1)[1]
@@ -232,6 +216,7 @@ def test_a_rank_that_raises_stops_every_rank_with_its_error(tmp_path, corpus_cac
 def test_bf16_parameters_with_fp32_masters_train_and_resume_exactly(tmp_path, corpus_cache):
     import shutil
 
+    from _gpt_helpers import curve as _curve
     from _gpt_helpers import small_run, zoo
 
     args = ("train.steps=6", "checkpoint.interval=3", "train.precision=bf16", "train.param_dtype=bf16",

@@ -1,0 +1,214 @@
+"""Sharded checkpoints: written per rank, read under any other layout (model and optimizer),
+exact in the same layout, never half-loaded after a kill, and clear about bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _gpt_helpers import curve, small_run, torchrun, zoo
+
+ARGS = ("train.steps=6", "checkpoint.interval=3", "optimizer.grad_clip=0.5", "train.global_batch_size=16",
+        "train.micro_batch_size=4", "model.num_layers=4")
+
+
+def _continue(tmp_path: Path, cache: Path, src: Path, name: str, nproc: int, *layout: str) -> list[float]:
+    """Resume ``src``'s step-3 checkpoint under another layout; the losses of steps 4..6."""
+    run = tmp_path / name
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src / "checkpoints" / "step_00000003", run / "checkpoints" / "step_00000003")
+    args = small_run(run, cache, *ARGS, *layout)
+    out = torchrun(nproc, *args) if nproc > 1 else zoo(*args)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "resuming from" in out.stdout
+    return curve(run)
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b))
+
+
+def test_resharding_between_layouts_continues_the_same_curve(tmp_path, corpus_cache):
+    one = zoo(*small_run(tmp_path / "one", corpus_cache, *ARGS))
+    assert one.returncode == 0, one.stderr
+    ref = curve(tmp_path / "one")[3:]
+    # Saved at tp2 x pp2 (no ZeRO): each of 4 ranks wrote its own shard file.
+    out = torchrun(4, *small_run(tmp_path / "tp2pp2", corpus_cache, *ARGS, "parallel.tp=2", "parallel.pp=2"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    step3 = tmp_path / "tp2pp2" / "checkpoints" / "step_00000003"
+    index = json.loads((step3 / "index.json").read_text())
+    assert len(index["files"]) == 4 and index["world_size"] == 4
+    # Pipeline stages keep global layer names; a TP-split matrix is stored as 2 pieces.
+    pieces = index["tensors"]["layers.3.attn.qkv.weight"]["pieces"]
+    assert sorted(p["offset"][0] for p in pieces) == [0, index["tensors"]["layers.3.attn.qkv.weight"]["shape"][0] // 2]
+    # Same layout: bitwise.
+    assert curve(tmp_path / "tp2pp2")[3:] == _continue(tmp_path, corpus_cache, tmp_path / "tp2pp2", "same", 4,
+                                                        "parallel.tp=2", "parallel.pp=2")
+    # Other layouts: tp1 pp1 dp2 with ZeRO-1, pp2 with virtual stages, one process.
+    assert _close(_continue(tmp_path, corpus_cache, tmp_path / "tp2pp2", "dp2zero", 2, "parallel.zero=1"), ref)
+    assert _close(_continue(tmp_path, corpus_cache, tmp_path / "tp2pp2", "vpp", 2, "parallel.pp=2", "parallel.vpp=2"), ref)
+    assert _close(_continue(tmp_path, corpus_cache, tmp_path / "tp2pp2", "single", 1), ref)
+    # And the reverse: saved by dp2 with ZeRO-1 (sharded optimizer), continued at tp2 x pp2.
+    out = torchrun(2, *small_run(tmp_path / "zero", corpus_cache, *ARGS, "parallel.zero=1"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert _close(_continue(tmp_path, corpus_cache, tmp_path / "zero", "back", 4, "parallel.tp=2", "parallel.pp=2"), ref)
+
+
+_KILLER = """
+import os, signal, sys
+import zoo.dist_checkpoint as dc
+
+point, n = sys.argv[1], int(sys.argv[2])
+calls = [0]
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if point == "marker":  # a rank's tensors are on disk, its marker is not
+    original_text = dc.atomic_write_text
+    def write_text(path, text):
+        if "step_00000006" in str(path) and str(path).endswith(".json") and "shards" in str(path):
+            die()
+        return original_text(path, text)
+    dc.atomic_write_text = write_text
+else:  # the n-th directory sync: after the shards, before/after COMPLETE, after the rename
+    original_sync = dc._fsync_dir
+    def sync(path):
+        original_sync(path)
+        calls[0] += 1
+        if calls[0] == n:
+            die()
+    dc._fsync_dir = sync
+
+from zoo.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize(("point", "n"), [("marker", 0), ("sync", 5), ("sync", 6), ("sync", 7), ("sync", 8)])
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint(tmp_path, corpus_cache, point, n):
+    """The step-6 save is killed at one point (syncs 1-4 belong to the step-3 save). Afterwards the
+    newest *complete* checkpoint is what resume=auto takes, and the rerun ends on the same curve."""
+    from zoo.checkpoint import complete_checkpoints, latest
+
+    killer = tmp_path / "killer.py"
+    killer.write_text(_KILLER)
+    args = small_run(tmp_path / "run", corpus_cache, *ARGS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("ZOO_PLUGINS", None)
+    out = subprocess.run([sys.executable, str(killer), point, str(n), *args], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    root = tmp_path / "run" / "checkpoints"
+    done = [s for s, _ in complete_checkpoints(root)]
+    assert done in ([3], [3, 6])  # the killed save either never became a checkpoint or fully did
+    assert latest(root).name == f"step_{done[-1]:08d}"
+    assert (n == 8) == (done == [3, 6])  # only a kill after the rename leaves step 6
+    rerun = zoo(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    ref = zoo(*small_run(tmp_path / "ref", corpus_cache, *ARGS))
+    assert ref.returncode == 0
+    assert curve(tmp_path / "run")[-1] == curve(tmp_path / "ref")[-1]
+    assert not list(root.glob(".step_*"))  # the partial directory was cleared by the next save
+
+
+def test_sigterm_saves_and_stops_then_the_same_command_continues(tmp_path, corpus_cache):
+    args = small_run(tmp_path / "run", corpus_cache, "train.steps=400", "train.micro_batch_size=4")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("ZOO_PLUGINS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "zoo", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "SIGTERM: saved step" in stdout
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    from zoo.checkpoint import latest
+
+    saved = latest(tmp_path / "run" / "checkpoints")
+    assert saved is not None and int(saved.name[5:]) == steps[-1] < 400
+    again = zoo(*small_run(tmp_path / "run", corpus_cache, f"train.steps={steps[-1] + 2}", "train.micro_batch_size=4"))
+    assert again.returncode == 0, again.stderr
+    assert f"resuming from {saved}" in again.stdout
+
+
+def _checkpoint(tmp_path: Path, cache: Path) -> Path:
+    out = zoo(*small_run(tmp_path / "src", cache, "train.steps=2"))
+    assert out.returncode == 0, out.stderr
+    return tmp_path / "src" / "checkpoints" / "step_00000002"
+
+
+def test_bad_checkpoints_are_refused_clearly_and_nothing_is_overwritten(tmp_path, corpus_cache):
+    good = _checkpoint(tmp_path, corpus_cache)
+
+    def resume(path: Path, *extra: str) -> str:
+        run = tmp_path / f"run-{len(list(tmp_path.iterdir()))}"
+        out = zoo(*small_run(run, corpus_cache, "train.steps=4", f"checkpoint.resume={path}", *extra))
+        assert out.returncode != 0
+        assert not (run / "checkpoints").exists() or not list((run / "checkpoints").iterdir())
+        return out.stderr
+
+    def variant(name: str) -> Path:
+        dst = tmp_path / name
+        shutil.copytree(good, dst)
+        return dst
+
+    # Another flavor: the first tensor whose shape differs, with both shapes.
+    err = resume(good, "model.hidden_size=64", "model.head_dim=16")
+    assert "has shape [2048, 128] in the checkpoint, the model needs [2048, 64]" in err
+    # A missing shard file.
+    missing = variant("missing")
+    (missing / "shards" / "rank00000.safetensors").unlink()
+    assert "shard file shards/rank00000.safetensors is missing" in resume(missing)
+    # A flipped byte: the checksum says so.
+    corrupt = variant("corrupt")
+    data = bytearray((corrupt / "shards" / "rank00000.safetensors").read_bytes())
+    data[-10] ^= 0xFF
+    (corrupt / "shards" / "rank00000.safetensors").write_bytes(bytes(data))
+    assert "checksum mismatch" in resume(corrupt)
+    # A newer format.
+    newer = variant("newer")
+    meta = json.loads((newer / "zoo.json").read_text())
+    (newer / "zoo.json").write_text(json.dumps({**meta, "format_version": 99}))
+    assert "format version 99; this zoo reads versions up to 2" in resume(newer)
+    # Not a checkpoint at all, and one of another family.
+    assert "not a zoo checkpoint" in resume(tmp_path)
+    other = variant("other")
+    (other / "zoo.json").write_text(json.dumps({**meta, "family": "gpt2"}))
+    assert "a checkpoint of 'gpt2', not 'llama'" in resume(other)
+    # The good checkpoint was never touched.
+    assert (good / "COMPLETE").exists() and len(list((good / "shards").iterdir())) == 3
+
+
+def test_hf_export_of_a_sharded_tp_pp_checkpoint_equals_the_single_process_export(tmp_path, corpus_cache):
+    from safetensors.torch import load_file
+
+    import zoo as zoo_api
+    from zoo.convert import write_model_dir
+
+    out = torchrun(4, *small_run(tmp_path / "par", corpus_cache, "train.steps=2", "parallel.tp=2", "parallel.pp=2",
+                                 "train.micro_batch_size=4", "model.num_layers=4", "train.global_batch_size=8"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    ckpt = tmp_path / "par" / "checkpoints" / "step_00000002"
+    assert zoo("convert", "--to", "hf", str(ckpt), str(tmp_path / "hf-par")).returncode == 0
+    # The same model written by one process (format 1, one file), exported the same way.
+    loaded = zoo_api.convert.load(ckpt)
+    meta = json.loads((ckpt / "zoo.json").read_text())
+    write_model_dir(tmp_path / "one", family="llama", flavor=meta["flavor"], config=loaded.config,
+                    state=loaded.model.state_dict(), tokenizer_from=ckpt)
+    assert zoo("convert", "--to", "hf", str(tmp_path / "one"), str(tmp_path / "hf-one")).returncode == 0
+    a, b = load_file(tmp_path / "hf-par" / "model.safetensors"), load_file(tmp_path / "hf-one" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
