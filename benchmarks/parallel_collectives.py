@@ -111,7 +111,7 @@ def _step(layout: dict, bucket_size: int, zero: bool) -> dict:
             return n + sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if v.dim())
     gen = torch.Generator().manual_seed(1)
     out: dict[str, Any] = {}
-    for step in range(2):
+    for _ in range(2):  # a warm-up step, then the measured one
         batches = [example(cfg, batch_size=B, seq_length=S, generator=gen) for _ in range(M)]
         calls.clear(), nbytes.clear()
         blocked[0] = 0.0
@@ -216,7 +216,7 @@ def main() -> None:
                 assert got["buckets"] <= bound, (name, got["buckets"], bound)
         if name in ("dp2", "dp2 + ZeRO-1"):
             memory[name] = results[0]["state"]
-    print(f"\nbucket reductions per step never exceed ceil(parameters / bucket) (checked for every layout)")
+    print("\nbucket reductions per step never exceed ceil(parameters / bucket) (checked for every layout)")
     ratio = memory["dp2 + ZeRO-1"] / memory["dp2"]
     print(f"\noptimizer state per rank: plain AdamW {memory['dp2']:,} B, ZeRO-1 {memory['dp2 + ZeRO-1']:,} B "
           f"= {ratio:.3f} of plain (theory 1/DP = 0.500, + padding)")
