@@ -278,3 +278,35 @@ def load_sharded(path: Path, *, par: Any, model: torch.nn.Module, rank: int, wor
     state = json.loads((path / "state.json").read_text())
     same_world = ck.index.get("world_size") == world_size
     return local, opt, state, ck.rng(rank if same_world else 0)
+
+
+def load_initial_weights(source: str, *, par: Any, model: torch.nn.Module, family: str) -> dict[str, torch.Tensor]:
+    """This rank's tensors for ``checkpoint.load``: from a Hugging Face directory (``hf:DIR``, read
+    lazily, keeping only this rank's stage), or a zoo checkpoint (a sharded one read slice by
+    slice). The result still has to pass `zoo.convert.load_into`'s shape check."""
+    from zoo.convert import CheckpointError as _CE
+    from zoo.convert import _hf_source, read_meta, read_model_state
+    from zoo.mapping import MappingError, from_external
+    from zoo.tensorio import LazyTensors
+
+    path = Path(source.removeprefix("hf:"))
+    if source.startswith("hf:") or (path / "config.json").is_file() and not (path / "zoo.json").is_file():
+        entry, fmt, config, _ = _hf_source(path)
+        if entry.family.name != family:
+            raise _CE(f"{path}: a {entry.family.name!r} model, not {family!r}")
+        keep = {par.canonical(n) for n in model.state_dict()}
+        try:
+            full = from_external(fmt.table(config), LazyTensors(path), config, keep=keep)
+        except MappingError as e:
+            raise _CE(f"{path}: {e}") from None
+        return par.local_state(full)
+    md = read_meta(path)
+    if md.family != family:
+        raise _CE(f"{path}: a checkpoint of {md.family!r}, not {family!r}")
+    if md.meta.get("sharded"):
+        from zoo.dist_checkpoint import ShardedCheckpoint
+
+        ck = ShardedCheckpoint(path)
+        return {name: ck.read_local(par.canonical(name), t.shape, _style(model, name), par.tp, par.tp_rank)
+                for name, t in model.state_dict().items()}
+    return par.local_state(read_model_state(md))

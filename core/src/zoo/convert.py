@@ -25,7 +25,7 @@ from typing import Any
 
 from zoo.errors import UsageError
 from zoo.mapping import MappingError, MappingTable, check_shapes, from_external, to_external
-from zoo.tensorio import CheckpointError, copy_tokenizer_files, read_dir, unique_tensors, write_dir
+from zoo.tensorio import CheckpointError, ShardStream, copy_tokenizer_files, read_dir, unique_tensors
 
 FORMAT_VERSION = 1
 META = "zoo.json"
@@ -328,22 +328,22 @@ def export_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.Pa
 
     fmt: ExternalFormat = resolve(ref, owner=str(entry.plugin))
     config = config_for(entry, md.meta["model_config"], source=str(src / META))
-    state = read_model_state(md)
+    # Tensor by tensor: each is read when its mapping rule needs it and written out at once.
+    state = lazy_model_state(md)
     try:
-        check_shapes(build_empty(entry, config, device="meta").state_dict(), state, what=str(src))
+        shapes = {k: _Shape(v) for k, v in state.shapes.items()}  # compared without reading any tensor
+        check_shapes(build_empty(entry, config, device="meta").state_dict(), shapes, what=str(src))
     except MappingError as e:
         raise CheckpointError(str(e)) from None
-    theirs = to_external(fmt.table(config), state, config)
-    if dtype is not None:
-        target = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        theirs = {k: v.to(target) for k, v in theirs.items()}
+    target = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype] if dtype else None
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.partial-"))
     try:
-        write_dir(tmp, theirs, max_shard_bytes=max_shard_bytes)
+        stream = ShardStream(tmp, max_shard_bytes=max_shard_bytes, dtype=target)
+        to_external(fmt.table(config), state, config, put=stream.put)
+        stream.close()
         hf_config = fmt.to_config(config)
-        some = next(iter(theirs.values()))
-        hf_config["torch_dtype"] = hf_config["dtype"] = str(some.dtype).removeprefix("torch.")
+        hf_config["torch_dtype"] = hf_config["dtype"] = str(stream.first_dtype).removeprefix("torch.")
         atomic_write_text(tmp / "config.json", json.dumps(hf_config, indent=2))
         copy_tokenizer_files(src, tmp)
         os.replace(tmp, dst)
@@ -351,6 +351,50 @@ def export_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.Pa
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+class _LazyState(Mapping[str, Any]):
+    """A model's tensors read on access (``shapes`` without reading), one at a time."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], read: Callable[[str], Any], ties: Mapping[str, str]) -> None:
+        self.shapes = {**shapes, **{a: shapes[o] for a, o in ties.items() if o in shapes}}
+        self._read, self._ties = read, ties
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.shapes:
+            raise KeyError(key)
+        return self._read(self._ties.get(key, key))
+
+    def __iter__(self) -> Any:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+class _Shape:
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+
+
+def lazy_model_state(md: ModelDir) -> _LazyState:
+    """Like `read_model_state`, but each tensor is read only when asked for; ``.shapes`` costs
+    no tensor data."""
+    ties = md.meta.get("ties", {})
+    if md.meta.get("sharded"):
+        from zoo.dist_checkpoint import ShardedCheckpoint
+
+        ck = ShardedCheckpoint(md.path)
+        shapes = {n: ck.shape(n) for n in ck.names() if "::" not in n}
+        return _LazyState(shapes, ck.full, ties)
+    from safetensors import safe_open
+
+    path = md.path / "model.safetensors"
+    if not path.is_file():
+        raise CheckpointError(f"{md.path}: model.safetensors is missing")
+    handle = safe_open(str(path), framework="pt")
+    shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}  # noqa: SIM118 (not a dict)
+    return _LazyState(shapes, handle.get_tensor, ties)
 
 
 def parse_size(text: str) -> int:

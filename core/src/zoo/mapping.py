@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -201,12 +201,29 @@ def _deinterleave(fused: Tensor, sizes: list[int], groups: int, dim: int) -> lis
     return [torch.cat([pieces[g * n + k] for g in range(groups)], dim=dim).contiguous() for k in range(n)]
 
 
-def to_external(table: MappingTable, ours: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
-    """Our state dict -> the external format, strictly."""
+class _StreamSink(_Sink):
+    """Hands each tensor on as soon as it is made (streaming export) and keeps only its name."""
+
+    def __init__(self, side: str, put: Callable[[str, Tensor], None]) -> None:
+        super().__init__(side)
+        self._put = put
+
+    def put(self, key: str, value: Tensor) -> None:
+        if key in self:
+            self.twice.append(key)
+        self[key] = None  # type: ignore[assignment]
+        self._put(key, value)
+
+
+def to_external(table: MappingTable, ours: Mapping[str, Tensor], config: Any, *,
+                put: Callable[[str, Tensor], None] | None = None) -> dict[str, Tensor]:
+    """Our state dict -> the external format, strictly. With ``put``, every external tensor is
+    handed to it as soon as it exists and nothing is kept (``ours`` may then be a lazy mapping
+    that reads one tensor at a time): memory stays at about one tensor."""
     import torch
 
     sizes = _sizes(table, config)
-    src, out = _Source(ours, "zoo"), _Sink("external")
+    src, out = _Source(ours, "zoo"), (_Sink("external") if put is None else _StreamSink("external", put))
     for rule in table.rules:
         _need(sizes, rule)
         if isinstance(rule, Ignore):
@@ -251,13 +268,30 @@ def to_external(table: MappingTable, ours: Mapping[str, Tensor], config: Any) ->
     return dict(out)
 
 
-def from_external(table: MappingTable, theirs: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
-    """The external format -> our state dict, strictly (unknown source keys are an error)."""
+class _KeepSink(_Sink):
+    """Keeps only the tensors named in ``keep`` (a pipeline stage's); the rest are checked, then dropped."""
+
+    def __init__(self, side: str, keep: set[str]) -> None:
+        super().__init__(side)
+        self.keep = keep
+
+    def put(self, key: str, value: Tensor | None) -> None:
+        if key in self:
+            self.twice.append(key)
+        self[key] = value if key in self.keep else None
+
+
+def from_external(table: MappingTable, theirs: Mapping[str, Tensor], config: Any, *,
+                  keep: set[str] | None = None) -> dict[str, Tensor]:
+    """The external format -> our state dict, strictly (unknown source keys are an error).
+
+    ``theirs`` may be a lazy mapping (tensors read when a rule takes them); with ``keep`` only
+    those of our names are returned, so a rank holding a few layers never holds the whole model."""
     import torch
 
     theirs = _strip_prefix(table, theirs)
     sizes = _sizes(table, config)
-    src, out = _Source(theirs, "external"), _Sink("zoo")
+    src, out = _Source(theirs, "external"), (_Sink("zoo") if keep is None else _KeepSink("zoo", keep))
     ties: list[tuple[str, str, str | None]] = []
     for rule in table.rules:
         _need(sizes, rule)
@@ -300,15 +334,13 @@ def from_external(table: MappingTable, theirs: Mapping[str, Tensor], config: Any
                     continue
                 out.put(o, torch.stack([_t(p) if rule.transpose else p for p in parts]))
     for o, to, th in ties:
-        if th:  # the format may carry the tied copy; it must then equal the original
-            x = theirs.get(th)
-            if x is not None:
-                src.used.add(th)
+        if th and th in theirs:  # the format may carry the tied copy: consumed, never read
+            src.used.add(th)
         if to in out:
             out.put(o, out[to])
     ignores = [re.compile(r.theirs) for r in table.rules if isinstance(r, Ignore)]
     _check(src, out, ignores=ignores)
-    return dict(out)
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _zip_expand(sizes: Mapping[str, int], *templates: str) -> Iterator[tuple[dict[str, int], tuple[str, ...]]]:
@@ -327,10 +359,27 @@ def _fuse_widths(rule: Fuse, config: Any, x: Tensor, n: int) -> list[int]:
     return [x.shape[rule.dim] // n] * n
 
 
+class _Renamed(Mapping[str, Any]):
+    """A view of a (possibly lazy) mapping under other key names; reads nothing itself."""
+
+    def __init__(self, data: Mapping[str, Any], rename: Callable[[str], str]) -> None:
+        self.data = data
+        self.names = {rename(k): k for k in data}
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[self.names[key]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 def _strip_prefix(table: MappingTable, theirs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
     for missing, present in table.import_prefixes:
         if theirs and not any(k.startswith(missing) for k in theirs):
-            return {missing + k[len(present):] if k.startswith(present) else k: v for k, v in theirs.items()}
+            return _Renamed(theirs, lambda k, m=missing, p=present: m + k[len(p):] if k.startswith(p) else k)
     return theirs
 
 

@@ -118,3 +118,100 @@ def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
             shutil.copyfile(src / name, dst / name)
             copied.append(name)
     return copied
+
+
+class ShardStream:
+    """Writes a safetensors directory (one file, or shards plus the index transformers reads)
+    from tensors handed over one at a time: at most ``max_shard_bytes`` are held before a shard
+    is written, so exporting never holds the whole model."""
+
+    def __init__(self, directory: str | os.PathLike[str], *, max_shard_bytes: int,
+                 dtype: torch.dtype | None = None) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.max, self.dtype = max_shard_bytes, dtype
+        self.buffer: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.parts: list[tuple[Path, list[str]]] = []
+        self.total = 0
+        self.first_dtype: torch.dtype | None = None
+
+    def put(self, key: str, t: torch.Tensor) -> None:
+        t = t.detach().to(self.dtype) if self.dtype is not None else t.detach()
+        t = t.contiguous().clone()  # own memory: a view would keep its whole source alive
+        nbytes = t.numel() * t.element_size()
+        if self.buffer and self.size + nbytes > self.max:
+            self._flush()
+        self.buffer[key] = t
+        self.size += nbytes
+        self.total += nbytes
+        self.first_dtype = self.first_dtype or t.dtype
+
+    def _flush(self) -> None:
+        path = self.dir / f".part-{len(self.parts) + 1:05d}.safetensors"
+        save_file(self.buffer, path, metadata={"format": "pt"})
+        self.parts.append((path, list(self.buffer)))
+        self.buffer, self.size = {}, 0
+
+    def close(self) -> None:
+        if self.buffer or not self.parts:
+            self._flush()
+        if len(self.parts) == 1:
+            os.replace(self.parts[0][0], self.dir / SINGLE)
+            return
+        weight_map = {}
+        n = len(self.parts)
+        for i, (path, keys) in enumerate(self.parts, start=1):
+            name = f"model-{i:05d}-of-{n:05d}.safetensors"
+            os.replace(path, self.dir / name)
+            weight_map.update(dict.fromkeys(keys, name))
+        from zoo.io import atomic_write_text
+
+        atomic_write_text(self.dir / INDEX, json.dumps({"metadata": {"total_size": self.total}, "weight_map": weight_map},
+                                                       indent=2))
+
+
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """The tensors of a safetensors directory (one file or an index of shards), each read from
+    disk only when accessed."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        d = Path(directory)
+        files: dict[str, Path] = {}
+        if (d / INDEX).is_file():
+            try:
+                weight_map = json.loads((d / INDEX).read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{d / INDEX}: not a valid safetensors index ({e})") from None
+            files = {k: d / v for k, v in weight_map.items()}
+        elif (d / SINGLE).is_file():
+            files = {}
+        else:
+            raise CheckpointError(f"{d}: no {SINGLE} or {INDEX}")
+        self._handles: dict[Path, Any] = {}
+        paths = sorted(set(files.values())) or [d / SINGLE]
+        for path in paths:
+            if not path.is_file():
+                raise CheckpointError(f"{path}: file not found")
+            try:
+                self._handles[path] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+                raise CheckpointError(f"{path}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+        if not files:
+            files = {k: paths[0] for k in self._handles[paths[0]].keys()}  # noqa: SIM118 (not a dict)
+        self._where = files
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        path = self._where[key]
+        try:
+            return self._handles[path].get_tensor(key)
+        except Exception as e:  # a shard without the tensor its index promises
+            raise CheckpointError(f"{path}: cannot read {key!r} ({e})") from None
+
+    def __iter__(self) -> Any:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)

@@ -173,12 +173,9 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
             st = tp.tp_style(model, name)
             return tp.shard_full(t, *st) if st else t
 
-        if run.checkpoint.load and resume_from is None:
-            from zoo.convert import load as load_any
-
-            source = run.checkpoint.load.removeprefix("hf:")
-            loaded = load_any(source, device=env.device)
-            load_into(model, par.local_state(loaded.model.state_dict()), what=source)
+        if run.checkpoint.load and resume_from is None:  # each rank reads only its own part
+            source = run.checkpoint.load
+            load_into(model, ckpt.load_initial_weights(source, par=par, model=model, family=run.family), what=source)
         sharded = None  # (optimizer tensors, loop state, RNG) of a sharded checkpoint
         if resume_from is not None:
             md = read_meta(resume_from)

@@ -212,3 +212,31 @@ def test_hf_export_of_a_sharded_tp_pp_checkpoint_equals_the_single_process_expor
     a, b = load_file(tmp_path / "hf-par" / "model.safetensors"), load_file(tmp_path / "hf-one" / "model.safetensors")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # And back: training starts from the HF directory under tp2 x pp2 (each rank keeps only its
+    # stage's tensors, sliced) exactly as one process does.
+    common = ("train.steps=1", "train.micro_batch_size=4", "model.num_layers=4", "train.global_batch_size=8",
+              f"checkpoint.load=hf:{tmp_path / 'hf-par'}")
+    one = zoo(*small_run(tmp_path / "from-hf-1", corpus_cache, *common))
+    assert one.returncode == 0, one.stderr
+    par = torchrun(4, *small_run(tmp_path / "from-hf-4", corpus_cache, *common, "parallel.tp=2", "parallel.pp=2"))
+    assert par.returncode == 0, par.stdout + par.stderr
+    assert _close(curve(tmp_path / "from-hf-4"), curve(tmp_path / "from-hf-1"))
+
+
+def test_hf_import_keeps_only_the_tensors_a_stage_needs(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zoo.convert import _hf_source
+    from zoo.mapping import from_external
+    from zoo.tensorio import LazyTensors
+
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2))
+    hf.save_pretrained(tmp_path / "hf")
+    entry, fmt, config, _ = _hf_source(tmp_path / "hf")
+    lazy = LazyTensors(tmp_path / "hf")
+    keep = {"layers.2.attn.qkv.weight", "layers.3.mlp.fc.weight", "head.weight"}
+    got = from_external(fmt.table(config), lazy, config, keep=keep)
+    assert set(got) == keep  # nothing else is held, yet every HF tensor was checked as consumed
+    full = from_external(fmt.table(config), LazyTensors(tmp_path / "hf"), config)
+    assert all(torch.equal(got[k], full[k]) for k in keep)
