@@ -223,7 +223,9 @@ def save_sharded(root: Path, *, step: int, run: Any, par: Any, model: torch.nn.M
     from zoo.config import _plain
     from zoo.dist_checkpoint import finalize, snapshot, write_rank
 
-    snap = snapshot(sharded_entries(par, model, optimizer_state, ties), tp=par.tp, tp_rank=par.tp_rank)
+    saver.wait()  # at most one save in flight, and its snapshot buffers are free again
+    snap = snapshot(sharded_entries(par, model, optimizer_state, ties), tp=par.tp, tp_rank=par.tp_rank,
+                    copy=saver.asynchronous, pool=saver.pool)
     dst = step_dir(root, step)
     tmp = root / f".{dst.name}.partial-{token}"
     state = {"step": step, "consumed_samples": consumed_samples, "optimizer_param_groups": groups,
@@ -277,7 +279,9 @@ def load_sharded(path: Path, *, par: Any, model: torch.nn.Module, rank: int, wor
                 opt[key] = ck.read_local(key, p.shape, _style(model, name), par.tp, par.tp_rank, what=what)
     state = json.loads((path / "state.json").read_text())
     same_world = ck.index.get("world_size") == world_size
-    return local, opt, state, ck.rng(rank if same_world else 0)
+    rng = ck.rng(rank if same_world else 0)
+    ck.close()
+    return local, opt, state, rng
 
 
 def load_initial_weights(source: str, *, par: Any, model: torch.nn.Module, family: str) -> dict[str, torch.Tensor]:
@@ -306,7 +310,7 @@ def load_initial_weights(source: str, *, par: Any, model: torch.nn.Module, famil
     if md.meta.get("sharded"):
         from zoo.dist_checkpoint import ShardedCheckpoint
 
-        ck = ShardedCheckpoint(path)
-        return {name: ck.read_local(par.canonical(name), t.shape, _style(model, name), par.tp, par.tp_rank)
-                for name, t in model.state_dict().items()}
+        with ShardedCheckpoint(path) as ck:
+            return {name: ck.read_local(par.canonical(name), t.shape, _style(model, name), par.tp, par.tp_rank)
+                    for name, t in model.state_dict().items()}
     return par.local_state(read_model_state(md))

@@ -163,8 +163,8 @@ def read_model_state(md: ModelDir) -> dict[str, Any]:
     if md.meta.get("sharded"):
         from zoo.dist_checkpoint import ShardedCheckpoint
 
-        ck = ShardedCheckpoint(md.path)
-        state = {name: ck.full(name) for name in ck.names() if "::" not in name}
+        with ShardedCheckpoint(md.path) as ck:
+            state = {name: ck.full(name) for name in ck.names() if "::" not in name}
     else:
         state = load_file(md.path / "model.safetensors")
     for alias, original in md.meta.get("ties", {}).items():

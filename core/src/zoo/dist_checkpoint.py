@@ -5,7 +5,7 @@ Layout of ``step_00000100/`` (format version 2; version 1 is the single-file for
 
     zoo.json                  family, flavor, model config, format version, "sharded": true
     index.json                every tensor's global shape and dtype, and its pieces: file, key,
-                              offset in the global tensor, shape; every file's SHA-256
+                              offset in the global tensor, shape, CRC-32; every file's size
     shards/rank00003.safetensors   the pieces rank 3 owns (a replicated tensor is written once)
     shards/rank00003.json     rank 3's piece list, checksum and RNG states (its "done" marker)
     state.json                step, consumed samples, optimizer param groups (global names), scaler
@@ -28,13 +28,13 @@ save in flight; the next save, or the end of training, waits for it).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
 import shutil
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,12 +88,42 @@ class Entry:
     write: bool
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                       torch.bool: "BOOL"}
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous tensor's bytes without a copy (bf16 has no NumPy type: viewed as int16)."""
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return memoryview(t.numpy()).cast("B") if t.numel() else memoryview(b"")
+
+
+def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """A safetensors file written tensor by tensor (no serialised copy of the whole file in
+    memory), fsynced; returns each tensor's CRC-32, computed on the bytes as they are written."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    crcs = {}
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for key, t in tensors.items():
+            data = _bytes(t.detach().cpu().contiguous())
+            f.write(data)
+            crcs[key] = zlib.crc32(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return crcs
 
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -131,7 +161,12 @@ class _Snapshot:
     rng_other: dict[str, Any]
 
 
-def snapshot(entries: Sequence[Entry], *, tp: int, tp_rank: int) -> _Snapshot:
+def snapshot(entries: Sequence[Entry], *, tp: int, tp_rank: int, copy: bool = True,
+             pool: dict[str, torch.Tensor] | None = None) -> _Snapshot:
+    """What to write; ``copy`` (an asynchronous save) copies the tensors off, so training can
+    change them meanwhile, into ``pool``'s buffers when they fit (reused from the previous save:
+    no fresh allocation, whose page faults would cost more than the copy). A synchronous save
+    writes straight from the live tensors."""
     tensors, pieces, globals_ = {}, [], {}
     for e in entries:
         shape, regs = regions(e.tensor.shape, e.style, tp, tp_rank)
@@ -140,7 +175,16 @@ def snapshot(entries: Sequence[Entry], *, tp: int, tp_rank: int) -> _Snapshot:
             continue
         for i, (sl, offset) in enumerate(regs):
             key = f"{e.name}#{i}"
-            data = e.tensor.detach()[sl].to("cpu", copy=True).contiguous()
+            data = e.tensor.detach()[sl]
+            if copy:
+                buf = pool.get(key) if pool is not None else None
+                if buf is None or buf.shape != data.shape or buf.dtype != data.dtype:
+                    buf = torch.empty(data.shape, dtype=data.dtype, device="cpu")
+                    if pool is not None:
+                        pool[key] = buf
+                data = buf.copy_(data)
+            else:
+                data = data.cpu().contiguous()
             tensors[key] = data
             pieces.append({"name": e.name, "key": key, "offset": list(offset), "shape": list(data.shape)})
     rng_t, rng_o = _rng_state()
@@ -153,19 +197,16 @@ def _rank_name(rank: int) -> str:
 
 def write_rank(tmp: Path, rank: int, snap: _Snapshot) -> None:
     """This rank's tensors, then its marker (the marker says the tensors are complete)."""
-    from safetensors.torch import save_file
-
     shards = tmp / SHARDS
     shards.mkdir(parents=True, exist_ok=True)
     name = _rank_name(rank)
     path = shards / f"{name}.safetensors"
-    save_file(snap.tensors, str(path))
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-    save_file(snap.rng_tensors, str(shards / f"{name}.rng.safetensors"))
-    marker = {"rank": rank, "file": f"{SHARDS}/{name}.safetensors", "sha256": _sha256(path),
+    crcs = write_safetensors(path, snap.tensors)
+    write_safetensors(shards / f"{name}.rng.safetensors", snap.rng_tensors)
+    pieces = [{**p, "crc32": crcs[p["key"]]} for p in snap.pieces]
+    marker = {"rank": rank, "file": f"{SHARDS}/{name}.safetensors", "size": path.stat().st_size,
               "rng_file": f"{SHARDS}/{name}.rng.safetensors", "rng": snap.rng_other,
-              "pieces": snap.pieces, "tensors": snap.globals}
+              "pieces": pieces, "tensors": snap.globals}
     atomic_write_text(shards / f"{name}.json", json.dumps(marker))
 
 
@@ -191,13 +232,14 @@ def finalize(tmp: Path, dst: Path, *, world_size: int, meta: Mapping[str, Any], 
             if t["shape"] != g["shape"] or t["dtype"] != g["dtype"]:
                 raise CheckpointError(f"{tmp}: ranks disagree on {name!r}: {t['shape']} {t['dtype']} vs {g['shape']} {g['dtype']}")
         for p in m["pieces"]:
-            tensors[p["name"]]["pieces"].append({"file": m["file"], "key": p["key"], "offset": p["offset"], "shape": p["shape"]})
+            tensors[p["name"]]["pieces"].append({"file": m["file"], "key": p["key"], "offset": p["offset"],
+                                                 "shape": p["shape"], "crc32": p["crc32"]})
     for name, t in tensors.items():  # every element written exactly once
         covered = sum(int(np.prod(p["shape"])) for p in t["pieces"])
         if covered != int(np.prod(t["shape"])):
             raise CheckpointError(f"{tmp}: {name!r} has {covered} of {int(np.prod(t['shape']))} elements written")
     index = {"format": "zoo-sharded", "format_version": FORMAT_VERSION, "world_size": world_size,
-             "tensors": tensors, "files": {m["file"]: m["sha256"] for m in markers},
+             "tensors": tensors, "files": {m["file"]: m["size"] for m in markers},
              "rng": {str(m["rank"]): {"file": m["rng_file"], "other": m["rng"]} for m in markers}}
     atomic_write_text(tmp / INDEX, json.dumps(index))
     atomic_write_text(tmp / "state.json", json.dumps(state))
@@ -227,6 +269,7 @@ class Saver:
 
     def __init__(self, *, asynchronous: bool) -> None:
         self.asynchronous = asynchronous
+        self.pool: dict[str, torch.Tensor] = {}  # host buffers of the snapshot, reused save after save
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -278,20 +321,48 @@ class ShardedCheckpoint:
         self.tensors: dict[str, dict[str, Any]] = index["tensors"]
         self._open: dict[str, Any] = {}
 
-    def _file(self, rel: str) -> Any:
-        handle = self._open.get(rel)
-        if handle is None:
-            from safetensors import safe_open
-
+    def _file(self, rel: str) -> tuple[Any, int, dict[str, Any]]:
+        """(open file, where its data starts, its safetensors header)."""
+        entry = self._open.get(rel)
+        if entry is None:
             path = self.path / rel
             if not path.is_file():
                 raise CheckpointError(f"{self.path}: shard file {rel} is missing")
             expected = self.index["files"].get(rel)
-            if expected is not None and _sha256(path) != expected:
-                raise CheckpointError(f"{path}: checksum mismatch (the file is corrupted or was changed)")
-            handle = safe_open(str(path), framework="pt")
-            self._open[rel] = handle
-        return handle
+            if expected is not None and path.stat().st_size != expected:
+                raise CheckpointError(f"{path}: {path.stat().st_size} bytes, the index says {expected} (truncated or replaced)")
+            f = open(path, "rb")  # noqa: SIM115 (kept open for the reads to come; closed with the reader)
+            try:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+            except (ValueError, json.JSONDecodeError) as e:
+                f.close()
+                raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+            entry = self._open[rel] = (f, 8 + n, header)
+        return entry
+
+    def _piece(self, p: Mapping[str, Any], dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A whole piece, read with plain reads (into ``out`` when given) and CRC-checked."""
+        f, start, header = self._file(p["file"])
+        info = header.get(p["key"])
+        if info is None or info["shape"] != list(p["shape"]):
+            raise CheckpointError(f"{self.path / p['file']}: no piece {p['key']!r} of shape {p['shape']}")
+        if out is None:
+            out = torch.empty(tuple(p["shape"]), dtype=dtype)
+        view = _bytes(out)
+        begin, end = info["data_offsets"]
+        f.seek(start + begin)
+        if end - begin != len(view) or f.readinto(view) != len(view):
+            raise CheckpointError(f"{self.path / p['file']}: piece {p['key']!r} is truncated")
+        if zlib.crc32(view) != p["crc32"]:
+            raise CheckpointError(f"{self.path / p['file']}: checksum mismatch in {p['key']!r} "
+                                  "(the file is corrupted or was changed)")
+        return out
+
+    def close(self) -> None:
+        for f, _, _ in self._open.values():
+            f.close()
+        self._open.clear()
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -299,12 +370,14 @@ class ShardedCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name]["shape"])
 
-    def read(self, name: str, offset: Sequence[int], shape: Sequence[int], *, what: str = "") -> torch.Tensor:
-        """The box ``[offset, offset + shape)`` of global tensor ``name``."""
+    def read(self, name: str, offset: Sequence[int], shape: Sequence[int], *, what: str = "",
+             into: torch.Tensor | None = None) -> torch.Tensor:
+        """The box ``[offset, offset + shape)`` of global tensor ``name`` (read into ``into``, a
+        contiguous tensor of that shape, when given)."""
         t = self.tensors.get(name)
         if t is None:
             raise CheckpointError(f"{self.path}: no tensor {name!r}{what}")
-        out = torch.empty(tuple(shape), dtype=getattr(torch, t["dtype"]))
+        out = into
         filled = 0
         for p in t["pieces"]:
             lo = [max(a, b) for a, b in zip(offset, p["offset"])]
@@ -313,9 +386,18 @@ class ShardedCheckpoint:
                 continue
             src = tuple(slice(lo_ - po, h - po) for lo_, h, po in zip(lo, hi, p["offset"]))
             dst = tuple(slice(lo_ - o, h - o) for lo_, h, o in zip(lo, hi, offset))
-            piece = self._file(p["file"]).get_slice(p["key"])[src] if src else self._file(p["file"]).get_tensor(p["key"])
-            out[dst] = piece
-            filled += piece.numel()
+            dtype = getattr(torch, t["dtype"])
+            if list(p["offset"]) == list(offset) and list(p["shape"]) == list(shape):
+                return self._piece(p, dtype, out=into)  # exactly this piece: read straight into the result
+            # Otherwise the whole piece is read (its CRC-32 covers all of it) and the box's part used.
+            piece = self._piece(p, dtype)
+            if out is None:
+                out = torch.empty(tuple(shape), dtype=dtype)
+            part = piece[src]
+            out[dst] = part
+            filled += part.numel()
+        if out is None:
+            out = torch.empty(tuple(shape), dtype=getattr(torch, t["dtype"]))
         if filled != out.numel():
             raise CheckpointError(f"{self.path}: {name!r} box {list(offset)}+{list(shape)} is not fully covered")
         return out
@@ -327,14 +409,15 @@ class ShardedCheckpoint:
         if name in self.tensors and self.shape(name) != shape:
             raise CheckpointError(f"{self.path}: {name!r} has shape {list(self.shape(name))} in the checkpoint, "
                                   f"the model needs {list(shape)}{what}")
-        out = None
+        if len(regs) == 1:
+            return self.read(name, regs[0][1], tuple(local_shape), what=what)
+        # Several regions (a gated [gate; up] shard): each is a contiguous block of rows, read in place.
+        out = torch.empty(tuple(local_shape), dtype=getattr(torch, self.tensors[name]["dtype"]))
         for sl, offset in regs:
-            region_shape = torch.empty(tuple(local_shape), device="meta")[sl].shape
-            part = self.read(name, offset, region_shape, what=what)
-            if out is None:
-                out = torch.empty(tuple(local_shape), dtype=part.dtype)
-            out[sl] = part
-        assert out is not None
+            view = out[sl]
+            part = self.read(name, offset, view.shape, what=what, into=view)
+            if part is not view:
+                view.copy_(part)
         return out
 
     def full(self, name: str) -> torch.Tensor:
@@ -348,6 +431,12 @@ class ShardedCheckpoint:
         from zoo.tensorio import load_file
 
         return load_file(self.path / entry["file"]), entry["other"]
+
+    def __enter__(self) -> ShardedCheckpoint:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 __all__ = ["Entry", "Saver", "ShardedCheckpoint", "finalize", "regions", "restore_rng", "snapshot", "write_rank"]

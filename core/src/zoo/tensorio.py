@@ -122,39 +122,63 @@ def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
 
 class ShardStream:
     """Writes a safetensors directory (one file, or shards plus the index transformers reads)
-    from tensors handed over one at a time: at most ``max_shard_bytes`` are held before a shard
-    is written, so exporting never holds the whole model."""
+    from tensors handed over one at a time. Each tensor's bytes go to disk at once (a data file
+    per shard, prefixed with the header when the shard closes, by a kernel-side copy), so memory
+    holds one tensor, never a shard or the model."""
+
+    _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+               torch.bool: "BOOL"}
 
     def __init__(self, directory: str | os.PathLike[str], *, max_shard_bytes: int,
                  dtype: torch.dtype | None = None) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max, self.dtype = max_shard_bytes, dtype
-        self.buffer: dict[str, torch.Tensor] = {}
-        self.size = 0
         self.parts: list[tuple[Path, list[str]]] = []
         self.total = 0
         self.first_dtype: torch.dtype | None = None
+        self._data: Any = None
+        self._header: dict[str, Any] = {}
+        self._size = 0
 
     def put(self, key: str, t: torch.Tensor) -> None:
         t = t.detach().to(self.dtype) if self.dtype is not None else t.detach()
-        t = t.contiguous().clone()  # own memory: a view would keep its whole source alive
+        t = t.contiguous()
         nbytes = t.numel() * t.element_size()
-        if self.buffer and self.size + nbytes > self.max:
+        if self._data is not None and self._size and self._size + nbytes > self.max:
             self._flush()
-        self.buffer[key] = t
-        self.size += nbytes
+        if self._data is None:
+            self._data = open(self.dir / f".part-{len(self.parts) + 1:05d}.data", "wb")  # noqa: SIM115
+            self._header, self._size = {}, 0
+        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+        self._data.write(memoryview(raw.numpy()).cast("B") if t.numel() else b"")
+        self._header[key] = {"dtype": self._DTYPES[t.dtype], "shape": list(t.shape),
+                             "data_offsets": [self._size, self._size + nbytes]}
+        self._size += nbytes
         self.total += nbytes
         self.first_dtype = self.first_dtype or t.dtype
 
     def _flush(self) -> None:
+        data_path = Path(self._data.name)
+        self._data.close()
+        self._data = None
+        header = dict(self._header)
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
         path = self.dir / f".part-{len(self.parts) + 1:05d}.safetensors"
-        save_file(self.buffer, path, metadata={"format": "pt"})
-        self.parts.append((path, list(self.buffer)))
-        self.buffer, self.size = {}, 0
+        with open(path, "wb") as out, open(data_path, "rb") as src:
+            out.write(len(raw).to_bytes(8, "little") + raw)
+            shutil.copyfileobj(src, out, 1 << 24)
+        data_path.unlink()
+        self.parts.append((path, [k for k in header if k != "__metadata__"]))
 
     def close(self) -> None:
-        if self.buffer or not self.parts:
+        if self._data is not None or not self.parts:
+            if self._data is None:  # no tensor at all: an empty file is still a valid result
+                self._data = open(self.dir / ".part-00001.data", "wb")  # noqa: SIM115
+                self._header, self._size = {}, 0
             self._flush()
         if len(self.parts) == 1:
             os.replace(self.parts[0][0], self.dir / SINGLE)
