@@ -172,3 +172,46 @@ def test_zero1_with_bf16_parameters_keeps_fp32_masters():
             assert not torch.equal(master, master.bfloat16().float())  # more precise than the parameters
         # Master + two moments in fp32 per parameter, 1/DP of them per rank (Megatron's 12/d bytes).
         assert abs(got["state_bytes"] - 12 * n / 2) <= 12 * (got["padded"] - n)
+
+
+def _overflow_rank() -> dict:
+    import torch.distributed as dist
+
+    from zoo.parallel.data_parallel import GradBuckets
+    from zoo.parallel.zero import DistributedOptimizer, DynamicLossScale
+
+    model = _model().to(torch.float16)
+    buckets = GradBuckets(model, dist.group.WORLD, bucket_size=500, shard=True)
+    opt = DistributedOptimizer(buckets, lambda groups: torch.optim.AdamW(groups, lr=0.01), weight_decay=0.1)
+    scale = DynamicLossScale(init_scale=1024.0, growth_interval=2)
+    x, y = _data()
+    rank = dist.get_rank()
+    before = [p.detach().clone() for p in model.parameters()]
+    norms = []
+    for step in range(4):
+        loss = F.mse_loss(model(x.chunk(2)[rank].half()).float(), y.chunk(2)[rank])
+        hook = None
+        if step == 1 and rank == 1:  # one rank, one element, during backward: an fp16 overflow
+            first = next(model.parameters())
+            hook = first.register_hook(lambda g: g.flatten().index_fill(0, torch.tensor([0]), float("inf")).view_as(g))
+        scale.scale(loss).backward()
+        if hook is not None:
+            hook.remove()
+        buckets.finish()
+        norms.append(opt.step(loss_scale=scale))
+        if step == 1:
+            after_skip = [p.detach().clone() for p in model.parameters()]
+        if step == 0:
+            after_first = [p.detach().clone() for p in model.parameters()]
+    return {"norms": norms, "scale": scale.state_dict(), "first": after_first, "skip": after_skip, "before": before}
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank():
+    a, b = run_distributed(_overflow_rank, 2, timeout=120)
+    for r in (a, b):
+        assert math.isinf(r["norms"][1]) and all(math.isfinite(n) for n in (r["norms"][0], *r["norms"][2:]))
+        assert all(torch.equal(p, q) for p, q in zip(r["skip"], r["first"]))  # the step was skipped
+        assert not all(torch.equal(p, q) for p, q in zip(r["first"], r["before"]))  # the others were not
+        # 1024 -> halved on the overflow -> two clean steps double it back.
+        assert r["scale"] == {"scale": 1024.0, "clean_steps": 0, "growth_interval": 2}
+    assert all(torch.equal(p, q) for p, q in zip(a["skip"], b["skip"]))  # the ranks still agree

@@ -108,9 +108,10 @@ class TrainConfig:
     global_batch_size: int | None = None  # None: micro_batch_size x dp (no accumulation)
     seq_length: int = 256
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # compute: bf16/fp16 autocast over fp32 parameters
-    # Parameter storage: bf16 keeps parameters and gradients in bf16 and fp32 master weights in the
-    # distributed optimizer (needs parallel.zero=1 and precision=bf16; Megatron's --bf16).
-    param_dtype: Literal["fp32", "bf16"] = "fp32"
+    # Parameter storage: bf16/fp16 keep parameters and gradients in that type and fp32 master
+    # weights in the distributed optimizer (needs parallel.zero=1 and the same precision;
+    # Megatron's --bf16 / --fp16). fp16 adds dynamic loss scaling.
+    param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: int = 1234
     recompute: Literal["none", "selective", "full"] = "none"
     eval_interval: int = 50  # steps between validations; 0 disables

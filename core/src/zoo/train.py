@@ -190,8 +190,8 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
 
                 load_into(model, par.local_state(read_model_state(md)), what=str(resume_from))
 
-        if run.train.param_dtype == "bf16":
-            model.to(torch.bfloat16)  # after loading: the fp32 masters come from the checkpoint or these
+        if run.train.param_dtype != "fp32":  # after loading: the fp32 masters come from the checkpoint or these
+            model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[run.train.param_dtype])
 
         # The optimizer is made after the weights are in place: ZeRO-1 copies them into its fp32 masters.
         def adamw(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
@@ -209,7 +209,12 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
             opt = adamw(param_groups(model, run.optimizer.weight_decay))
         names = {id(p): n for n, p in model.named_parameters()}
         group_names = [[names[id(p)] for p in g["params"]] for g in param_groups(model, run.optimizer.weight_decay)]
-        scaler = torch.amp.GradScaler(dev_type, enabled=precision == "fp16")
+        if zero is not None and precision == "fp16":
+            from zoo.parallel.zero import DynamicLossScale
+
+            scaler: Any = DynamicLossScale()  # overflow decided on the all-reduced norm, by every rank alike
+        else:
+            scaler = torch.amp.GradScaler(dev_type, enabled=precision == "fp16")
         step, consumed = 0, 0
 
         if resume_from is not None:
@@ -306,7 +311,8 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
                 if not math.isfinite(loss_value):
                     raise ZooError(f"loss is {loss_value} at step {step + 1} (lr {lr:.3g}); lower optimizer.lr or check the data")
                 if zero is not None:  # clips over the shards, updates them, gathers the parameters
-                    grad_norm = zero.step(max_norm=run.optimizer.grad_clip, tp_group=par.tp_group, pp_group=par.pp_group)
+                    grad_norm = zero.step(max_norm=run.optimizer.grad_clip, tp_group=par.tp_group, pp_group=par.pp_group,
+                                          loss_scale=scaler if precision == "fp16" else None)
                 else:
                     scaler.unscale_(opt)
                     grad_norm = par.clip(run.optimizer.grad_clip)
@@ -448,14 +454,13 @@ def _check_layout(fam: Any, run: Any, plan: Any) -> None:
         raise ConfigError(f"parallel.cp={plan.cp}: family {fam.name!r} declares no sequence spec")
     if plan.cp > 1 and run.data.reset_attention_mask:
         raise ConfigError("parallel.cp > 1 with data.reset_attention_mask: ring attention has no document masking")
-    if run.train.precision == "fp16" and (plan.tp > 1 or plan.pp > 1):
-        raise ConfigError("train.precision=fp16 with parallel.tp > 1 or pp > 1 is not supported yet (loss-scale "
-                          "overflow checks must agree across model-parallel ranks); use bf16")
-    if run.train.param_dtype == "bf16" and not (p.zero and run.train.precision == "bf16"):
-        raise ConfigError("train.param_dtype=bf16 needs parallel.zero=1 (its distributed optimizer keeps the fp32 "
-                          "master weights) and train.precision=bf16")
-    if p.zero and run.train.precision == "fp16":
-        raise ConfigError("parallel.zero=1 with train.precision=fp16 is not supported yet; use bf16 or fp32")
+    if run.train.precision == "fp16" and (plan.tp > 1 or plan.pp > 1) and not p.zero:
+        raise ConfigError("train.precision=fp16 with parallel.tp > 1 or pp > 1 needs parallel.zero=1 (its overflow "
+                          "check is all-reduced over every parallel group; torch's GradScaler checks one rank)")
+    dtype = run.train.param_dtype
+    if dtype != "fp32" and not (p.zero and run.train.precision == dtype):
+        raise ConfigError(f"train.param_dtype={dtype} needs parallel.zero=1 (its distributed optimizer keeps the fp32 "
+                          f"master weights) and train.precision={dtype}")
 
 
 __all__ = ["lr_at", "param_groups", "run"]

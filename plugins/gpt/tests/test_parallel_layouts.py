@@ -213,25 +213,26 @@ def test_a_rank_that_raises_stops_every_rank_with_its_error(tmp_path, corpus_cac
     assert elapsed < 120, f"the job took {elapsed:.0f} s to stop"  # far below any hang, not a timing claim
 
 
-def test_bf16_parameters_with_fp32_masters_train_and_resume_exactly(tmp_path, corpus_cache):
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision_parameters_with_fp32_masters_train_and_resume_exactly(tmp_path, corpus_cache, dtype):
     import shutil
 
     from _gpt_helpers import curve as _curve
     from _gpt_helpers import small_run, zoo
 
-    args = ("train.steps=6", "checkpoint.interval=3", "train.precision=bf16", "train.param_dtype=bf16",
+    args = ("train.steps=6", "checkpoint.interval=3", f"train.precision={dtype}", f"train.param_dtype={dtype}",
             "parallel.zero=1")
     full = zoo(*small_run(tmp_path / "full", corpus_cache, *args))
     assert full.returncode == 0, full.stderr
-    ref = zoo(*small_run(tmp_path / "fp32", corpus_cache, "train.steps=6", "train.precision=bf16"))
+    ref = zoo(*small_run(tmp_path / "fp32", corpus_cache, "train.steps=6", "train.precision=bf16"))  # fp32 storage
     assert ref.returncode == 0, ref.stderr
     got, fp32 = _curve(tmp_path / "full"), _curve(tmp_path / "fp32")
-    assert all(abs(a - b) < 5e-3 * b for a, b in zip(got, fp32))  # bf16 storage, same training
+    assert all(abs(a - b) < 5e-3 * b for a, b in zip(got, fp32))  # low-precision storage, same training
     cont = tmp_path / "cont"
     (cont / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step_00000003", cont / "checkpoints" / "step_00000003")
     out = zoo(*small_run(cont, corpus_cache, *args))
     assert out.returncode == 0, out.stderr
     assert _curve(cont) == got[3:]  # bitwise: the fp32 masters were saved, not re-read from bf16
-    bad = zoo(*small_run(tmp_path / "bad", corpus_cache, "train.param_dtype=bf16"))
+    bad = zoo(*small_run(tmp_path / "bad", corpus_cache, f"train.param_dtype={dtype}"))
     assert bad.returncode == 2 and "needs parallel.zero=1" in bad.stderr

@@ -12,6 +12,7 @@ rules (no weight decay on vectors) carry over unchanged.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -59,17 +60,21 @@ class DistributedOptimizer:
         return total
 
     @torch.no_grad()
-    def step(self, *, max_norm: float = 0.0, tp_group: Any = None, pp_group: Any = None) -> float:
+    def step(self, *, max_norm: float = 0.0, tp_group: Any = None, pp_group: Any = None,
+             loss_scale: DynamicLossScale | None = None) -> float:
         """Update this rank's shard and all-gather the parameters; returns the global gradient norm
         (clipping to ``max_norm`` when positive). Tensor-parallel shards' squares are summed over
         ``tp_group``, everything over the data-parallel group and the pipeline stages (the last
-        stage's copy of a tied embedding counted once)."""
+        stage's copy of a tied embedding counted once). With ``loss_scale`` (fp16) the gradients
+        are unscaled first; an overflow anywhere makes the norm infinite on every rank, and every
+        rank then skips the update and lowers the scale alike."""
         from zoo.parallel import comm
 
+        inv = 1.0 / loss_scale.scale_value if loss_scale is not None else 1.0
         sharded = torch.zeros((), dtype=torch.float64)
         replicated = torch.zeros((), dtype=torch.float64)
         for b, a, n, master, p, _ in self.pieces:
-            master.grad = b.buffer[a:a + n].float()  # this rank's reduced gradient slice
+            master.grad = b.buffer[a:a + n].float() * inv  # this rank's reduced gradient slice, unscaled
             sq = master.grad.double().pow(2).sum()
             if getattr(p, "pipeline_duplicate", False):
                 continue
@@ -79,6 +84,11 @@ class DistributedOptimizer:
                 replicated += sq
         total = comm.all_reduce(comm.all_reduce(comm.all_reduce(sharded, tp_group) + replicated, self.group), pp_group)
         norm = float(total.sqrt())
+        if loss_scale is not None:
+            loss_scale.update(found_inf=not math.isfinite(norm))
+            if not math.isfinite(norm):  # skip this step everywhere; the parameters stay as they are
+                self.buckets.zero_grad()
+                return norm
         if max_norm > 0 and norm > max_norm:
             scale = max_norm / (norm + 1e-6)
             for piece in self.pieces:
@@ -154,3 +164,34 @@ class DistributedOptimizer:
                 st[field] = value.clone() if value.dim() == 0 else value.reshape(-1)[start:start + n].clone().float()
             if st:
                 self.optimizer.state[master] = st
+
+
+class DynamicLossScale:
+    """fp16 loss scaling for the distributed optimizer (GradScaler's policy: halve on overflow,
+    double after ``growth_interval`` clean steps). The overflow check is the all-reduced gradient
+    norm, so every rank of every parallel group decides the same."""
+
+    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+        self.scale_value, self.growth_interval, self.clean_steps = init_scale, growth_interval, 0
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale_value
+
+    def update(self, *, found_inf: bool) -> None:
+        if found_inf:
+            self.scale_value, self.clean_steps = self.scale_value / 2, 0
+        else:
+            self.clean_steps += 1
+            if self.clean_steps == self.growth_interval:
+                self.scale_value, self.clean_steps = self.scale_value * 2, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale_value, "clean_steps": self.clean_steps, "growth_interval": self.growth_interval}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale_value, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
+        self.growth_interval = int(state.get("growth_interval", self.growth_interval))
+
