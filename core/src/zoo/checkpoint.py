@@ -1,5 +1,6 @@
-"""Training checkpoints (single-process form): a zoo model directory plus everything needed to
-continue bitwise: optimizer state, loss-scaler state, RNG states, step and consumed samples.
+"""Training checkpoints: model, optimizer state, loss-scaler state, RNG states, step and consumed
+samples, everything needed to continue bitwise. Training writes the sharded format 2
+(`save_sharded`, files in `zoo.dist_checkpoint`); format 1, described here, is still read.
 
 Layout under ``checkpoint.dir``::
 
@@ -115,13 +116,14 @@ def load_optimizer(opt: torch.optim.Optimizer, model: torch.nn.Module, tensors: 
     opt.load_state_dict({"state": state, "param_groups": param_groups})
 
 
-def save(root: Path, *, step: int, run: Any, model: torch.nn.Module, opt: torch.optim.Optimizer,
+def save_single_file(root: Path, *, step: int, run: Any, model: torch.nn.Module, opt: torch.optim.Optimizer,
          scaler: torch.amp.GradScaler, consumed_samples: int, tokenizer_dir: Path | None,
          keep_last: int | None, write: bool = True, model_state: dict[str, torch.Tensor] | None = None,
          transform: Transform | None = None,
          opt_state: tuple[dict[str, torch.Tensor], list[dict[str, Any]]] | None = None) -> Path:
-    """Every rank calls this (gathers are collective); only the ranks with ``write`` write files.
-    ``opt_state`` replaces the optimizer's own export (the distributed optimizer gathers its shards)."""
+    """Format 1 (what zoo 0.1 wrote, still read): full tensors in one file per kind, written by one
+    process. Training now writes the sharded format 2 (`save_sharded`); this writer stays as the
+    reference for format-1 compatibility. ``opt_state`` replaces the optimizer's own export."""
     opt_tensors, groups = opt_state if opt_state is not None else optimizer_tensors(opt, model, transform)
     path = step_dir(root, step)
     if not write:
@@ -176,7 +178,8 @@ def restore_rng(state: dict[str, Any], rng: dict[str, torch.Tensor]) -> None:
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-__all__ = ["complete_checkpoints", "latest", "load_train_state", "read_meta", "resolve_checkpoint", "save"]
+__all__ = ["complete_checkpoints", "latest", "load_sharded", "load_train_state", "read_meta", "resolve_checkpoint",
+           "save_sharded", "save_single_file"]
 
 
 # ---------------------------------------------------------------------- sharded (format 2) form

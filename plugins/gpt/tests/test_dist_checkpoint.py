@@ -240,3 +240,50 @@ def test_hf_import_keeps_only_the_tensors_a_stage_needs(tmp_path):
     assert set(got) == keep  # nothing else is held, yet every HF tensor was checked as consumed
     full = from_external(fmt.table(config), LazyTensors(tmp_path / "hf"), config)
     assert all(torch.equal(got[k], full[k]) for k in keep)
+
+
+def test_format_1_checkpoints_still_resume(tmp_path, corpus_cache):
+    """A checkpoint in the single-file format older zoo wrote (format 1) continues exactly like the
+    sharded one it was made from."""
+    import argparse
+
+    from zoo.checkpoint import save_single_file
+    from zoo.cli import resolve_run
+    from zoo.convert import read_meta, read_model_state
+    from zoo.dist_checkpoint import ShardedCheckpoint
+
+    args = ("train.steps=6", "checkpoint.interval=3")
+    out = zoo(*small_run(tmp_path / "v2", corpus_cache, *args))
+    assert out.returncode == 0, out.stderr
+    src = tmp_path / "v2" / "checkpoints" / "step_00000003"
+    md = read_meta(src)
+    with ShardedCheckpoint(src) as ck:
+        opt = {k: ck.full(k) for k in ck.names() if "::" in k}
+        rng = ck.rng(0)[0]["torch"]
+    state = json.loads((src / "state.json").read_text())
+    _, run = resolve_run(argparse.Namespace(config=[src / "config.yaml"], model=None, flavor=None, overrides=[],
+                                            plugins=None))
+    root = tmp_path / "v1" / "checkpoints"
+    save_single_file(root, step=3, run=run, model=torch.nn.Module(), opt=None, scaler=torch.amp.GradScaler("cpu", enabled=False),
+                     consumed_samples=state["consumed_samples"], tokenizer_dir=src, keep_last=None,
+                     model_state=read_model_state(md), opt_state=(opt, state["optimizer_param_groups"]))
+    v1 = root / "step_00000003"
+    assert json.loads((v1 / "zoo.json").read_text())["format_version"] == 1 and (v1 / "model.safetensors").is_file()
+    # Format 1 kept one RNG state; use the sharded checkpoint's so both continue from the same one.
+    from safetensors.torch import save_file
+
+    save_file({"torch": rng}, str(v1 / "rng.safetensors"))
+    resumed = zoo(*small_run(tmp_path / "v1", corpus_cache, *args))
+    assert resumed.returncode == 0, resumed.stderr
+    assert curve(tmp_path / "v1") == curve(tmp_path / "v2")[3:]
+
+
+def test_time_based_interval_and_retention(tmp_path, corpus_cache):
+    # Every step takes longer than 0.0001 minutes, so each one is followed by a save; two are kept.
+    out = zoo(*small_run(tmp_path / "run", corpus_cache, "train.steps=4", "checkpoint.interval_minutes=0.0001",
+                         "checkpoint.keep_last=2", "checkpoint.async_save=true"))
+    assert out.returncode == 0, out.stderr
+    from zoo.checkpoint import complete_checkpoints
+
+    assert [s for s, _ in complete_checkpoints(tmp_path / "run" / "checkpoints")] == [3, 4]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_00000004"

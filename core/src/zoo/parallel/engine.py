@@ -94,10 +94,6 @@ class Parallel:
         self.buckets = GradBuckets(self.model, self.dp_cp_group, bucket_size=bucket_size, shard=shard)
         return self.buckets
 
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
     # -------------------------------------------------------------------------------- step
 
     def prepare(self, batch: Mapping[str, Any], seq_length: int) -> dict[str, Any]:
@@ -201,18 +197,6 @@ class Parallel:
     def canonical(self, name: str) -> str:
         return self.stages.canonical.get(name, name) if self.stages is not None else name
 
-    def full_model_state(self) -> dict[str, torch.Tensor]:
-        """The single-process state dict (collective over TP and PP; tied names aliased)."""
-        local = tp_apply.full_state_dict(self.model) if self.tp_group is not None else dict(self.model.state_dict())
-        if self.stages is None:
-            return local
-        own = {k: v for k, v in local.items() if self.canonical(k) == k}
-        full = gather_state(own, self.pp_group)
-        for dup, canon in self.stages.aliases.items():
-            if canon in full:
-                full[dup] = full[canon]
-        return full
-
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every gradient at its full shape under its single-process name (collective; for tests
         and debugging)."""
@@ -236,21 +220,6 @@ class Parallel:
             names = {n for g in per_stage for n in g["params"] if n in order}
             merged.append({**per_stage[0], "params": sorted(names, key=order.__getitem__)})
         return merged
-
-    def gather_optimizer(self, tensors: dict[str, torch.Tensor], groups: list[dict[str, Any]]
-                         ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
-        """Optimizer tensors and param groups of all stages, keyed by single-process names."""
-        if self.stages is None:
-            return tensors, groups
-        own = {k: v for k, v in tensors.items() if self.canonical(k.partition("::")[0]) == k.partition("::")[0]}
-        full = gather_state(own, self.pp_group)
-        order = {n: i for i, n in enumerate(self.stages.global_order)}
-        merged = []
-        for per_stage in zip(*gather_objects(groups, self.pp_group)):
-            names = {self_n for g in per_stage for self_n in g["params"]}
-            names = {n for n in names if n in order}
-            merged.append({**per_stage[0], "params": sorted(names, key=order.__getitem__)})
-        return full, merged
 
     def local_state(self, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's slice of a single-process state dict (TP shards of its stage's tensors)."""
