@@ -301,7 +301,7 @@ def load_initial_weights(source: str, *, par: Any, model: torch.nn.Module, famil
         entry, fmt, config, _ = _hf_source(path)
         if entry.family.name != family:
             raise _CE(f"{path}: a {entry.family.name!r} model, not {family!r}")
-        keep = {par.canonical(n) for n in model.state_dict()}
+        keep = {n for name in model.state_dict() for n in (name, par.canonical(name))}
         try:
             full = from_external(fmt.table(config), LazyTensors(path), config, keep=keep)
         except MappingError as e:

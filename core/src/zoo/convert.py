@@ -368,6 +368,9 @@ class _LazyState(Mapping[str, Any]):
     def __iter__(self) -> Any:
         return iter(self.shapes)
 
+    def __contains__(self, key: object) -> bool:  # Mapping's default would read the tensor
+        return key in self.shapes
+
     def __len__(self) -> int:
         return len(self.shapes)
 

@@ -161,13 +161,17 @@ class _Source:
     def __init__(self, data: Mapping[str, Tensor], side: str) -> None:
         self.data, self.side, self.used = data, side, set()
         self.missing: list[str] = []
+        self.pending = []
 
     def take(self, key: str) -> Tensor | None:
         if key not in self.data:
             self.missing.append(key)
             return None
         self.used.add(key)
+        self.pending.append(key)
         return self.data[key]
+
+    pending: list[str]  # keys taken since the sink last received a tensor (see _KeepSink)
 
 
 class _Sink(dict):
@@ -269,16 +273,20 @@ def to_external(table: MappingTable, ours: Mapping[str, Tensor], config: Any, *,
 
 
 class _KeepSink(_Sink):
-    """Keeps only the tensors named in ``keep`` (a pipeline stage's); the rest are checked, then dropped."""
+    """Keeps only the tensors named in ``keep`` (a pipeline stage's); the rest are checked, then
+    dropped. Records which source keys each output was made from (``sources``)."""
 
-    def __init__(self, side: str, keep: set[str]) -> None:
+    def __init__(self, side: str, keep: set[str], src: _Source) -> None:
         super().__init__(side)
-        self.keep = keep
+        self.keep, self.src = keep, src
+        self.sources: dict[str, set[str]] = {}
 
     def put(self, key: str, value: Tensor | None) -> None:
         if key in self:
             self.twice.append(key)
         self[key] = value if key in self.keep else None
+        self.sources[key] = set(self.src.pending)
+        self.src.pending.clear()
 
 
 def from_external(table: MappingTable, theirs: Mapping[str, Tensor], config: Any, *,
@@ -286,12 +294,30 @@ def from_external(table: MappingTable, theirs: Mapping[str, Tensor], config: Any
     """The external format -> our state dict, strictly (unknown source keys are an error).
 
     ``theirs`` may be a lazy mapping (tensors read when a rule takes them); with ``keep`` only
-    those of our names are returned, so a rank holding a few layers never holds the whole model."""
+    those of our names are returned, so a rank holding a few layers never holds the whole model,
+    and when ``theirs`` can tell shapes without reading (``shape_of``, e.g. `zoo.tensorio.LazyTensors`)
+    only the tensors the kept ones are made of are read at all."""
+    import torch
+
+    if keep is not None and hasattr(theirs, "shape_of"):
+        # A dry run on shape-only tensors names the sources of the kept outputs; the real run then
+        # reads only those (the others stay shape-only: mapped and checked, never read).
+        dry = {k: torch.empty(theirs.shape_of(k), device="meta") for k in theirs}
+        _, sources = _map_in(table, dry, config, keep)
+        needed = set().union(*(v for name, v in sources.items() if name in keep))
+        theirs = _OnlyReading(theirs, needed, dry)
+    return _map_in(table, theirs, config, keep)[0]
+
+
+def _map_in(table: MappingTable, theirs: Mapping[str, Tensor], config: Any, keep: set[str] | None
+            ) -> tuple[dict[str, Tensor], dict[str, set[str]]]:
+    """`from_external`'s work; also returns, under ``keep``, the source keys of every output."""
     import torch
 
     theirs = _strip_prefix(table, theirs)
     sizes = _sizes(table, config)
-    src, out = _Source(theirs, "external"), (_Sink("zoo") if keep is None else _KeepSink("zoo", keep))
+    src = _Source(theirs, "external")
+    out = _Sink("zoo") if keep is None else _KeepSink("zoo", keep, src)
     ties: list[tuple[str, str, str | None]] = []
     for rule in table.rules:
         _need(sizes, rule)
@@ -338,9 +364,31 @@ def from_external(table: MappingTable, theirs: Mapping[str, Tensor], config: Any
             src.used.add(th)
         if to in out:
             out.put(o, out[to])
+            if isinstance(out, _KeepSink):  # a tied copy is made of what the original was made of
+                out.sources[o] = set(out.sources.get(to, ()))
     ignores = [re.compile(r.theirs) for r in table.rules if isinstance(r, Ignore)]
     _check(src, out, ignores=ignores)
-    return {k: v for k, v in out.items() if v is not None}
+    sources = out.sources if isinstance(out, _KeepSink) else {}
+    return {k: v for k, v in out.items() if v is not None}, sources
+
+
+class _OnlyReading(Mapping[str, Any]):
+    """``data`` for the ``needed`` keys, shape-only stand-ins for the rest."""
+
+    def __init__(self, data: Mapping[str, Any], needed: set[str], dry: Mapping[str, Any]) -> None:
+        self.data, self.needed, self.dry = data, needed, dry
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key] if key in self.needed else self.dry[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.data)
+
+    def __contains__(self, key: object) -> bool:  # Mapping's default would read the tensor
+        return key in self.data
+
+    def __len__(self) -> int:
+        return len(self.data)
 
 
 def _zip_expand(sizes: Mapping[str, int], *templates: str) -> Iterator[tuple[dict[str, int], tuple[str, ...]]]:
@@ -371,6 +419,9 @@ class _Renamed(Mapping[str, Any]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
+
+    def __contains__(self, key: object) -> bool:  # Mapping's default would read the tensor
+        return key in self.names
 
     def __len__(self) -> int:
         return len(self.names)

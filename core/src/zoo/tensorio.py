@@ -226,9 +226,15 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         if not files:
             files = {k: paths[0] for k in self._handles[paths[0]].keys()}  # noqa: SIM118 (not a dict)
         self._where = files
+        self.read: list[str] = []  # the keys read so far, in order
+
+    def shape_of(self, key: str) -> tuple[int, ...]:
+        """From the file header: no tensor data is read."""
+        return tuple(self._handles[self._where[key]].get_slice(key).get_shape())
 
     def __getitem__(self, key: str) -> torch.Tensor:
         path = self._where[key]
+        self.read.append(key)
         try:
             return self._handles[path].get_tensor(key)
         except Exception as e:  # a shard without the tensor its index promises
@@ -236,6 +242,9 @@ class LazyTensors(Mapping[str, torch.Tensor]):
 
     def __iter__(self) -> Any:
         return iter(self._where)
+
+    def __contains__(self, key: object) -> bool:  # Mapping's default would read the tensor
+        return key in self._where
 
     def __len__(self) -> int:
         return len(self._where)

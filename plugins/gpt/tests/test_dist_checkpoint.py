@@ -238,6 +238,10 @@ def test_hf_import_keeps_only_the_tensors_a_stage_needs(tmp_path):
     keep = {"layers.2.attn.qkv.weight", "layers.3.mlp.fc.weight", "head.weight"}
     got = from_external(fmt.table(config), lazy, config, keep=keep)
     assert set(got) == keep  # nothing else is held, yet every HF tensor was checked as consumed
+    # And only what those are made of was read from disk: q, k, v of layer 2, gate and up of layer 3, the head.
+    assert sorted(lazy.read) == sorted(["model.layers.2.self_attn.q_proj.weight", "model.layers.2.self_attn.k_proj.weight",
+                                        "model.layers.2.self_attn.v_proj.weight", "model.layers.3.mlp.gate_proj.weight",
+                                        "model.layers.3.mlp.up_proj.weight", "lm_head.weight"])
     full = from_external(fmt.table(config), LazyTensors(tmp_path / "hf"), config)
     assert all(torch.equal(got[k], full[k]) for k in keep)
 
