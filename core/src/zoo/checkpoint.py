@@ -228,7 +228,7 @@ def save_sharded(root: Path, *, step: int, run: Any, par: Any, model: torch.nn.M
 
     saver.wait()  # at most one save in flight, and its snapshot buffers are free again
     snap = snapshot(sharded_entries(par, model, optimizer_state, ties), tp=par.tp, tp_rank=par.tp_rank,
-                    copy=saver.asynchronous, pool=saver.pool)
+                    copy=saver.asynchronous and saver.copy, pool=saver.pool)
     dst = step_dir(root, step)
     tmp = root / f".{dst.name}.partial-{token}"
     state = {"step": step, "consumed_samples": consumed_samples, "optimizer_param_groups": groups,

@@ -270,7 +270,9 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
 
         from zoo.dist_checkpoint import Saver
 
-        saver = Saver(asynchronous=run.checkpoint.async_save)
+        # An async save writes from the live tensors while the next forward and backward run; the
+        # optimizer update (the only thing that changes them) waits for it.
+        saver = Saver(asynchronous=run.checkpoint.async_save, copy=False)
         token = _run_token(env.world_size)  # names this run's partial checkpoint directories
 
         saved_at = [time.monotonic()]
@@ -310,6 +312,7 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
                 loss_value = total.item()
                 if not math.isfinite(loss_value):
                     raise ZooError(f"loss is {loss_value} at step {step + 1} (lr {lr:.3g}); lower optimizer.lr or check the data")
+                saver.wait()  # a save in flight still reads the parameters and optimizer state
                 if zero is not None:  # clips over the shards, updates them, gathers the parameters
                     grad_norm = zero.step(max_norm=run.optimizer.grad_clip, tp_group=par.tp_group, pp_group=par.pp_group,
                                           loss_scale=scaler if precision == "fp16" else None)
