@@ -167,15 +167,10 @@ def load_train_state(md: ModelDir) -> tuple[dict[str, Any], dict[str, torch.Tens
 
 
 def restore_rng(state: dict[str, Any], rng: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(rng["torch"])
-    if torch.cuda.is_available():
-        cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda"))]
-        if cuda:
-            torch.cuda.set_rng_state_all(cuda)
-    v, internal, gauss = state["python_rng"]
-    random.setstate((v, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy_rng"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    """Format 1 keeps Python's and NumPy's RNG states in state.json."""
+    from zoo.dist_checkpoint import restore_rng as restore
+
+    restore(rng, {"python": state["python_rng"], "numpy": state["numpy_rng"]})
 
 
 __all__ = ["complete_checkpoints", "latest", "load_sharded", "load_train_state", "read_meta", "resolve_checkpoint",

@@ -126,21 +126,28 @@ def write_model_dir(
         meta = {"format": "zoo", "format_version": FORMAT_VERSION, "family": family, "flavor": flavor,
                 "model_config": _plain(config), "ties": ties, **(extra_meta or {})}
         atomic_write_text(tmp / META, json.dumps(meta, indent=2))
-        _fsync_dir(tmp)
-        (tmp / COMPLETE).write_text("")  # last: only now is the directory a checkpoint
-        _fsync_dir(tmp)
-        if dst.exists():
-            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
-        _fsync_dir(dst.parent)
+        complete_and_move(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+def complete_and_move(tmp: Path, dst: Path) -> None:
+    """Mark a fully written directory complete (the marker last, everything synced first) and move
+    it to ``dst``, replacing what is there; a crash at any point leaves either the old ``dst`` or
+    the new one, never a directory without its marker under that name."""
+    _fsync_dir(tmp)
+    (tmp / COMPLETE).write_text("")  # last: only now is the directory a checkpoint
+    _fsync_dir(tmp)
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        os.replace(dst, old)
+        os.replace(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dst)
+    _fsync_dir(dst.parent)
 
 
 def _fsync_dir(path: Path) -> None:

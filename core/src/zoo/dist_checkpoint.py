@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import threading
 import time
 import zlib
@@ -43,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zoo.convert import COMPLETE, META, _fsync_dir
+from zoo.convert import META, _fsync_dir, complete_and_move
 from zoo.io import atomic_write_text
 from zoo.tensorio import CheckpointError
 
@@ -309,17 +308,8 @@ def finalize(tmp: Path, dst: Path, *, world_size: int, meta: Mapping[str, Any], 
         copy_tokenizer_files(tokenizer_from, tmp)
     atomic_write_text(tmp / META, json.dumps({**meta, "format_version": FORMAT_VERSION, "sharded": True}, indent=2))
     _fsync_dir(tmp / SHARDS)
-    _fsync_dir(tmp)
-    (tmp / COMPLETE).write_text("")  # last: only now is the directory a checkpoint
-    _fsync_dir(tmp)
-    if dst.exists():  # a checkpoint of the same step from a run that resumed before it
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        os.replace(dst, old)
-        os.replace(tmp, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dst)
-    _fsync_dir(dst.parent)
+    # Replaces a checkpoint of the same step left by a run that resumed from before it.
+    complete_and_move(tmp, dst)
     atomic_write_text(dst.parent / "latest", dst.name + "\n")
     return dst
 

@@ -86,11 +86,11 @@ def _losses(run_dir):
     return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+# ZeRO-1 and the other layouts through `zoo train` are in test_parallel_layouts.py and
+# test_dist_checkpoint.py.
 @pytest.mark.parametrize(("nproc", "layout"), [
     (2, ["parallel.tp=2"]),
     (4, ["parallel.tp=2", "train.micro_batch_size=4"]),
-    (2, ["parallel.zero=1", "train.micro_batch_size=4"]),  # the distributed optimizer
-    (4, ["parallel.tp=2", "parallel.zero=1", "train.micro_batch_size=4"]),
 ])
 def test_zoo_train_tp_matches_one_process_and_resumes_anywhere(tmp_path, corpus_cache, nproc, layout):
     from _gpt_helpers import small_run, zoo
