@@ -223,7 +223,7 @@ def save_sharded(root: Path, *, step: int, run: Any, par: Any, model: torch.nn.M
 
     saver.wait()  # at most one save in flight, and its snapshot buffers are free again
     snap = snapshot(sharded_entries(par, model, optimizer_state, ties), tp=par.tp, tp_rank=par.tp_rank,
-                    copy=saver.asynchronous and saver.copy, pool=saver.pool)
+                    copy=saver.asynchronous and saver.copy, pool=saver.pool, rng={"tp_stream": par.tp_rng.state()})
     dst = step_dir(root, step)
     tmp = root / f".{dst.name}.partial-{token}"
     state = {"step": step, "consumed_samples": consumed_samples, "optimizer_param_groups": groups,
@@ -278,8 +278,28 @@ def load_sharded(path: Path, *, par: Any, model: torch.nn.Module, rank: int, wor
     state = json.loads((path / "state.json").read_text())
     same_world = ck.index.get("world_size") == world_size
     rng = ck.rng(rank if same_world else 0)
+    if not same_world:  # another layout: its tensor-parallel dropout streams start afresh
+        rng[0].pop("tp_stream", None)
     ck.close()
     return local, opt, state, rng
+
+
+def tp_cut(local_shape: tuple[int, ...], style: str | None, tp: int, tp_rank: int
+           ) -> tuple[tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]]:
+    """The global shape of a tensor whose TP shard has ``local_shape``, and the function that cuts
+    that shard out of the global tensor (the layout of `zoo.dist_checkpoint.regions`)."""
+    from zoo.dist_checkpoint import regions
+
+    shape, regs = regions(local_shape, style, tp, tp_rank)
+
+    def cut(full: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(local_shape, dtype=full.dtype)
+        for sl, offset in regs:
+            part = out[sl]
+            part.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, part.shape))])
+        return out
+
+    return shape, cut
 
 
 def load_initial_weights(source: str, *, par: Any, model: torch.nn.Module, family: str) -> dict[str, torch.Tensor]:
@@ -288,7 +308,7 @@ def load_initial_weights(source: str, *, par: Any, model: torch.nn.Module, famil
     slice). The result still has to pass `zoo.convert.load_into`'s shape check."""
     from zoo.convert import CheckpointError as _CE
     from zoo.convert import _hf_source, read_meta, read_model_state
-    from zoo.mapping import MappingError, from_external
+    from zoo.mapping import MappingError, from_external, read_sliced
     from zoo.tensorio import LazyTensors
 
     path = Path(source.removeprefix("hf:"))
@@ -296,12 +316,20 @@ def load_initial_weights(source: str, *, par: Any, model: torch.nn.Module, famil
         entry, fmt, config, _ = _hf_source(path)
         if entry.family.name != family:
             raise _CE(f"{path}: a {entry.family.name!r} model, not {family!r}")
-        keep = {n for name in model.state_dict() for n in (name, par.canonical(name))}
+        lazy = LazyTensors(path)
         try:
-            full = from_external(fmt.table(config), LazyTensors(path), config, keep=keep)
+            if par.tp > 1:  # read only the rows of each HF tensor this rank's shards come from
+                wanted = {}
+                for name, t in model.state_dict().items():
+                    shape, cut = tp_cut(tuple(t.shape), _style(model, name), par.tp, par.tp_rank)
+                    wanted[name] = (par.canonical(name), shape, cut)
+                got = read_sliced(fmt.table(config), lazy, config,
+                                  {canon: (shape, cut) for canon, shape, cut in wanted.values()})
+                return {name: got[canon] for name, (canon, _, _) in wanted.items()}
+            keep = {n for name in model.state_dict() for n in (name, par.canonical(name))}
+            return par.local_state(from_external(fmt.table(config), lazy, config, keep=keep))
         except MappingError as e:
             raise _CE(f"{path}: {e}") from None
-        return par.local_state(full)
     md = read_meta(path)
     if md.family != family:
         raise _CE(f"{path}: a checkpoint of {md.family!r}, not {family!r}")

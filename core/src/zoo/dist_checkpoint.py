@@ -221,7 +221,7 @@ class _Snapshot:
 
 
 def snapshot(entries: Sequence[Entry], *, tp: int, tp_rank: int, copy: bool = True,
-             pool: dict[str, torch.Tensor] | None = None) -> _Snapshot:
+             pool: dict[str, torch.Tensor] | None = None, rng: Mapping[str, torch.Tensor] | None = None) -> _Snapshot:
     """What to write; ``copy`` (an asynchronous save) copies the tensors off, so training can
     change them meanwhile, into ``pool``'s buffers when they fit (reused from the previous save:
     no fresh allocation, whose page faults would cost more than the copy). A synchronous save
@@ -247,6 +247,7 @@ def snapshot(entries: Sequence[Entry], *, tp: int, tp_rank: int, copy: bool = Tr
             tensors[key] = data
             pieces.append({"name": e.name, "key": key, "offset": list(offset), "shape": list(data.shape)})
     rng_t, rng_o = _rng_state()
+    rng_t.update({k: v.clone() for k, v in (rng or {}).items()})  # e.g. this rank's tensor-parallel stream
     return _Snapshot(tensors, pieces, globals_, rng_t, rng_o)
 
 

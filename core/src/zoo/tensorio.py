@@ -232,6 +232,11 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         """From the file header: no tensor data is read."""
         return tuple(self._handles[self._where[key]].get_slice(key).get_shape())
 
+    def read_rows(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo:hi`` of a tensor (its leading dimension), reading only those bytes."""
+        self.read.append(f"{key}[{lo}:{hi}]")
+        return self._handles[self._where[key]].get_slice(key)[lo:hi]
+
     def __getitem__(self, key: str) -> torch.Tensor:
         path = self._where[key]
         self.read.append(key)

@@ -161,7 +161,8 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
         try:
             par = Parallel(full_model, fam, tp=plan.tp, cp=plan.cp, pp=plan.pp, vpp=plan.vpp,
                            sequence_parallel=p_cfg.sequence_parallel, order=p_cfg.order, pp_layers=p_cfg.pp_layers,
-                           pp_schedule=p_cfg.pp_schedule, rank=env.rank, world_size=env.world_size)
+                           pp_schedule=p_cfg.pp_schedule, rank=env.rank, world_size=env.world_size,
+                           seed=run.train.seed)
         except ValueError as e:
             raise ConfigError(f"parallel: {e}") from None
         ties = _ties(full_model)
@@ -238,6 +239,8 @@ def run(entry: Any, run: Any, plan: Any, *, run_dir: Path) -> int:
                 from zoo.dist_checkpoint import restore_rng
 
                 restore_rng(*rng)
+                if "tp_stream" in rng[0]:  # this rank's tensor-parallel dropout stream, same layout
+                    par.tp_rng.load_state(rng[0]["tp_stream"])
             else:
                 ckpt.restore_rng(state, rng)
             step, consumed = int(state["step"]), int(state["consumed_samples"])

@@ -298,3 +298,67 @@ def test_time_based_interval_and_retention(tmp_path, corpus_cache):
 
     assert [s for s, _ in complete_checkpoints(tmp_path / "run" / "checkpoints")] == [3, 4]
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+
+
+_STYLE = {"column": "rows", "column_gated": "gated_rows", "row": "cols", "vocab_embedding": "rows", "vocab_head": "rows"}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hf_import_under_tp_reads_only_the_rows_of_each_shard(tmp_path, family):
+    """Each TP rank's shards, read row range by row range through the mapping, equal the slices of
+    the fully imported tensors; every read is a row range no larger than the shard needs."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from zoo.checkpoint import tp_cut
+    from zoo.convert import _hf_source
+    from zoo.mapping import from_external, read_sliced
+    from zoo.parallel.apply import _matches
+    from zoo.registry import get_registry
+    from zoo.tensorio import LazyTensors
+
+    if family == "llama":
+        hf = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2))
+    else:
+        hf = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16))
+    hf.save_pretrained(tmp_path / "hf")
+    _, fmt, config, _ = _hf_source(tmp_path / "hf")
+    full = from_external(fmt.table(config), LazyTensors(tmp_path / "hf"), config)
+    plan = get_registry().get(family).family.tp_plan
+    tp = 2
+    for rank in range(tp):
+        wanted, expected = {}, {}
+        for name, t in full.items():
+            style = next((_STYLE[s] for p, s in plan.items() if _matches(name.rpartition(".")[0], p)), None)
+            if style == "cols" and t.dim() == 1:
+                style = None  # a row-parallel layer's bias is whole on every rank
+            local = list(t.shape)
+            if style in ("rows", "gated_rows"):
+                local[0] //= tp
+            elif style == "cols":
+                local[1] //= tp
+            shape, cut = tp_cut(tuple(local), style, tp, rank)
+            wanted[name] = (shape, cut)
+            expected[name] = cut(t)
+        lazy = LazyTensors(tmp_path / "hf")
+        got = read_sliced(fmt.table(config), lazy, config, wanted)
+        assert got.keys() == expected.keys()
+        for name in expected:
+            assert torch.equal(got[name], expected[name]), name
+        # The vocabulary rows of the embedding: half of them per rank.
+        emb = "model.embed_tokens.weight" if family == "llama" else "transformer.wte.weight"
+        assert f"{emb}[{32 * rank}:{32 * rank + 32}]" in lazy.read
+
+
+def test_tensor_parallel_rng_streams_are_saved_per_rank(tmp_path, corpus_cache):
+    from safetensors.torch import load_file
+
+    from zoo.parallel.random import TensorParallelRNG
+
+    out = torchrun(2, *small_run(tmp_path / "run", corpus_cache, "train.steps=1", "parallel.tp=2"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    shards = tmp_path / "run" / "checkpoints" / "step_00000001" / "shards"
+    streams = [load_file(shards / f"rank{r:05d}.rng.safetensors")["tp_stream"] for r in range(2)]
+    for rank, state in enumerate(streams):  # each rank's own stream (seed + 2718 + tp rank), as made
+        assert torch.equal(state, TensorParallelRNG(1234, rank).state())
+    assert not torch.equal(streams[0], streams[1])

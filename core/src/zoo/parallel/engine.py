@@ -38,7 +38,7 @@ StepFn = Callable[[nn.Module, dict[str, Any]], tuple[torch.Tensor, Any]]
 class Parallel:
     def __init__(self, model: nn.Module, family: Any, *, tp: int = 1, cp: int = 1, pp: int = 1, vpp: int = 1,
                  sequence_parallel: bool = False, order: str = "tp-cp-ep-dp-pp", pp_layers: Sequence[int] | None = None,
-                 pp_schedule: str = "1f1b", rank: int = 0, world_size: int = 1) -> None:
+                 pp_schedule: str = "1f1b", rank: int = 0, world_size: int = 1, seed: int = 1234) -> None:
         self.family = family
         if world_size % (tp * cp * pp):
             raise ValueError(f"world size {world_size} is not divisible by tp*cp*pp = {tp * cp * pp}")
@@ -52,6 +52,10 @@ class Parallel:
         self.dp_cp_group = g.group("dp", "cp")  # gradients are averaged over data and context ranks
         self.dp_rank, self.cp_rank, self.pp_rank = g.index("dp"), g.index("cp"), g.index("pp")
         self.tp_rank = g.index("tp")
+        from zoo.parallel.random import TensorParallelRNG
+
+        # Dropout inside TP regions draws from this (`tp_rng.fork()`); saved with checkpoints.
+        self.tp_rng = TensorParallelRNG(seed, self.tp_rank)
         seq = family.sequence
         if cp > 1 and seq is None:
             raise ValueError(f"parallel.cp={cp}: family {family.name!r} declares no sequence spec (SequenceSpec)")
