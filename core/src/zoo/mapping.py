@@ -468,12 +468,12 @@ def check_shapes(expected: Mapping[str, Tensor], got: Mapping[str, Tensor], *, w
 def read_sliced(table: MappingTable, theirs: Any, config: Any,
                 wanted: Mapping[str, tuple[tuple[int, ...], Callable[[Tensor], Tensor]]]) -> dict[str, Tensor]:
     """Some of our tensors, each cut by ``wanted[name] = (global shape, cut)``, reading only the
-    rows of the external tensors the cut needs. ``theirs`` must tell shapes (``shape_of``) and read
-    row ranges (``read_rows``), like `zoo.tensorio.LazyTensors`.
+    part of the external tensors the cut needs. ``theirs`` must tell shapes (``shape_of``) and read
+    boxes (``read_box``), like `zoo.tensorio.LazyTensors`.
 
     The mapping is pure data movement (concatenate, split, interleave, transpose, stack), so running
     it on tensors of element ids instead of values gives, for every element of the output, the
-    element of the input it comes from: cut that, and the ids name exactly the rows to read. One
+    element of the input it comes from: cut that, and the ids bound the block to read. One
     output at a time, so the ids never cover more than one tensor's sources."""
     import torch
 
@@ -503,12 +503,22 @@ def read_sliced(table: MappingTable, theirs: Any, config: Any,
             base += n
             if not flat.numel():
                 continue
-            row = int(dry[s].numel() // dry[s].shape[0]) if dry[s].dim() else 1
-            lo, hi = int(flat.min()) // row, int(flat.max()) // row + 1
-            block = theirs.read_rows(names[s], lo, hi) if dry[s].dim() else theirs[names[s]]
+            if dry[s].dim() == 2:  # the bounding box of rows and columns (a column shard reads its columns)
+                cols = dry[s].shape[1]
+                r, c = flat // cols, flat % cols
+                lo, hi, clo, chi = int(r.min()), int(r.max()) + 1, int(c.min()), int(c.max()) + 1
+                block = theirs.read_box(names[s], (lo, hi), (clo, chi))
+                where = (r - lo) * (chi - clo) + (c - clo)
+            elif dry[s].dim():  # rows (stacked experts and the like)
+                row = int(dry[s].numel() // dry[s].shape[0])
+                lo, hi = int(flat.min()) // row, int(flat.max()) // row + 1
+                block = theirs.read_box(names[s], (lo, hi))
+                where = flat - lo * row
+            else:
+                block, where = theirs[names[s]], flat
             if values is None:
                 values = torch.empty(local.shape, dtype=block.dtype)
-            values[inside] = block.reshape(-1)[flat - lo * row]
+            values[inside] = block.reshape(-1)[where]
         if values is None:
             raise MappingError(f"{name}: no source tensor found for it")
         out[name] = values

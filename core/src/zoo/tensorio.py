@@ -232,10 +232,11 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         """From the file header: no tensor data is read."""
         return tuple(self._handles[self._where[key]].get_slice(key).get_shape())
 
-    def read_rows(self, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Rows ``lo:hi`` of a tensor (its leading dimension), reading only those bytes."""
-        self.read.append(f"{key}[{lo}:{hi}]")
-        return self._handles[self._where[key]].get_slice(key)[lo:hi]
+    def read_box(self, key: str, rows: tuple[int, int], cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """``tensor[rows[0]:rows[1]]`` (and ``[:, cols[0]:cols[1]]``), reading only those bytes."""
+        box = (slice(*rows),) if cols is None else (slice(*rows), slice(*cols))
+        self.read.append(f"{key}[{rows[0]}:{rows[1]}]" + ("" if cols is None else f"[:, {cols[0]}:{cols[1]}]"))
+        return self._handles[self._where[key]].get_slice(key)[box]
 
     def __getitem__(self, key: str) -> torch.Tensor:
         path = self._where[key]

@@ -345,9 +345,13 @@ def test_hf_import_under_tp_reads_only_the_rows_of_each_shard(tmp_path, family):
         assert got.keys() == expected.keys()
         for name in expected:
             assert torch.equal(got[name], expected[name]), name
-        # The vocabulary rows of the embedding: half of them per rank.
+        # The vocabulary rows of the embedding: half of them per rank; a row-parallel weight: half
+        # of its columns (GPT-2's Conv1D stores it transposed: half of its rows).
         emb = "model.embed_tokens.weight" if family == "llama" else "transformer.wte.weight"
-        assert f"{emb}[{32 * rank}:{32 * rank + 32}]" in lazy.read
+        assert f"{emb}[{32 * rank}:{32 * rank + 32}][:, 0:32]" in lazy.read
+        proj = "model.layers.0.self_attn.o_proj.weight[0:32][:, {}:{}]" if family == "llama" else \
+            "transformer.h.0.attn.c_proj.weight[{}:{}][:, 0:32]"
+        assert proj.format(16 * rank, 16 * rank + 16) in lazy.read, lazy.read
 
 
 def test_tensor_parallel_rng_streams_are_saved_per_rank(tmp_path, corpus_cache):
