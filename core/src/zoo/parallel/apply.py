@@ -15,7 +15,7 @@ the same model for any TP size. Styles:
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -192,27 +192,29 @@ def apply_sequence_parallel(model: nn.Module, layers: str, dim: int, group: Any)
     blocks[len(blocks) - 1].register_forward_hook(gather)
 
 
-def grad_norm_squared(params: Any, *, tp_group: Any = None, pp_group: Any = None) -> torch.Tensor:
-    """Sum of squared gradients of the whole (unsharded) model, from this rank's parameters: TP
-    shards summed over TP, replicated ones counted once, stages summed over PP, the last stage's
-    copy of a tied embedding skipped."""
+def grad_norm_squared(grads: Iterable[tuple[torch.Tensor, nn.Parameter]], *, tp_group: Any = None,
+                      pp_group: Any = None, dp_group: Any = None) -> torch.Tensor:
+    """Sum of squared gradients of the whole (unsharded) model from this rank's ``(gradient, its
+    parameter)`` pairs: TP shards summed over TP, replicated ones counted once, the last stage's
+    copy of a tied embedding skipped, stages summed over PP, and (for the distributed optimizer,
+    whose ranks hold disjoint pieces) pieces summed over ``dp_group``."""
     sharded, replicated = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-    seen: set[int] = set()
-    for p in params:
-        if p.grad is None or id(p) in seen or getattr(p, "pipeline_duplicate", False):
+    for g, p in grads:
+        if getattr(p, "pipeline_duplicate", False):
             continue
-        seen.add(id(p))
-        sq = p.grad.detach().double().pow(2).sum()
+        sq = g.detach().double().pow(2).sum()
         if getattr(p, "tensor_parallel", False):
             sharded += sq
         else:
             replicated += sq
-    return comm.all_reduce(comm.all_reduce(sharded, tp_group) + replicated, pp_group)
+    total = comm.all_reduce(sharded, tp_group) + replicated
+    return comm.all_reduce(comm.all_reduce(total, dp_group), pp_group)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, tp_group: Any, pp_group: Any = None) -> float:
     """Clip by the global gradient norm of the unsharded model (see `grad_norm_squared`)."""
-    total = grad_norm_squared(model.parameters(), tp_group=tp_group, pp_group=pp_group)
+    total = grad_norm_squared(((p.grad, p) for p in model.parameters() if p.grad is not None),
+                              tp_group=tp_group, pp_group=pp_group)
     norm = float(total.sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)

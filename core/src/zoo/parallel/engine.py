@@ -48,7 +48,6 @@ class Parallel:
                                 rank=rank, world_size=world_size)
         g = self.grid
         self.tp_group, self.cp_group, self.pp_group = g.group("tp"), g.group("cp"), g.group("pp")
-        self.dp_group = g.group("dp")
         self.dp_cp_group = g.group("dp", "cp")  # gradients are averaged over data and context ranks
         self.dp_rank, self.cp_rank, self.pp_rank = g.index("dp"), g.index("cp"), g.index("pp")
         self.tp_rank = g.index("tp")

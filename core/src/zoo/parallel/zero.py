@@ -68,21 +68,13 @@ class DistributedOptimizer:
         stage's copy of a tied embedding counted once). With ``loss_scale`` (fp16) the gradients
         are unscaled first; an overflow anywhere makes the norm infinite on every rank, and every
         rank then skips the update and lowers the scale alike."""
-        from zoo.parallel import comm
+        from zoo.parallel.apply import grad_norm_squared
 
         inv = 1.0 / loss_scale.scale_value if loss_scale is not None else 1.0
-        sharded = torch.zeros((), dtype=torch.float64)
-        replicated = torch.zeros((), dtype=torch.float64)
-        for b, a, n, master, p, _ in self.pieces:
+        for b, a, n, master, _, _ in self.pieces:
             master.grad = b.buffer[a:a + n].float() * inv  # this rank's reduced gradient slice, unscaled
-            sq = master.grad.double().pow(2).sum()
-            if getattr(p, "pipeline_duplicate", False):
-                continue
-            if getattr(p, "tensor_parallel", False):
-                sharded += sq
-            else:
-                replicated += sq
-        total = comm.all_reduce(comm.all_reduce(comm.all_reduce(sharded, tp_group) + replicated, self.group), pp_group)
+        total = grad_norm_squared(((piece[3].grad, piece[4]) for piece in self.pieces), tp_group=tp_group,
+                                  pp_group=pp_group, dp_group=self.group)
         norm = float(total.sqrt())
         if loss_scale is not None:
             loss_scale.update(found_inf=not math.isfinite(norm))
