@@ -1,6 +1,7 @@
 """GPT dataset machinery against megatron-core in one run: sample-index build time for 10M samples
-(zoo's vectorised NumPy against megatron-core's compiled C++ helper, same inputs, results compared)
-and random sample reads per second from an indexed dataset (zoo's reader against megatron-core's).
+(zoo's chunked torch CPU kernels against megatron-core's compiled C++ helper, same inputs, results
+compared; first call and best of 5, with torch's default threads and with one thread) and random
+sample reads per second from an indexed dataset (zoo's reader against megatron-core's).
 
     python benchmarks/gpt_dataset_vs_megatron.py [--samples 10000000] [--reads 200000]
 """
@@ -25,12 +26,17 @@ with warnings.catch_warnings():
 
 
 def best_of(fn, reps: int = 3) -> tuple[float, object]:
-    best, out = float("inf"), None
+    return timings(fn, reps)[1:]
+
+
+def timings(fn, reps: int) -> tuple[float, float, object]:
+    """(first call, best call, result)."""
+    times, out = [], None
     for _ in range(reps):
         t = time.perf_counter()
         out = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, out
+        times.append(time.perf_counter() - t)
+    return times[0], min(times), out
 
 
 def main() -> None:
@@ -45,13 +51,23 @@ def main() -> None:
     tokens_per_epoch = int(sizes.sum())
     epochs = -(-(args.samples * args.seq + 1) // tokens_per_epoch)
     doc_index = build_document_index(np.arange(args.docs, dtype=np.int32), epochs, np.random.RandomState(1), False)
-    t_mc, ref = best_of(lambda: mc_helpers.build_sample_idx(sizes, doc_index, args.seq, epochs, tokens_per_epoch, True, True))
-    t_zoo, ours = best_of(lambda: build_sample_index(sizes, doc_index, args.seq, epochs, tokens_per_epoch))
-    same = np.array_equal(ref, ours)
+    import torch
+
+    first_mc, t_mc, ref = timings(lambda: mc_helpers.build_sample_idx(sizes, doc_index, args.seq, epochs, tokens_per_epoch,
+                                                                      True, True), 5)
+    first_zoo, t_zoo, ours = timings(lambda: build_sample_index(sizes, doc_index, args.seq, epochs, tokens_per_epoch), 5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    _, t_zoo1, ours1 = timings(lambda: build_sample_index(sizes, doc_index, args.seq, epochs, tokens_per_epoch), 5)
+    torch.set_num_threads(threads)
+    same = np.array_equal(ref, ours) and np.array_equal(ref, ours1)
     print(f"# {time.strftime('%Y-%m-%d')} sample index: {len(ours) - 1:,} samples of {args.seq} tokens over {epochs} epochs "
           f"of {args.docs:,} documents")
-    print(f"sample index build: megatron-core C++ {t_mc:.3f}s, zoo NumPy {t_zoo:.3f}s -> zoo/megatron time "
-          f"{t_zoo / t_mc:.2f}x (target <= 1.0x); identical: {same}")
+    print(f"sample index build, best of 5: megatron-core C++ {t_mc:.3f}s, zoo {t_zoo:.3f}s ({threads} torch threads) -> "
+          f"zoo/megatron time {t_zoo / t_mc:.2f}x (target <= 1.0x); zoo on 1 thread {t_zoo1:.3f}s -> {t_zoo1 / t_mc:.2f}x; "
+          f"identical: {same}")
+    print(f"sample index build, first call: megatron-core C++ {first_mc:.3f}s, zoo {first_zoo:.3f}s -> "
+          f"{first_zoo / first_mc:.2f}x")
 
     with tempfile.TemporaryDirectory() as tmp:
         prefix = Path(tmp) / "d"

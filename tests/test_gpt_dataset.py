@@ -175,3 +175,37 @@ def test_document_fields():
     assert f["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 0]]
     assert f["loss_mask"].tolist() == [[1, 1, 0, 1, 1, 0, 1]]
     assert f["segment_ids"].tolist() == [[0, 0, 0, 1, 1, 1, 2]]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64, 1 << 16])
+@pytest.mark.parametrize(("drop_last", "extra"), [(True, 1), (False, 1), (True, 0), (False, 0)])
+def test_sample_index_matches_megatron_helper(chunk, drop_last, extra):
+    """The chunked NumPy build against megatron-core's C++ helper on short, empty and long
+    documents (a document holding many sample starts), across chunk boundaries."""
+    from megatron.core.datasets import helpers
+
+    from zoo.data.gpt import build_document_index, build_sample_index
+
+    rng = np.random.default_rng(chunk + 10 * extra + drop_last)
+    seq = 16
+    sizes = rng.choice([0, 1, 5, 15, 16, 17, 40, 200], size=300).astype(np.int32)
+    tokens_per_epoch = int(sizes.sum())
+    doc_index = build_document_index(np.arange(len(sizes), dtype=np.int32), 3, np.random.RandomState(1), False)
+    ref = helpers.build_sample_idx(sizes, doc_index, seq, 3, tokens_per_epoch, drop_last, bool(extra))
+    ours = build_sample_index(sizes, doc_index, seq, 3, tokens_per_epoch, drop_last_partial=drop_last, extra=extra,
+                              chunk=chunk)
+    assert ours.dtype == ref.dtype and np.array_equal(ours, ref)
+
+
+def test_sample_index_wide_positions_take_the_int64_path():
+    """Documents so long that a chunk's token positions overflow int32 use int64 arithmetic."""
+    from megatron.core.datasets import helpers
+
+    from zoo.data.gpt import build_sample_index
+
+    sizes = np.array([2**30, 3, 2**30 + 7, 2**29], dtype=np.int32)
+    doc_index = np.array([2, 0, 1, 3, 1, 0], dtype=np.int32)
+    tokens = int(sizes[doc_index].sum())
+    seq = 2**27 + 5
+    ref = helpers.build_sample_idx(sizes, doc_index, seq, 1, tokens, True, True)
+    assert np.array_equal(build_sample_index(sizes, doc_index, seq, 1, tokens, chunk=4), ref)

@@ -50,6 +50,17 @@ def test_megatron_files_read_identically_here(tmp_path, code):
     for a, b in zip(ours[3:9], theirs[3:9]):
         assert np.array_equal(a, b)
     assert np.array_equal(ours.get(5, 1, 2), theirs.get(5, 1, 2))
+    # NumPy and negative indices read the same sequences; out of range is an IndexError.
+    assert np.array_equal(ours[np.int64(7)], docs[7]) and np.array_equal(ours[-1], docs[-1])
+    assert np.array_equal(ours[np.uint32(0)], docs[0])
+    for bad in (len(docs), -len(docs) - 1):
+        with pytest.raises(IndexError, match="out of range"):
+            ours[bad]
+    # A pickled dataset reopens the files (another process maps them itself).
+    import pickle
+
+    again = pickle.loads(pickle.dumps(ours))
+    assert len(again) == len(docs) and np.array_equal(again[12], docs[12])
 
 
 @pytest.mark.parametrize("code", sorted(DTYPES))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from zoo.errors import UsageError
 
@@ -17,6 +18,7 @@ class Tokenizer:
 
     def __init__(self, backend: object | None, *, eod_id: int, vocab_size: int, source: str) -> None:
         self._tok = backend  # a tokenizers.Tokenizer, or None for bytes
+        self._fast: Any = False  # zoo.bpe_cache.CachedBPE, None where it does not apply; False: not yet asked
         self.eod_id = eod_id
         self.vocab_size = vocab_size
         self.source = source
@@ -27,9 +29,22 @@ class Tokenizer:
         return self._tok.encode(text).ids  # type: ignore[attr-defined]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Bulk encoding (``zoo prepare``): the same ids as ``encode``, through the exact piece cache
+        of `zoo.bpe_cache` where the tokenizer's configuration allows it."""
         if self._tok is None:
             return [self.encode(t) for t in texts]
-        return [e.ids for e in self._tok.encode_batch(list(texts))]  # type: ignore[attr-defined]
+        if self._fast is False:
+            from zoo.bpe_cache import CachedBPE
+
+            self._fast = CachedBPE.for_tokenizer(self._tok)
+        if self._fast is None:
+            return [e.ids for e in self._tok.encode_batch(list(texts))]  # type: ignore[attr-defined]
+        out = [self._fast.encode(t) for t in texts]
+        missing = [i for i, ids in enumerate(out) if ids is None]
+        if missing:
+            for i, e in zip(missing, self._tok.encode_batch([texts[i] for i in missing])):  # type: ignore[attr-defined]
+                out[i] = e.ids
+        return out  # type: ignore[return-value]
 
     def decode(self, ids: Iterable[int]) -> str:
         ids = [int(i) for i in ids]

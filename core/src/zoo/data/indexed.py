@@ -13,6 +13,7 @@ the ``.bin`` first and the ``.idx`` last, so a prefix whose ``.idx`` exists is c
 
 from __future__ import annotations
 
+import operator
 import os
 import shutil
 import struct
@@ -112,6 +113,10 @@ class IndexedDataset:
         if n_doc < 1 or self.document_indices[0] != 0 or self.document_indices[-1] != n_seq:
             raise IndexedDatasetError(f"{self.idx_path}: document indices must run from 0 to the sequence count {n_seq}")
         self._bin = np.memmap(self.bin_path, mode="r", dtype=np.uint8) if bin_size else np.zeros(0, np.uint8)
+        # Random reads are a few attribute lookups and one frombuffer: a memoryview exports its
+        # buffer faster than the memmap array does, and the length is kept as a Python int.
+        self._view = memoryview(self._bin)
+        self._len = n_seq
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -122,9 +127,17 @@ class IndexedDataset:
         if length is None:
             length = n - offset
         start = int(self.sequence_pointers[i]) + offset * self.dtype.itemsize
-        return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start)
+        return np.frombuffer(self._view, dtype=self.dtype, count=length, offset=start)
 
     def __getitem__(self, key: int | slice) -> Any:
+        if type(key) is int or isinstance(key, np.integer):  # the hot path: one sequence
+            i = int(key)
+            if i < 0:
+                i += self._len
+            if not 0 <= i < self._len:
+                raise IndexError(f"sequence {key} out of range for {self._len} sequences")
+            return np.frombuffer(self._view, dtype=self.dtype, count=int(self.sequence_lengths[i]),
+                                 offset=int(self.sequence_pointers[i]))
         if isinstance(key, slice):
             start, stop, step = key.indices(len(self))
             if step != 1:
@@ -132,14 +145,19 @@ class IndexedDataset:
             if start >= stop:
                 return []
             lengths = self.sequence_lengths[start:stop]
-            flat = np.frombuffer(self._bin, dtype=self.dtype, count=int(lengths.sum()),
+            flat = np.frombuffer(self._view, dtype=self.dtype, count=int(lengths.sum()),
                                  offset=int(self.sequence_pointers[start]))
             return np.split(flat, np.cumsum(lengths)[:-1])
-        if key < 0:
-            key += len(self)
-        if not 0 <= key < len(self):
-            raise IndexError(f"sequence {key} out of range for {len(self)} sequences")
-        return self.get(key)
+        return self[operator.index(key)]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Reopened, not copied, in another process (a memoryview does not pickle, and a copy of
+        # the data would defeat the memory map).
+        return (_reopen, (str(self.idx_path), self.sequence_modes is not None))
+
+
+def _reopen(prefix: str, multimodal: bool) -> IndexedDataset:
+    return IndexedDataset(prefix, multimodal=multimodal)
 
 
 class IndexedDatasetWriter:

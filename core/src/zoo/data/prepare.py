@@ -14,6 +14,7 @@ Bad lines (malformed JSON, a missing key, non-UTF-8 bytes) stop the run with the
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import multiprocessing as mp
@@ -155,11 +156,17 @@ def _bad(path: str, offset: int, what: str, on_error: str, stats: dict[str, int]
     stats["skipped"] += 1
 
 
-def _worker(args: tuple[int, Chunk, str, list[str], bool, str, str]) -> dict[str, int]:
-    i, chunk, tok_spec, keys, append_eod, on_error, out_dir = args
+@functools.lru_cache(maxsize=1)
+def _tokenizer(spec: str) -> Any:
+    """One tokenizer per worker process, so its piece cache lives across chunks."""
     from zoo.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(tok_spec)
+    return load_tokenizer(spec)
+
+
+def _worker(args: tuple[int, Chunk, str, list[str], bool, str, str]) -> dict[str, int]:
+    i, chunk, tok_spec, keys, append_eod, on_error, out_dir = args
+    tok = _tokenizer(tok_spec)
     dtype = best_dtype(tok.vocab_size)
     stats = {"docs": 0, "tokens": 0, "skipped": 0}
     writers = {k: IndexedDatasetWriter(Path(out_dir) / f"part{i:06d}_{k}", dtype=dtype) for k in keys}
@@ -170,8 +177,8 @@ def _worker(args: tuple[int, Chunk, str, list[str], bool, str, str]) -> dict[str
             for col, key in enumerate(keys):
                 for ids in tok.encode_batch([doc[col] for doc in batch]):
                     if append_eod:
-                        ids = [*ids, tok.eod_id]
-                    writers[key].add_document(np.asarray(ids, dtype=np.int64))
+                        ids.append(tok.eod_id)
+                    writers[key].add_document(np.array(ids, dtype=dtype))
                     if col == 0:
                         stats["tokens"] += len(ids)
             stats["docs"] += len(batch)
@@ -216,6 +223,7 @@ def prepare_text(*, inputs: Sequence[str], output_prefix: str, tokenizer: str | 
         if not tokenizer:
             raise UsageError("zoo prepare text: give --tokenizer (HF dir, tokenizer.json, .tiktoken, bytes) or --train-bpe N")
         tok = load_tokenizer(tokenizer)
+        tok.encode_batch(["warm-up"])  # reads the regex classes once (and caches them on disk) before the workers
         chunks = plan_chunks(files)
         ctx = mp.get_context("spawn")
         jobs = [(i, c, tokenizer, list(json_keys), append_eod, on_error, str(tmp)) for i, c in enumerate(chunks)]
