@@ -150,3 +150,11 @@ def test_engine_classes_match_the_engine_and_are_cached_on_disk(tmp_path, monkey
         for cp in (0x41, 0x1C, 0x85, 0xA0, 0x17F, 0x2167, 0x3000, 0x4E00, 0x1D518, 0x1F600, 0x10FFFD):
             matched = pt.Split(Regex(pattern), behavior="removed").pre_tokenize_str(chr(cp)) == []
             assert (cp in members) == matched, (name, hex(cp))
+
+
+def test_large_documents_split_lazily_stay_exact(corpus, monkeypatch):
+    tok = train_bpe(corpus, 1000)._tok
+    fast = CachedBPE.for_tokenizer(tok)
+    monkeypatch.setattr(CachedBPE, "LARGE", 100)  # every document below takes the lazy path
+    for text in corpus[:30] + EDGES + _every_code_point()[:3]:
+        assert fast.encode(text) == tok.encode(text).ids

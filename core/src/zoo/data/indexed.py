@@ -66,7 +66,7 @@ def _copy_file(src: Any, dst: Any) -> None:
             pass
     if done < size:
         src.seek(done)
-        shutil.copyfileobj(src, dst, length=16 << 20)
+        shutil.copyfileobj(src, dst, length=1 << 20)
         dst.flush()
 
 

@@ -34,6 +34,7 @@ from zoo.data.indexed import IndexedDatasetWriter, best_dtype
 from zoo.errors import UsageError, ZooError
 
 CHUNK_BYTES = 8 << 20
+BATCH_CHARS = 1 << 20  # a worker's peak memory is about one batch's token ids (or one larger document)
 SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".txt", ".txt.gz")
 
 
@@ -172,8 +173,11 @@ def _worker(args: tuple[int, Chunk, str, list[str], bool, str, str]) -> dict[str
     writers = {k: IndexedDatasetWriter(Path(out_dir) / f"part{i:06d}_{k}", dtype=dtype) for k in keys}
     try:
         batch: list[list[str]] = []
+        held = 0  # characters in the batch: a batch is bounded in size, not only in documents
 
         def flush() -> None:
+            nonlocal held
+            held = 0
             for col, key in enumerate(keys):
                 for ids in tok.encode_batch([doc[col] for doc in batch]):
                     if append_eod:
@@ -186,7 +190,8 @@ def _worker(args: tuple[int, Chunk, str, list[str], bool, str, str]) -> dict[str
 
         for doc in _texts(chunk, keys, on_error, stats):
             batch.append(doc)
-            if len(batch) >= 256:
+            held += sum(map(len, doc))
+            if len(batch) >= 256 or held >= BATCH_CHARS:
                 flush()
         flush()
         for w in writers.values():
