@@ -80,3 +80,71 @@ def test_linear_cross_entropy_scales_with_upstream_gradient_and_autocast():
     assert abs(low.item() - F.cross_entropy(h @ w.t(), labels).item()) < 0.05
     with torch.no_grad():  # evaluation forms no gradients and still gives the loss
         assert torch.allclose(linear_cross_entropy(h, w, labels), F.cross_entropy(h @ w.t(), labels), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_is_the_textbook_formula_bit_for_bit(dtype):
+    """The fused rotary (no concatenation, saves only the tables) against x*cos + rotate_half(x)*sin
+    through autograd, forward and backward, bit for bit; and a float64 gradcheck."""
+    from zoo.nn import _rotate_half, apply_rotary
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 16, 8, dtype=dtype, requires_grad=True)
+    cos, sin = torch.randn(2, 16, 8), torch.randn(2, 16, 8)  # per-sample tables (packed documents)
+    y = apply_rotary(x, cos, sin)
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref = x_ref * cos[:, None].to(dtype) + _rotate_half(x_ref) * sin[:, None].to(dtype)
+    g = torch.randn_like(y)
+    y.backward(g)
+    ref.backward(g)
+    assert torch.equal(y, ref) and torch.equal(x.grad, x_ref.grad)
+    x64 = torch.randn(1, 2, 5, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: apply_rotary(t, cos[0, :5].double(), sin[0, :5].double()), (x64,))
+
+
+@pytest.mark.parametrize("precision", [None, torch.bfloat16])
+def test_elementwise_recompute_is_exact_and_frees_outputs(precision):
+    """Under `zoo.recompute.scope("elementwise")` the linear layers after a norm and after SwiGLU
+    keep recipes instead of the outputs (one per norm and one per MLP), the outputs are freed
+    after forward, and every gradient is bitwise the one without recomputation."""
+    import weakref
+
+    from zoo import recompute
+
+    torch.manual_seed(0)
+    d, f = 16, 24
+    w_norm = torch.nn.Parameter(torch.rand(d) + 0.5)
+    fc, proj = torch.nn.Linear(d, 2 * f), torch.nn.Linear(f, d)
+    x0 = torch.randn(3, 7, d)
+    kept: dict[str, weakref.ref] = {}
+
+    def block(x):
+        h = rms_norm(x, w_norm, 1e-6)
+        a = gated_activation(fc(h), "silu")
+        kept["norm"], kept["act"] = weakref.ref(h), weakref.ref(a)
+        return x + proj(a)
+
+    grads, recipes = {}, {}
+    for mode in ("none", "elementwise"):
+        for p in (w_norm, *fc.parameters(), *proj.parameters()):
+            p.grad = None
+        made = []
+        original = recompute._Recipe.__init__
+
+        def counting(self, *a, original=original, made=made):
+            made.append(1)
+            original(self, *a)
+
+        recompute._Recipe.__init__ = counting
+        try:
+            with torch.autocast("cpu", dtype=precision, enabled=precision is not None), recompute.scope(mode):
+                out = block(block(x0))
+        finally:
+            recompute._Recipe.__init__ = original
+        if mode == "elementwise" and precision is None:
+            assert kept["norm"]() is None and kept["act"]() is None  # nothing holds them any more
+        out.float().square().sum().backward()
+        grads[mode] = [p.grad.clone() for p in (w_norm, *fc.parameters(), *proj.parameters())]
+        recipes[mode] = len(made)
+    assert recipes == {"none": 0, "elementwise": 4}  # two blocks x (norm output, SwiGLU output)
+    assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads["elementwise"]))

@@ -113,7 +113,9 @@ class TrainConfig:
     # Megatron's --bf16 / --fp16). fp16 adds dynamic loss scaling.
     param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: int = 1234
-    recompute: Literal["none", "selective", "full"] = "none"
+    # Activation recomputation (`zoo.recompute`): elementwise recomputes norm and activation outputs
+    # (bitwise exact, a few percent of step time), selective adds the attention core, full whole blocks.
+    recompute: Literal["none", "elementwise", "selective", "full"] = "elementwise"
     eval_interval: int = 50  # steps between validations; 0 disables
     eval_steps: int = 10
     device: Literal["auto", "cpu", "cuda"] = "auto"

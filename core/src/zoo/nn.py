@@ -26,10 +26,9 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x32 = x.float()
-        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
-        return weight * (x32 * rstd).to(x.dtype)
+        return _rms_normed(x, weight, rstd)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
@@ -42,9 +41,20 @@ class _RMSNormFn(torch.autograd.Function):
         return gx.to(x.dtype), grad_w, None
 
 
+def _rms_normed(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    return weight * (x.float() * rstd).to(x.dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * (x / rms(x))`` in float32, HF's numerics, with a memory-lean backward."""
-    return _RMSNormFn.apply(x, weight, eps)
+    """``weight * (x / rms(x))`` in float32, HF's numerics, with a memory-lean backward; under
+    `zoo.recompute` a layer that saves the output gets it recomputed from what the norm keeps."""
+    from zoo.recompute import recomputable
+
+    y = _RMSNormFn.apply(x, weight, eps)
+    if y.grad_fn is not None:
+        x_saved, w_saved, rstd = y.grad_fn.saved_tensors
+        recomputable(y, lambda: _rms_normed(x_saved, w_saved, rstd))
+    return y
 
 
 class RMSNorm(nn.Module):
@@ -64,9 +74,8 @@ class _SwiGLUFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
         ctx.save_for_backward(gate_up)
-        return F.silu(gate) * up
+        return _swiglu(gate_up)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
@@ -78,10 +87,22 @@ class _SwiGLUFn(torch.autograd.Function):
         return torch.cat([d_gate, grad * silu], dim=-1)
 
 
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """``act(gate) * up`` for a fused ``[gate | up]`` tensor (SwiGLU when ``activation == "silu"``)."""
+    """``act(gate) * up`` for a fused ``[gate | up]`` tensor (SwiGLU when ``activation == "silu"``);
+    under `zoo.recompute` the output projection's saved input is recomputed from ``gate_up``."""
     if activation == "silu":
-        return _SwiGLUFn.apply(gate_up)
+        from zoo.recompute import recomputable
+
+        h = _SwiGLUFn.apply(gate_up)
+        if h.grad_fn is not None:
+            (saved,) = h.grad_fn.saved_tensors
+            recomputable(h, lambda: _swiglu(saved))
+        return h
     gate, up = gate_up.chunk(2, dim=-1)
     return ACTIVATIONS[activation](gate) * up
 
@@ -151,12 +172,48 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:
+    """``x * cos + sign * rotate_half(x) * sin`` written half by half into one output: the same
+    roundings as the textbook formula (a + (-b) is a - b), without its concatenation and negation
+    temporaries. ``sign=-1`` is the transpose, which backward applies to the gradient."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    out = torch.empty(x.shape, dtype=torch.result_type(x, cos), device=x.device)
+    o1, o2 = out[..., :h], out[..., h:]
+    torch.mul(x1, cos[..., :h], out=o1)
+    torch.mul(x2, cos[..., h:], out=o2)
+    if sign > 0:
+        o1.sub_(x2 * sin[..., :h])
+        o2.add_(x1 * sin[..., h:])
+    else:
+        o1.add_(x2 * sin[..., h:])
+        o2.sub_(x1 * sin[..., :h])
+    return out
+
+
+class _RotaryFn(torch.autograd.Function):
+    """Rotary embedding keeping only the cos/sin tables for backward (autograd's own graph of the
+    formula adds a concatenation and a negation per call in both directions)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, +1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, -1), None, None
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (B, H, T, hd); cos/sin: (B, T, hd) or (T, hd)."""
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+    if cos.requires_grad or sin.requires_grad:  # (tables are buffers; a caller differentiating them gets autograd's path)
+        return x * cos + _rotate_half(x) * sin
+    return _RotaryFn.apply(x, cos, sin)
 
 
 # ------------------------------------------------------------------------------------- attention
@@ -197,6 +254,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     from zoo.parallel.context import CP_GROUP, ring_attention
     from zoo.recompute import SELECTIVE
 
+    if torch.is_grad_enabled() and q._base is None:
+        # K or V still a slice of the fused qkv projection (no rotary applied to it) would keep the
+        # whole projection alive among the saved tensors once Q and K are rotated copies: its own
+        # copy costs less than what that frees.
+        k = k.contiguous() if k._base is not None else k
+        v = v.clone(memory_format=torch.contiguous_format) if v._base is not None else v
     cp_group = CP_GROUP.get()
     if cp_group is not None:  # context parallel: this rank holds 2 of the 2*cp sequence chunks
         if not causal or offset or segment_ids is not None:

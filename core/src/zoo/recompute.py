@@ -1,5 +1,13 @@
 """Activation recomputation applied from outside the model.
 
+``elementwise`` (the default): outputs of the norm and gated-activation primitives (`zoo.nn`)
+are not kept when a later layer saves them for backward (a linear layer keeps its input): the
+saved slot holds a recipe and backward recomputes the output from what the primitive's own
+backward keeps anyway (the norm's input, the fused gate|up projection). Two elementwise passes per
+block buy back one activation-sized tensor per norm and the MLP's widest saved activation but
+one; the recomputed values are bitwise those of the forward. ``selective`` adds the attention
+core; ``full`` recomputes whole blocks.
+
 ``full``: every residual block (the family's ``model.layers``, or ``model.blocks``) runs under
 `torch.utils.checkpoint`, keeping only block inputs. ``selective`` (Korthikanti et al. 2022):
 only the attention core (`zoo.nn.attention`: softmax(QK^T)V, whose activations grow with the
@@ -10,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,6 +28,62 @@ from torch.utils.checkpoint import checkpoint
 from zoo.errors import ConfigError
 
 SELECTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("zoo_selective_recompute", default=False)
+# grad_fn of a recomputable output -> (recipe, shape, dtype); set while a training forward runs.
+_OUTPUTS: contextvars.ContextVar[dict[Any, tuple[Callable[[], torch.Tensor], torch.Size, torch.dtype]] | None] = \
+    contextvars.ContextVar("zoo_recomputable_outputs", default=None)
+MODES = ("none", "elementwise", "selective", "full")
+
+
+def recomputable(output: torch.Tensor, recipe: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Marks ``output`` (just computed by a primitive) as rebuilt by ``recipe`` if saved later.
+
+    ``recipe`` must compute exactly ``output`` from tensors its primitive saves for its own
+    backward, so that dropping ``output`` frees memory and recomputing it is bitwise exact."""
+    table = _OUTPUTS.get()
+    if table is not None and output.grad_fn is not None:
+        table[output.grad_fn] = (recipe, output.shape, output.dtype)
+    return output
+
+
+class _Recipe:
+    """A saved tensor stored as how to rebuild it: the output's recipe, then the saved view."""
+
+    __slots__ = ("recipe", "dtype", "size", "stride", "offset")
+
+    def __init__(self, recipe: Callable[[], torch.Tensor], t: torch.Tensor) -> None:
+        self.recipe, self.dtype, self.size, self.stride, self.offset = recipe, t.dtype, t.shape, t.stride(), t.storage_offset()
+
+    def rebuild(self) -> torch.Tensor:
+        with torch.no_grad():
+            base = self.recipe()
+        if base.dtype != self.dtype:  # the layer saved autocast's low-precision copy of the output
+            base = base.to(self.dtype)
+        return base.as_strided(self.size, self.stride, self.offset)
+
+
+def _pack(t: torch.Tensor) -> Any:
+    table = _OUTPUTS.get()
+    if not table:
+        return t
+    # What is saved is the output itself, a view of it (a linear layer flattens its input), or a
+    # view of autocast's cast copy of it; anything else is kept as is.
+    base = t if t._base is None else t._base
+    node = base.grad_fn
+    if node is None:
+        return t
+    entry, cast = table.get(node), False
+    if entry is None and type(node).__name__ == "ToCopyBackward0" and node.next_functions:
+        entry, cast = table.get(node.next_functions[0][0]), True
+    if entry is None:
+        return t
+    recipe, shape, dtype = entry
+    if base.shape != shape or not base.is_contiguous() or (not cast and base.dtype != dtype):
+        return t
+    return _Recipe(recipe, t)
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    return packed.rebuild() if isinstance(packed, _Recipe) else packed
 
 
 def _recomputed(forward: Any) -> Any:
@@ -52,9 +116,19 @@ def apply(model: nn.Module, mode: str) -> None:
 
 @contextlib.contextmanager
 def scope(mode: str) -> Iterator[None]:
-    """Within this block, attention cores are recomputed when ``mode`` is ``selective``."""
+    """Around a training forward: norm and activation outputs are recomputed unless ``mode`` is
+    ``none``, attention cores too when it is ``selective`` (``full`` is applied to the blocks by
+    `apply`; inside a recomputed block nothing else is saved)."""
+    if mode not in MODES:
+        raise ConfigError(f"train.recompute={mode!r}: expected one of {', '.join(MODES)}")
     token = SELECTIVE.set(mode == "selective")
+    outputs = _OUTPUTS.set({} if mode != "none" else None)
     try:
-        yield
+        if mode == "none":
+            yield
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+                yield
     finally:
+        _OUTPUTS.reset(outputs)
         SELECTIVE.reset(token)
