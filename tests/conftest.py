@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# MKL may use fewer threads when the machine is busy (MKL_DYNAMIC), which changes how a matrix
+# product is split and so its last bits: tests that compare two runs in one process need the
+# same split every time. Set before the first matrix product; subprocesses inherit it.
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 
 
 @pytest.fixture
