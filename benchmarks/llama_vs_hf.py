@@ -44,12 +44,11 @@ def build(impl: str, args: argparse.Namespace):
         # without its internal shift, since the labels here are already shifted).
         return hf, lambda m, x, y: F.cross_entropy(m(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
     # zoo's model from the same config, translated by the plugin's own HF config reader.
+    from zoo import recompute
+    from zoo.config import TrainConfig
     from zoo_gpt.convert import from_hf_config
     from zoo_gpt.model import build as zoo_build
     from zoo_gpt.plugin import SPECS
-
-    from zoo import recompute
-    from zoo.config import TrainConfig
 
     cfg = from_hf_config({"model_type": "llama", **model_config(args)})
     mode = TrainConfig().recompute  # what `zoo train` does by default (bitwise-exact elementwise recompute)

@@ -15,7 +15,6 @@ from tokenizers import models as hf_models
 from zoo.bpe_cache import CachedBPE, engine_classes, translate
 from zoo.tokenizer import EOD, TIKTOKEN_PATTERN, Tokenizer, train_bpe
 
-
 # Contractions are frequent enough here for the BPE to learn them as tokens: a split that misses
 # one changes the ids.
 CONTRACTIONS = "We're sure they've said I'm here, we'll see, he'd know it's John's, you're 'RE' 'S " * 40

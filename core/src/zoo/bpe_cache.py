@@ -76,7 +76,7 @@ def _engine_classes_uncached() -> dict[str, list[list[int]]]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def engine_classes() -> dict[str, list[list[int]]]:
     """``\\p{L}``, ``\\p{N}`` and ``\\s`` as the tokenizers library's regex engine defines them, as
     code-point runs (about 2 s to read off all code points; then cached under ``$XDG_CACHE_HOME/zoo``)."""
