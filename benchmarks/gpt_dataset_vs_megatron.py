@@ -25,10 +25,6 @@ with warnings.catch_warnings():
     from megatron.core.datasets.indexed_dataset import IndexedDataset as MCIndexedDataset
 
 
-def best_of(fn, reps: int = 3) -> tuple[float, object]:
-    return timings(fn, reps)[1:]
-
-
 def timings(fn, reps: int) -> tuple[float, float, object]:
     """(first call, best call, result)."""
     times, out = [], None
@@ -83,8 +79,8 @@ def main() -> None:
                 total += int(ds[int(i)][0])
             return total
 
-        t_mc_r, a = best_of(lambda: read(mc_ds), reps=2)
-        t_zoo_r, b = best_of(lambda: read(ours_ds), reps=2)
+        _, t_mc_r, a = timings(lambda: read(mc_ds), 2)
+        _, t_zoo_r, b = timings(lambda: read(ours_ds), 2)
         print(f"random reads: megatron-core {args.reads / t_mc_r:,.0f}/s, zoo {args.reads / t_zoo_r:,.0f}/s -> "
               f"zoo/megatron {t_mc_r / t_zoo_r:.2f}x (target >= 1.0x); same data: {a == b}")
 

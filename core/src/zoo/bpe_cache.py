@@ -151,7 +151,7 @@ class CachedBPE:
     def __init__(self, tokenizer: Any, patterns: list[re.Pattern[str]], prefix_space: bool,
                  around: tuple[list[int], list[int]], added: list[str]) -> None:
         self._model = tokenizer.model
-        self._split_bmp, self._split_all = (p.findall for p in patterns)
+        self._bmp, self._all = patterns
         self._astral = re.compile("[\U00010000-\U0010ffff]").search
         self._prefix_space = prefix_space
         self._before, self._after = around
@@ -225,14 +225,16 @@ class CachedBPE:
             return None
         if self._prefix_space and text[0] != " ":
             text = " " + text
-        split = self._split_all if self._astral(text) else self._split_bmp
+        pattern = self._all if self._astral(text) else self._bmp
+        # The pieces must cover the text (a pattern that skips characters: the library knows what
+        # to do). A large document is split lazily: a list of its pieces would weigh ~60 bytes each.
         if len(text) > self.LARGE:
-            # A large document is split lazily: its list of pieces would weigh ~60 bytes a piece.
-            pieces: Any = (m.group() for m in split.__self__.finditer(text))  # type: ignore[attr-defined]
-            covered = 0
+            if sum(m.end() - m.start() for m in pattern.finditer(text)) != len(text):
+                return None
+            pieces: Any = map(re.Match.group, pattern.finditer(text))
         else:
-            pieces = split(text)
-            if len("".join(pieces)) != len(text):  # the pattern skipped characters: the library knows what to do
+            pieces = pattern.findall(text)
+            if len("".join(pieces)) != len(text):
                 return None
         ids = list(self._before)
         get, extend = self._cache.get, ids.extend
@@ -240,11 +242,7 @@ class CachedBPE:
             for piece in pieces:
                 found = get(piece)
                 extend(found if found is not None else self._piece(piece))
-                if len(text) > self.LARGE:
-                    covered += len(piece)
         except UnicodeEncodeError:  # a lone surrogate: let the library report it
-            return None
-        if len(text) > self.LARGE and covered != len(text):
             return None
         extend(self._after)
         return ids

@@ -3,6 +3,7 @@ tokenizer directory or ``tokenizer.json`` the user names, or raw bytes."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -18,7 +19,6 @@ class Tokenizer:
 
     def __init__(self, backend: object | None, *, eod_id: int, vocab_size: int, source: str) -> None:
         self._tok = backend  # a tokenizers.Tokenizer, or None for bytes
-        self._fast: Any = False  # zoo.bpe_cache.CachedBPE, None where it does not apply; False: not yet asked
         self.eod_id = eod_id
         self.vocab_size = vocab_size
         self.source = source
@@ -28,15 +28,18 @@ class Tokenizer:
             return list(text.encode("utf-8"))
         return self._tok.encode(text).ids  # type: ignore[attr-defined]
 
+    @functools.cached_property
+    def _fast(self) -> Any:
+        """`zoo.bpe_cache.CachedBPE` for this tokenizer, or None where it does not apply."""
+        from zoo.bpe_cache import CachedBPE
+
+        return CachedBPE.for_tokenizer(self._tok)
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Bulk encoding (``zoo prepare``): the same ids as ``encode``, through the exact piece cache
         of `zoo.bpe_cache` where the tokenizer's configuration allows it."""
         if self._tok is None:
             return [self.encode(t) for t in texts]
-        if self._fast is False:
-            from zoo.bpe_cache import CachedBPE
-
-            self._fast = CachedBPE.for_tokenizer(self._tok)
         if self._fast is None:
             return [e.ids for e in self._tok.encode_batch(list(texts))]  # type: ignore[attr-defined]
         out = [self._fast.encode(t) for t in texts]

@@ -119,7 +119,7 @@ class IndexedDataset:
         self._len = n_seq
 
     def __len__(self) -> int:
-        return len(self.sequence_lengths)
+        return self._len
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``offset:offset+length`` of sequence ``i`` (a read-only view)."""
