@@ -45,13 +45,15 @@ def _rank(root: str, hidden: int, layers: int) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from zoo.checkpoint import load_sharded, save_sharded
+    from zoo.checkpoint.sharded import Saver
+    from zoo.checkpoint.state import Checkpoint, TrainState, save
+    from zoo.checkpoint.weights import ModelState
     from zoo.config import RunConfig
-    from zoo.dist_checkpoint import Saver
     from zoo.family import resolve
     from zoo.parallel.engine import Parallel
     from zoo.registry import get_registry
-    from zoo.train import param_groups
+    from zoo.testing import layout_for
+    from zoo.training.optim import OptimizerState, param_groups
     from zoo_gpt.plugin import GPTConfig
 
     fam = get_registry().get("llama").family
@@ -59,7 +61,7 @@ def _rank(root: str, hidden: int, layers: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = resolve(fam.build, owner="bench")(cfg, fam.spec_for(cfg))
     rank, world = dist.get_rank(), dist.get_world_size()
-    par = Parallel(model, fam, tp=world, rank=rank, world_size=world)
+    par = Parallel(model, fam, layout_for(fam, world, model=cfg, tp=world), rank=rank)
     model = par.model
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
     for p in model.parameters():  # Adam state of the right shapes, as after a step
@@ -70,14 +72,12 @@ def _rank(root: str, hidden: int, layers: int) -> dict[str, Any]:
     local_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     local_bytes += sum(v.numel() * v.element_size() for v in opt_state.values())
     run = RunConfig(family="llama", flavor="bench", model=cfg)
-    groups = [{"params": [], "weight_decay": 0.0}]
+    items = [ModelState(model, par.placements), OptimizerState(opt, model, par, distributed=False)]
     ckpt_root = Path(root) / "zoo"
 
     def zoo_save(step: int, saver: Saver) -> Any:
-        return save_sharded(ckpt_root, step=step, run=run, par=par, model=model, optimizer_state=opt_state, groups=groups,
-                            scaler=torch.amp.GradScaler("cpu", enabled=False), consumed_samples=0, tokenizer_dir=None,
-                            keep_last=None, ties={}, saver=saver, token="bench", rank=rank, world_size=world,
-                            timeout_s=600)
+        return save(ckpt_root, state=TrainState(step, 0), run=run, par=par, items=items, ties={}, saver=saver,
+                    token="bench", tokenizer_dir=None, keep_last=None, rank=rank, world_size=world, timeout_s=600)
 
     out: dict[str, Any] = {"bytes": local_bytes}
     state = {f"r{rank}/{k}": v for k, v in {**model.state_dict(), **opt_state}.items()}
@@ -111,7 +111,8 @@ def _rank(root: str, hidden: int, layers: int) -> dict[str, Any]:
 
     def load_ours() -> None:  # this rank's slices of every tensor, model and optimizer
         evict()
-        load_sharded(ckpt_root / "step_00000001", par=par, model=model, rank=rank, world_size=world)
+        with Checkpoint(ckpt_root / "step_00000001", family="llama", rank=rank, world_size=world) as ckpt:
+            ckpt.restore(*items)
 
     def load_dcp() -> None:
         evict()
@@ -183,10 +184,10 @@ _PEAK = """
 import resource, sys, torch
 sys.argv = sys.argv[1:]
 if sys.argv[0] == "load":
-    from zoo.convert import load
+    from zoo.checkpoint.external import load
     load(sys.argv[1])
 elif sys.argv[0] == "baseline":  # what the imports alone cost
-    import zoo.cli, zoo.convert, zoo_gpt.model, transformers
+    import zoo.cli, zoo.checkpoint.external, zoo_gpt.model, transformers
 else:
     from zoo.cli import main
     main(["convert", "--to", "hf", sys.argv[1], sys.argv[2]])

@@ -44,8 +44,8 @@ def build(impl: str, args: argparse.Namespace):
         # without its internal shift, since the labels here are already shifted).
         return hf, lambda m, x, y: F.cross_entropy(m(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
     # zoo's model from the same config, translated by the plugin's own HF config reader.
-    from zoo import recompute
     from zoo.config import TrainConfig
+    from zoo.nn import recompute
     from zoo_gpt.convert import from_hf_config
     from zoo_gpt.model import build as zoo_build
     from zoo_gpt.plugin import SPECS

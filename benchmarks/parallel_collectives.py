@@ -86,7 +86,7 @@ def _step(layout: dict, bucket_size: int, zero: bool) -> dict:
     from zoo.family import resolve
     from zoo.parallel.engine import Parallel
     from zoo.registry import get_registry
-    from zoo.train import param_groups
+    from zoo.training.optim import param_groups
 
     calls, nbytes, blocked = _instrument()
     fam = get_registry().get("llama").family
@@ -96,12 +96,17 @@ def _step(layout: dict, bucket_size: int, zero: bool) -> dict:
     model = resolve(fam.build, owner="bench")(cfg, fam.spec_for(cfg))
     params = sum(p.numel() for p in model.parameters())
     example, loss_fn = resolve(fam.example_batch, owner="bench"), resolve(fam.loss, owner="bench")
-    par = Parallel(model, fam, rank=dist.get_rank(), world_size=dist.get_world_size(), **layout)
+    from zoo.testing import layout_for
+    from zoo.training.optim import ParamRules
+
+    par = Parallel(model, fam, layout_for(fam, dist.get_world_size(), model=cfg, seq_length=S, micro_batches=M, **layout),
+                   rank=dist.get_rank())
     buckets = par.make_buckets(bucket_size, shard=zero)
     if zero and buckets is not None:
         from zoo.parallel.zero import DistributedOptimizer
 
-        opt = DistributedOptimizer(buckets, lambda g: torch.optim.AdamW(g, lr=1e-3), weight_decay=0.1)
+        rules = ParamRules(0.1)
+        opt = DistributedOptimizer(buckets, lambda g: torch.optim.AdamW(g, lr=1e-3), group_of=lambda p: rules.options("", p))
         state = lambda: opt.state_bytes()  # noqa: E731
     else:
         opt = torch.optim.AdamW(param_groups(par.model, 0.1), lr=1e-3)
@@ -122,7 +127,7 @@ def _step(layout: dict, bucket_size: int, zero: bool) -> dict:
         fb_calls, fb_bytes, fb_blocked = dict(calls), dict(nbytes), blocked[0]
         calls.clear()
         if zero and buckets is not None:
-            opt.step(max_norm=1.0, tp_group=par.tp_group, pp_group=par.pp_group)
+            opt.step(max_norm=1.0, norm_squared=par.grad_norm_squared)
         else:
             par.clip(1.0)
             opt.step()
@@ -163,7 +168,7 @@ def _theory(layout: dict, *, world: int, zero: bool, buckets: int, bucket_bytes:
         stages = [c * pp + rank_pp for c in range(vpp)]
         hops = sum((s < pp * vpp - 1) + (s > 0) for s in stages)
         t["send"] += M * hops
-        t["all_reduce"] += 1  # the loss, from the last stage to all
+        t["all_reduce"] += 1  # the loss (and any declared metrics: none for LLaMA), from the last stage to all
         nbytes += M * hops * act // (tp if sp else 1) + 4
     if cp > 1:
         kv = 2 * B * (kv_heads // tp) * (S // cp) * head_dim * 4

@@ -33,7 +33,7 @@ _TOK = None
 
 def _init(tok_path: str) -> None:
     global _TOK
-    from zoo.tokenizer import load_tokenizer
+    from zoo.data.tokenizer import load_tokenizer
 
     _TOK = load_tokenizer(tok_path)
 
@@ -117,7 +117,7 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         return child(args)
-    from zoo.tokenizer import train_bpe
+    from zoo.data.tokenizer import train_bpe
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
@@ -125,7 +125,7 @@ def main() -> None:
 
         train_bpe([topics[k] for k in sorted(topics)], 8192).save(tmp_path)
         tok = tmp_path / "tokenizer.json"
-        from zoo.bpe_cache import engine_classes
+        from zoo.data.bpe_cache import engine_classes
 
         engine_classes()  # a one-time cost per tokenizers version, not per run
         print(f"# {time.strftime('%Y-%m-%d')} {os.cpu_count()} CPUs, {args.workers} workers, byte-level BPE 8192")

@@ -12,8 +12,8 @@ from tokenizers import Regex, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models as hf_models
 
-from zoo.bpe_cache import CachedBPE, engine_classes, translate
-from zoo.tokenizer import EOD, TIKTOKEN_PATTERN, Tokenizer, train_bpe
+from zoo.data.bpe_cache import CachedBPE, engine_classes, translate
+from zoo.data.tokenizer import EOD, TIKTOKEN_PATTERN, Tokenizer, train_bpe
 
 # Contractions are frequent enough here for the BPE to learn them as tokens: a split that misses
 # one changes the ids.

@@ -66,10 +66,10 @@ def test_help_does_not_load_plugins_and_list_does_not_import_model_code(tmp_path
 
 
 def test_dry_run_prints_config_parameters_and_layout():
-    out = run_zoo("train", "--model", "mixer", "--dry-run", "train.steps=7", "--world-size", "4", "parallel.tp=2")
+    out = run_zoo("train", "--model", "mixer", "--dry-run", "train.steps=7", "--world-size", "4", "parallel.pp=1")
     assert out.returncode == 0, out.stderr
     cfg = yaml.safe_load(out.stdout)
-    assert cfg["family"] == "mixer" and cfg["train"]["steps"] == 7 and cfg["parallel"]["tp"] == 2
+    assert cfg["family"] == "mixer" and cfg["train"]["steps"] == 7 and cfg["parallel"]["pp"] == 1
     assert cfg["optimizer"]["lr"] == 3e-3  # from the family's recipe
 
     # Independent count: build the tiny flavor for real and count its parameters.
@@ -78,7 +78,10 @@ def test_dry_run_prints_config_parameters_and_layout():
 
     expected = sum(p.numel() for p in build(tiny(), MIXER).parameters())
     assert f"# parameters: {expected:,}" in out.stdout
-    assert "# layout: world 4 = tp=2 x cp=1 x dp=2 x pp=1" in out.stdout
+    assert "# layout: world 4 = tp=1 x cp=1 x dp=4 x pp=1" in out.stdout
+    # A dry run validates the layout against the family exactly as training does.
+    refused = run_zoo("train", "--model", "mixer", "--dry-run", "--world-size", "4", "parallel.tp=2")
+    assert refused.returncode == 2 and "family 'mixer' declares no tp_plan" in _one_line(refused.stderr)
 
 
 def _unigram_entropy_nats() -> float:
@@ -144,10 +147,10 @@ SURFACE = {
     "info": ["name"],
     "version": [],
     "train": ["--config", "--dry-run", "--flavor", "--model", "--run-dir", "--world-size", "overrides"],
-    "convert": ["--dtype", "--from", "--max-shard-size", "--to", "dst", "src"],
+    "convert": ["--dtype", "--from", "--max-shard-size", "--to", "--weights", "dst", "src"],
     "prepare": ["what"],
     "generate": ["--checkpoint", "--greedy", "--max-new-tokens", "--no-cache", "--prompt", "--seed", "--temperature",
-                 "--tokenizer", "--top-k", "--top-p"],
+                 "--tokenizer", "--top-k", "--top-p", "--weights"],
 }
 
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from zoo import config as C
-from zoo import layout
 from zoo.errors import ConfigError
+from zoo.parallel import layout
 
 
 @dataclass(kw_only=True)
@@ -118,8 +118,6 @@ def test_values_are_converted_losslessly():
 def test_cross_field_checks():
     with pytest.raises(ConfigError, match="parallel: zero=2"):
         resolve(overrides=["parallel.zero=2"])
-    with pytest.raises(ConfigError, match="sequence_parallel=true needs tp > 1"):
-        resolve(overrides=["parallel.sequence_parallel=true"])
     with pytest.raises(ConfigError, match="global_batch_size=10 is not a multiple of micro_batch_size=4"):
         resolve(overrides=["train.micro_batch_size=4", "train.global_batch_size=10"])
     with pytest.raises(ConfigError, match="order="):
@@ -138,7 +136,7 @@ def test_resolved_yaml_round_trips(tmp_path):
 
 def plan(world, overrides=(), model=None):
     run = resolve(overrides=overrides, defaults=model)
-    return layout.plan(run.parallel, run.train, run.model, world_size=world)
+    return layout.plan(run, world_size=world)
 
 
 def test_layout_derives_dp_and_accumulation():
@@ -155,6 +153,8 @@ def test_layout_derives_dp_and_accumulation():
         (6, ["parallel.tp=4"], "world size 6 is not divisible by tp\\*cp\\*pp"),
         (3, ["parallel.tp=3"], "tp=3 does not divide model.num_heads=4"),
         (8, ["parallel.pp=8"], "pp\\*vpp = 8\\*1 stages for 4 layers"),
+        (2, ["parallel.sequence_parallel=true"], "sequence_parallel=true needs tp > 1"),
+        (2, ["parallel.vpp=2"], "vpp=2 needs pp > 1"),
         (4, ["parallel.pp=2", "parallel.vpp=3"], "stages for 4 layers"),
         (2, ["parallel.ep=2"], "has no experts"),
         (2, ["parallel.cp=2", "train.seq_length=6"], "divisible by 2\\*cp"),

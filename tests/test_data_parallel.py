@@ -72,6 +72,13 @@ def test_dp_equals_single_process(accum, bucket_size):
         assert got["buckets"] <= math.ceil(n_params / bucket_size) if bucket_size > 1 else got["buckets"] == 6
 
 
+def _decay_rule(p: torch.Tensor) -> dict:
+    """The plain optimizer's groups in the reference: weight decay 0.1 on matrices only."""
+    from zoo.training.optim import ParamRules
+
+    return ParamRules(0.1).options("", p)
+
+
 def _zero_rank(zero: bool) -> dict:
     import torch.distributed as dist
 
@@ -80,7 +87,7 @@ def _zero_rank(zero: bool) -> dict:
 
     model = _model()
     buckets = GradBuckets(model, dist.group.WORLD, bucket_size=500, shard=True)
-    opt = DistributedOptimizer(buckets, lambda groups: torch.optim.AdamW(groups, lr=0.01), weight_decay=0.1)
+    opt = DistributedOptimizer(buckets, lambda groups: torch.optim.AdamW(groups, lr=0.01), group_of=_decay_rule)
     x, y = _data()
     rank, world = dist.get_rank(), dist.get_world_size()
     for _ in range(3):
@@ -126,7 +133,7 @@ def _zero_bf16_rank() -> dict:
 
     model = _model().to(torch.bfloat16)  # bf16 parameters and gradients
     buckets = GradBuckets(model, dist.group.WORLD, bucket_size=500, shard=True)
-    opt = DistributedOptimizer(buckets, lambda groups: torch.optim.AdamW(groups, lr=0.01), weight_decay=0.1)
+    opt = DistributedOptimizer(buckets, lambda groups: torch.optim.AdamW(groups, lr=0.01), group_of=_decay_rule)
     x, y = _data()
     rank, world = dist.get_rank(), dist.get_world_size()
     for _ in range(3):
@@ -182,7 +189,7 @@ def _overflow_rank() -> dict:
 
     model = _model().to(torch.float16)
     buckets = GradBuckets(model, dist.group.WORLD, bucket_size=500, shard=True)
-    opt = DistributedOptimizer(buckets, lambda groups: torch.optim.AdamW(groups, lr=0.01), weight_decay=0.1)
+    opt = DistributedOptimizer(buckets, lambda groups: torch.optim.AdamW(groups, lr=0.01), group_of=_decay_rule)
     scale = DynamicLossScale(init_scale=1024.0, growth_interval=2)
     x, y = _data()
     rank = dist.get_rank()

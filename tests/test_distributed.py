@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from zoo import distributed
 from zoo.errors import UsageError
+from zoo.parallel import distributed
 from zoo.testing import DistributedTestError, run_distributed
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from zoo.mapping import (
+from zoo.checkpoint.mapping import (
     Fuse,
     Ignore,
     MappingError,

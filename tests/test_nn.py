@@ -109,7 +109,7 @@ def test_elementwise_recompute_is_exact_and_frees_outputs(precision):
     after forward, and every gradient is bitwise the one without recomputation."""
     import weakref
 
-    from zoo import recompute
+    from zoo.nn import recompute
 
     torch.manual_seed(0)
     d, f = 16, 24

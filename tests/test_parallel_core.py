@@ -79,8 +79,8 @@ def _tp_layers(seq_parallel: bool) -> dict:
     from zoo.parallel import comm
     from zoo.parallel.tensor_parallel import reduce_sequence_parallel_grads
 
-    for mod in (e, c, r, h):
-        reduce_sequence_parallel_grads(mod, group)
+    if seq_parallel:  # the row-parallel bias is added to this rank's sequence shard only
+        reduce_sequence_parallel_grads([r.bias], group)
     full = {
         "loss": loss.item(),
         "c.weight": comm.all_gather(c.weight.grad, group, 0),

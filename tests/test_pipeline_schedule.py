@@ -94,9 +94,10 @@ def test_stages_keep_global_names_and_mark_tied_weights():
         "embed.weight", "layers.0.weight", "layers.0.bias", "layers.2.weight", "layers.2.bias"]
     assert [n for n, _ in last.chunks[1].named_parameters()] == ["layers.3.weight", "layers.3.bias", "head.weight"]
     assert first.chunks[1].embed is None and last.chunks[0].head is None
-    own = {n for s in (first, last) for n, p in s.local.named_parameters() if not getattr(p, "pipeline_duplicate", False)}
+    own = {n for s in (first, last) for n, _ in s.local.named_parameters() if n not in s.duplicates}
     assert own == set(names)  # every parameter has exactly one owner
-    assert last.canonical["head.weight"] == "embed.weight" and getattr(full.embed.weight, "pipeline_tied", False)
+    assert last.canonical["head.weight"] == "embed.weight" and first.tied == {"embed.weight"}
+    assert last.tied == last.duplicates == {"head.weight"}
     assert first.aliases == {"head.weight": "embed.weight"}
     with pytest.raises(ValueError, match="no top-level attribute 'norm'"):
         build_stages(_Toy(), PipelineSpec(layers="layers", first=("embed",), last=("norm",)), pp=2, vpp=1, rank=0)

@@ -15,8 +15,8 @@ from _core_helpers import run_zoo
 
 from zoo.data.indexed import IndexedDataset
 from zoo.data.prepare import prepare_text
+from zoo.data.tokenizer import load_tokenizer, train_bpe
 from zoo.errors import UsageError
-from zoo.tokenizer import load_tokenizer, train_bpe
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

@@ -7,8 +7,8 @@ import base64
 
 import pytest
 
+from zoo.data.tokenizer import load_tokenizer, train_bpe
 from zoo.errors import UsageError
-from zoo.tokenizer import load_tokenizer, train_bpe
 
 
 def _ranks_file(path, extra: dict[bytes, int]) -> None:

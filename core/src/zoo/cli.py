@@ -13,9 +13,14 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zoo.errors import ConfigError, PluginError, UnknownNameError, UsageError, ZooError, suggest
+
+if TYPE_CHECKING:  # the CLI imports no torch until a command needs it
+    from zoo.config import RunConfig
+    from zoo.parallel.layout import Layout
+    from zoo.registry import FamilyEntry
 
 CORE_COMMANDS = ("list", "info", "version", "train", "convert", "generate", "prepare")
 
@@ -124,7 +129,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_version(args: argparse.Namespace) -> int:
     import platform
 
-    from zoo import __version__
+    from zoo._version import __version__
 
     print(f"zoo-core {__version__}")
     print(f"python {platform.python_version()}")
@@ -153,7 +158,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides, applied last")
 
 
-def resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
+def resolve_run(args: argparse.Namespace) -> tuple[FamilyEntry, RunConfig]:
     """Registry entry and `RunConfig` from --model/--flavor/--config/overrides."""
     from zoo import config as cfg_mod
 
@@ -189,7 +194,7 @@ def resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
     return entry, run
 
 
-def count_parameters(entry: Any, run: Any, plan: Any) -> tuple[int, list[int]]:
+def count_parameters(entry: FamilyEntry, run: RunConfig, plan: Layout) -> tuple[int, list[int]]:
     """Build the model on the meta device (no memory); (total parameters, parameters one rank of
     each pipeline stage holds: its layers, TP-split where the family's plan splits them)."""
     import torch
@@ -214,11 +219,11 @@ def count_parameters(entry: Any, run: Any, plan: Any) -> tuple[int, list[int]]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from zoo import distributed, layout
+    from zoo.parallel import distributed, layout
 
     entry, run = resolve_run(args)
     world = args.world_size or distributed.world_size_from_env()
-    plan = layout.plan(run.parallel, run.train, run.model, world_size=world)
+    plan = layout.plan(run, world_size=world, family=entry.family)
     if args.dry_run:
         print(run.to_yaml().rstrip())
         n, per_stage = count_parameters(entry, run, plan)
@@ -231,24 +236,25 @@ def cmd_train(args: argparse.Namespace) -> int:
         elif plan.tp > 1:
             print(f"# parameters per tensor-parallel rank: {per_stage[0]:,} ({_human(per_stage[0])})")
         return 0
-    from zoo import train
+    from zoo.training.trainer import Trainer
 
     run_dir = Path(args.run_dir or os.path.join("runs", f"{run.family}-{run.flavor}"))
-    return train.run(entry, run, plan, run_dir=run_dir)
+    return Trainer(entry.family, run, plan, run_dir=run_dir, owner=str(entry.plugin)).fit()
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from zoo import convert
+    from zoo.checkpoint import external
 
     if bool(args.from_format) == bool(args.to_format):
         raise UsageError("zoo convert: give exactly one of --from FORMAT (import) or --to FORMAT (export)")
     if args.from_format:
-        out = convert.import_external(args.from_format, args.src, args.dst)
+        out = external.import_external(args.from_format, args.src, args.dst)
     else:
-        from zoo.checkpoint import resolve_checkpoint
+        from zoo.checkpoint.state import resolve_checkpoint
 
-        out = convert.export_external(args.to_format, resolve_checkpoint(args.src), args.dst,
-                                      max_shard_bytes=convert.parse_size(args.max_shard_size), dtype=args.dtype)
+        out = external.export_external(args.to_format, resolve_checkpoint(args.src), args.dst,
+                                       max_shard_bytes=external.parse_size(args.max_shard_size), dtype=args.dtype,
+                                       weights=args.weights)
     print(f"wrote {out}")
     return 0
 
@@ -256,13 +262,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from zoo import convert
-    from zoo.checkpoint import resolve_checkpoint
+    from zoo.checkpoint.external import load
+    from zoo.checkpoint.state import resolve_checkpoint
+    from zoo.data.tokenizer import load_tokenizer
     from zoo.family import resolve
-    from zoo.tokenizer import load_tokenizer
 
     path = resolve_checkpoint(args.checkpoint)
-    loaded = convert.load(path)
+    loaded = load(path, weights=args.weights)
     entry = _registry(args).get(loaded.family)
     fam = entry.family
     if fam.generate is None or fam.task != "causal_lm":
@@ -341,6 +347,8 @@ def build_parser(registry: Any | None) -> _Parser:
     p.add_argument("dst")
     p.add_argument("--max-shard-size", default="5GB", help="split exported weights into files of at most this size")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast exported weights")
+    p.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
+                   help="export the moving average of the weights (train.ema) or the raw ones; auto: the average if kept")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("generate", help="sample text from a checkpoint (zoo or Hugging Face directory)")
@@ -354,6 +362,8 @@ def build_parser(registry: Any | None) -> _Parser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (no KV cache)")
     p.add_argument("--tokenizer", help="tokenizer directory, tokenizer.json or 'bytes' (default: the checkpoint's)")
+    p.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
+                   help="sample with the moving average of the weights (train.ema) or the raw ones; auto: the average if kept")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("prepare", help="prepare datasets (Megatron .bin/.idx)")

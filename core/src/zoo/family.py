@@ -14,7 +14,7 @@ import importlib
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from zoo.errors import PluginError
 from zoo.spec import ModelSpec, check_spec
@@ -36,12 +36,19 @@ class PipelineSpec:
     the hidden state instead of the loss (torchtitan's convention: one forward, no stage code).
     The blocks keep their global index as their name, so parameter names and checkpoints do not
     depend on the layout.
+
+    ``carries``: further batch keys a stage hands to the next beside the hidden state, for models
+    whose blocks take more than one input (DiT's conditioning vector, a VLM's image features).
+    A stage that is not the last then returns a dict ``{input_key: hidden, **carried}`` in that
+    order, and the next stage's batch has those keys replaced by what it received; gradients flow
+    back through every carried tensor that requires them.
     """
 
     layers: str = "layers"
     first: tuple[str, ...] = ()
     last: tuple[str, ...] = ()
     input_key: str = "tokens"
+    carries: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +70,38 @@ class SequenceSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MetricSpec:
+    """A value the family's loss reports in its metrics dict, and how the core treats it.
+
+    ``reduce``: how values combine over a step's micro-batches and the data/context-parallel
+    ranks: ``mean`` (weighted like the loss), ``sum`` (counts) or ``max``. ``aux_loss``: the value
+    is a scalar tensor with a gradient, an auxiliary term (a router's load-balancing loss, a
+    z-loss) that the core adds to the loss it backpropagates, coefficient already applied; the
+    logged ``loss`` is the main objective without it, the term is logged under its own name.
+    """
+
+    name: str
+    reduce: Literal["mean", "sum", "max"] = "mean"
+    aux_loss: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Throughput:
+    """What one unit of training work is, for ``<unit>/s`` and model FLOPs utilisation.
+
+    ``unit``: ``tokens``, ``images``, ``frames`` or ``samples`` (printed as ``tok/s``, ``img/s``, ...).
+    ``count(batch) -> int``: units in one micro-batch; None counts the elements of the batch's
+    ``tokens`` (or ``input_ids``) tensor. ``flops_per_unit(model, run_config) -> float``: training
+    FLOPs (forward and backward) per unit, called on the model built on the meta device; None uses
+    the language-model rule (6 x matmul weights + attention, `zoo.training.metrics.lm_flops_per_token`).
+    """
+
+    unit: str = "tokens"
+    count: Ref | None = None
+    flops_per_unit: Ref | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Family:
     """A model family: one readable architecture, its sizes, and how it trains and converts.
 
@@ -76,7 +115,11 @@ class Family:
     - ``example_batch(config, *, batch_size, seq_length, generator) -> dict``: a small random
       batch of the shape the model takes; the conformance suite and dry runs use it.
     - ``generate(model, config, **request)``: the generation entry (tokens, images, captions).
-    - ``checkpoint_formats[fmt]``: a `zoo.convert.ExternalFormat` (its architecture names, key
+    - ``preview(model, config, batch, *, generator) -> zoo.media.Artifact``: a sample drawn at each
+      evaluation from the first validation micro-batch (an image grid, a GIF, a text), written to
+      ``<run>/samples/step_N.*`` and to TensorBoard. It runs on every rank of a pipeline-free layout
+      (tensor-parallel layers communicate) and is written by rank 0.
+    - ``checkpoint_formats[fmt]``: a `zoo.checkpoint.ExternalFormat` (its architecture names, key
       mapping table for a config, config translation) for ``"hf"``, ``"mamba_ssm"``, ...
     """
 
@@ -103,6 +146,10 @@ class Family:
     pipeline: PipelineSpec | None = None
     # Context parallelism and sequence parallelism: None means cp=1 and no sequence parallelism.
     sequence: SequenceSpec | None = None
+    # What the loss reports besides the loss (each key of its metrics dict must be declared here).
+    metrics: tuple[MetricSpec, ...] = ()
+    throughput: Throughput = field(default_factory=Throughput)
+    preview: Ref | None = None
     recipe: Mapping[str, Any] = field(default_factory=dict)  # "section.key" -> default for all flavors
     flavor_recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
@@ -202,3 +249,21 @@ def check_family(family: object, *, owner: str) -> None:
     unknown = set(family.flavor_recipes) - set(family.flavors)
     if unknown:
         raise PluginError(f"{where}: flavor_recipes for unknown flavors {sorted(unknown)}")
+    names = [m.name for m in family.metrics]
+    for m in family.metrics:
+        if not isinstance(m, MetricSpec):
+            raise PluginError(f"{where}: metrics must be zoo.MetricSpec objects, got {type(m).__name__}")
+        if m.reduce not in ("mean", "sum", "max"):
+            raise PluginError(f"{where}: metric {m.name!r}: reduce={m.reduce!r} is not one of mean, sum, max")
+        if m.aux_loss and m.reduce != "mean":
+            raise PluginError(f"{where}: metric {m.name!r} is an auxiliary loss, so it is averaged like the loss (reduce='mean')")
+        if m.name in _RESERVED_METRICS or names.count(m.name) > 1:
+            raise PluginError(f"{where}: metric name {m.name!r} is {'reserved' if m.name in _RESERVED_METRICS else 'declared twice'}")
+    if not isinstance(family.throughput, Throughput) or not family.throughput.unit:
+        raise PluginError(f"{where}: throughput must be a zoo.Throughput with a unit")
+    if family.pipeline is not None and family.pipeline.input_key in family.pipeline.carries:
+        raise PluginError(f"{where}: pipeline.carries repeats the input key {family.pipeline.input_key!r}")
+
+
+# Keys the core itself logs in every metrics record.
+_RESERVED_METRICS = frozenset({"step", "loss", "lr", "grad_norm", "val_loss", "mfu"})

@@ -191,7 +191,7 @@ BUILTIN_DATASETS = (
 
 
 def _add_builtin_datasets(reg: Registry) -> None:
-    from zoo import __version__
+    from zoo._version import __version__
 
     core = PluginInfo(name="zoo", value="zoo", distribution="zoo-core", version=__version__)
     for ds in BUILTIN_DATASETS:

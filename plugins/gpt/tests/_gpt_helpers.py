@@ -15,10 +15,11 @@ def zoo(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
 
 
 def small_run(run_dir: Path, cache: Path, *extra: str) -> list[str]:
-    """A short LLaMA run on the embedded corpus: small enough for CI, real enough to learn."""
+    """A short LLaMA run on the embedded corpus: small enough for CI, real enough to learn. No
+    TensorBoard files and no loss plot (2 s a run); the tests of those switch them back on."""
     return ["train", "--model", "llama", "--run-dir", str(run_dir), f"data.cache_dir={cache}",
             "train.seq_length=64", "train.micro_batch_size=8", "logging.interval=1", "train.eval_interval=0",
-            "logging.progress=false", *extra]
+            "logging.progress=false", "logging.tensorboard=false", "logging.plot=false", *extra]
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:

@@ -64,7 +64,7 @@ def test_resharding_between_layouts_continues_the_same_curve(tmp_path, corpus_ca
 
 _KILLER = """
 import os, signal, sys
-import zoo.dist_checkpoint as dc
+import zoo.checkpoint.sharded as dc
 
 point, n = sys.argv[1], int(sys.argv[2])
 calls = [0]
@@ -80,7 +80,7 @@ if point == "marker":  # a rank's tensors are on disk, its marker is not
         return original_text(path, text)
     dc.atomic_write_text = write_text
 else:  # the n-th directory sync: after the shards, before/after COMPLETE, after the rename
-    import zoo.convert as cv
+    import zoo.checkpoint.model_dir as cv
     original_sync = cv._fsync_dir
     def sync(path):
         original_sync(path)
@@ -203,7 +203,7 @@ def test_hf_export_of_a_sharded_tp_pp_checkpoint_equals_the_single_process_expor
     from safetensors.torch import load_file
 
     import zoo as zoo_api
-    from zoo.convert import write_model_dir
+    from zoo.checkpoint.model_dir import write_model_dir
 
     out = torchrun(4, *small_run(tmp_path / "par", corpus_cache, "train.steps=2", "parallel.tp=2", "parallel.pp=2",
                                  "train.micro_batch_size=4", "model.num_layers=4", "train.global_batch_size=8"))
@@ -211,7 +211,7 @@ def test_hf_export_of_a_sharded_tp_pp_checkpoint_equals_the_single_process_expor
     ckpt = tmp_path / "par" / "checkpoints" / "step_00000002"
     assert zoo("convert", "--to", "hf", str(ckpt), str(tmp_path / "hf-par")).returncode == 0
     # The same model written by one process (format 1, one file), exported the same way.
-    loaded = zoo_api.convert.load(ckpt)
+    loaded = zoo_api.checkpoint.load(ckpt)
     meta = json.loads((ckpt / "zoo.json").read_text())
     write_model_dir(tmp_path / "one", family="llama", flavor=meta["flavor"], config=loaded.config,
                     state=loaded.model.state_dict(), tokenizer_from=ckpt)
@@ -233,9 +233,9 @@ def test_hf_export_of_a_sharded_tp_pp_checkpoint_equals_the_single_process_expor
 def test_hf_import_keeps_only_the_tensors_a_stage_needs(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from zoo.convert import _hf_source
-    from zoo.mapping import from_external
-    from zoo.tensorio import LazyTensors
+    from zoo.checkpoint.external import _hf_source
+    from zoo.checkpoint.mapping import from_external
+    from zoo.checkpoint.tensorio import LazyTensors
 
     hf = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2))
@@ -253,15 +253,36 @@ def test_hf_import_keeps_only_the_tensors_a_stage_needs(tmp_path):
     assert all(torch.equal(got[k], full[k]) for k in keep)
 
 
+def _save_format_1(path: Path, *, run, step: int, consumed_samples: int, model_state: dict, opt_state: dict,
+                   groups: list, tokenizer_dir: Path) -> None:
+    """A checkpoint as zoo 0.1 wrote it (format 1): full tensors in one file per kind, loop state
+    and Python/NumPy RNG states in state.json."""
+    import random
+
+    import numpy as np
+
+    from zoo.checkpoint.model_dir import write_model_dir
+
+    py, np_state = random.getstate(), np.random.get_state()
+    state = {"step": step, "consumed_samples": consumed_samples, "optimizer_param_groups": groups, "scaler": None,
+             "python_rng": [py[0], list(py[1]), py[2]], "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    write_model_dir(path, family=run.family, flavor=run.flavor, config=run.model, state=model_state,
+                    extra_meta={"kind": "train", "step": step},
+                    tensor_files={"optimizer.safetensors": opt_state, "rng.safetensors": {"torch": torch.get_rng_state()}},
+                    files={"state.json": json.dumps(state).encode(), "config.yaml": run.to_yaml().encode()},
+                    tokenizer_from=tokenizer_dir)
+    (path.parent / "latest").write_text(path.name + "\n")
+
+
 def test_format_1_checkpoints_still_resume(tmp_path, corpus_cache):
     """A checkpoint in the single-file format older zoo wrote (format 1) continues exactly like the
     sharded one it was made from."""
     import argparse
 
-    from zoo.checkpoint import save_single_file
+    from zoo.checkpoint.model_dir import read_meta
+    from zoo.checkpoint.reader import read_model_state
+    from zoo.checkpoint.sharded import ShardedCheckpoint
     from zoo.cli import resolve_run
-    from zoo.convert import read_meta, read_model_state
-    from zoo.dist_checkpoint import ShardedCheckpoint
 
     args = ("train.steps=6", "checkpoint.interval=3")
     out = zoo(*small_run(tmp_path / "v2", corpus_cache, *args))
@@ -270,14 +291,13 @@ def test_format_1_checkpoints_still_resume(tmp_path, corpus_cache):
     md = read_meta(src)
     with ShardedCheckpoint(src) as ck:
         opt = {k: ck.full(k) for k in ck.names() if "::" in k}
-        rng = ck.rng(0)[0]["torch"]
+        rng = ck.rng(0).tensors["torch"]
     state = json.loads((src / "state.json").read_text())
     _, run = resolve_run(argparse.Namespace(config=[src / "config.yaml"], model=None, flavor=None, overrides=[],
                                             plugins=None))
     root = tmp_path / "v1" / "checkpoints"
-    save_single_file(root, step=3, run=run, model=torch.nn.Module(), opt=None, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                     consumed_samples=state["consumed_samples"], tokenizer_dir=src, keep_last=None,
-                     model_state=read_model_state(md), opt_state=(opt, state["optimizer_param_groups"]))
+    _save_format_1(root / "step_00000003", run=run, step=3, consumed_samples=state["consumed_samples"],
+                   model_state=read_model_state(md), opt_state=opt, groups=state["optimizer_param_groups"], tokenizer_dir=src)
     v1 = root / "step_00000003"
     assert json.loads((v1 / "zoo.json").read_text())["format_version"] == 1 and (v1 / "model.safetensors").is_file()
     # Format 1 kept one RNG state; use the sharded checkpoint's so both continue from the same one.
@@ -309,12 +329,13 @@ def test_hf_import_under_tp_reads_only_the_rows_of_each_shard(tmp_path, family):
     the fully imported tensors; every read is a row range no larger than the shard needs."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    from zoo.checkpoint import tp_cut
-    from zoo.convert import _hf_source
-    from zoo.mapping import from_external, read_sliced
+    from zoo.checkpoint.external import _hf_source
+    from zoo.checkpoint.mapping import from_external
+    from zoo.checkpoint.slicing import read_sliced
+    from zoo.checkpoint.tensorio import LazyTensors
     from zoo.parallel.apply import _matches
+    from zoo.parallel.sharding import TPShard
     from zoo.registry import get_registry
-    from zoo.tensorio import LazyTensors
 
     if family == "llama":
         hf = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -337,7 +358,9 @@ def test_hf_import_under_tp_reads_only_the_rows_of_each_shard(tmp_path, family):
                 local[0] //= tp
             elif style == "cols":
                 local[1] //= tp
-            shape, cut = tp_cut(tuple(local), style, tp, rank)
+            shard = TPShard(style, tp, rank) if style else None
+            shape = shard.global_shape(local) if shard else tuple(local)
+            cut = shard.cut if shard else (lambda x: x)
             wanted[name] = (shape, cut)
             expected[name] = cut(t)
         lazy = LazyTensors(tmp_path / "hf")

@@ -9,7 +9,7 @@ from _gpt_helpers import small_run, zoo
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import zoo as zoo_api
-from zoo.sampling import filter_logits, generate_tokens
+from zoo.nn.sampling import filter_logits, generate_tokens
 
 
 def _perturbed(model):

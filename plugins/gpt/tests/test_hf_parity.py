@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import zoo
-from zoo.convert import export_external, import_external
+from zoo.checkpoint import export_external, import_external
+from zoo.checkpoint.tensorio import CheckpointError
 from zoo.errors import UsageError
-from zoo.tensorio import CheckpointError
 
 
 def _llama(**kw):

@@ -19,7 +19,8 @@ def _train(layout: dict, family: str, layers: int, zero: bool, steps: int = STEP
     from zoo.family import resolve
     from zoo.parallel.engine import Parallel
     from zoo.registry import get_registry
-    from zoo.train import param_groups
+    from zoo.testing import layout_for
+    from zoo.training.optim import ParamRules, param_groups
 
     fam = get_registry().get(family).family
     cfg = fam.flavors["tiny"]()
@@ -29,7 +30,7 @@ def _train(layout: dict, family: str, layers: int, zero: bool, steps: int = STEP
     model = build(cfg, fam.spec_for(cfg))
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    par = Parallel(model, fam, rank=rank, world_size=world, **layout)
+    par = Parallel(model, fam, layout_for(fam, world, model=cfg, seq_length=SEQ, **layout), rank=rank)
     # Small buckets: several reductions per step, launched while backward runs.
     buckets = par.make_buckets(20_000, shard=zero)
 
@@ -42,7 +43,8 @@ def _train(layout: dict, family: str, layers: int, zero: bool, steps: int = STEP
     if zero and buckets is not None:
         from zoo.parallel.zero import DistributedOptimizer
 
-        opt = DistributedOptimizer(buckets, adamw, weight_decay=0.1)
+        rules, names = ParamRules(0.1), {id(p): n for n, p in par.model.named_parameters()}
+        opt = DistributedOptimizer(buckets, adamw, group_of=lambda p: rules.options(names[id(p)], p))
     else:
         opt = adamw(param_groups(par.model, 0.1))
     gen = torch.Generator().manual_seed(1)
@@ -51,12 +53,12 @@ def _train(layout: dict, family: str, layers: int, zero: bool, steps: int = STEP
         # The same global batch as one process; each data-parallel rank takes its share.
         batch = [example(cfg, batch_size=2, seq_length=SEQ, generator=gen) for _ in range(MICRO)]
         mine = batch[par.dp_rank::par.dp]
-        losses.append(par.forward_backward(mine, loss_fn, seq_length=SEQ).item())
+        losses.append(par.forward_backward(mine, loss_fn, seq_length=SEQ).loss.item())
         par.finish_grads()
         if step == steps:
             break
         if zero and buckets is not None:
-            opt.step(max_norm=1.0, tp_group=par.tp_group, pp_group=par.pp_group)
+            opt.step(max_norm=1.0, norm_squared=par.grad_norm_squared)
         else:
             par.clip(1.0)
             opt.step()

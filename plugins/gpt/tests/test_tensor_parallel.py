@@ -49,10 +49,13 @@ def _run(family: str, tp: int) -> dict:
         assert model.layers[0].attn.h == cfg.num_heads // tp
     loss = model(batch["tokens"], labels=batch["labels"])
     loss.backward()
+    from zoo.parallel.apply import tensor_parallel_shards
+
+    split = tensor_parallel_shards(model)  # what the layers say they split (a row layer's bias is whole)
     grads = {}
     for name, p in model.named_parameters():
         style = _style(name, fam.tp_plan) if tp > 1 else None
-        if style is not None and getattr(p, "tensor_parallel", False):
+        if style is not None and name in split:
             grads[name] = _full_grad(name, p.grad, group, "column" if style in ("vocab_embedding", "vocab_head") else style)
         else:
             grads[name] = p.grad.clone()

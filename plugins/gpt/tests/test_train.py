@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from _gpt_helpers import small_run, zoo
 
 
@@ -38,7 +39,7 @@ def _unigram_entropy(cache: Path, split: str) -> float:
 def test_llama_learns_far_below_unigram_entropy(tmp_path, corpus_cache):
     run_dir = tmp_path / "run"
     out = zoo(*small_run(run_dir, corpus_cache, "train.steps=300", "train.micro_batch_size=16", "train.eval_interval=300",
-                         "train.eval_steps=16", "logging.interval=50"))
+                         "train.eval_steps=16", "logging.interval=50", "logging.tensorboard=true", "logging.plot=true"))
     assert out.returncode == 0, out.stderr
     records = _metrics(run_dir)
     entropy = _unigram_entropy(corpus_cache, "valid")
@@ -47,6 +48,8 @@ def test_llama_learns_far_below_unigram_entropy(tmp_path, corpus_cache):
     for r in records:
         assert {"step", "loss", "lr", "tokens_per_s", "mfu"} <= r.keys()
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))  # the default install has tensorboard
+    assert f"TensorBoard event files in {run_dir / 'tensorboard'}" in out.stdout
     assert (run_dir / "checkpoints" / "step_00000300" / "COMPLETE").is_file()
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000300"
 
@@ -205,3 +208,33 @@ def test_trains_on_megatron_indexed_data(tmp_path, corpus_cache):
     assert no_eod.returncode == 2 and "data.eod_id" in no_eod.stderr
     missing = zoo(*small_run(tmp_path / "r2", corpus_cache, "train.steps=1", f"data.path={tmp_path / 'nope'}"))
     assert missing.returncode == 1 and "nope.idx: file not found" in missing.stderr
+
+
+def test_ema_weights_are_what_generate_and_export_use(tmp_path, corpus_cache):
+    """With train.ema the checkpoint holds ``ema/<name>`` beside each trainable parameter;
+    `zoo.load_model` and `zoo convert --to hf` take them by default (``--weights raw``: the
+    parameters), and a checkpoint without them refuses ``--weights ema``."""
+    from safetensors.torch import load_file
+
+    import zoo as zoo_api
+    from zoo.checkpoint.sharded import ShardedCheckpoint
+
+    run_dir = tmp_path / "run"
+    out = zoo(*small_run(run_dir, corpus_cache, "train.steps=4", "train.ema=0.5", "optimizer.lr=1e-2"))
+    assert out.returncode == 0, out.stderr
+    with ShardedCheckpoint(run_dir / "checkpoints" / "step_00000004") as ck:
+        raw = {n: ck.full(n) for n in ck.names() if "::" not in n and "/" not in n}
+        ema = {n[len("ema/"):]: ck.full(n) for n in ck.names() if n.startswith("ema/")}
+    assert ema.keys() == raw.keys()  # nothing frozen: every parameter has its average
+    assert all(not torch.equal(ema[n], raw[n]) for n in raw)
+    for weights, expected in (("auto", ema), ("ema", ema), ("raw", raw)):
+        state = zoo_api.load_model(str(run_dir), weights=weights).state_dict()
+        assert all(torch.equal(state[n], expected[n]) for n in expected), weights
+    for weights, expected in (("ema", ema), ("raw", raw)):
+        assert zoo("convert", "--to", "hf", str(run_dir), str(tmp_path / weights), "--weights", weights).returncode == 0
+        hf = load_file(tmp_path / weights / "model.safetensors")
+        assert torch.equal(hf["model.embed_tokens.weight"], expected["embed.weight"]), weights
+    plain = tmp_path / "plain"
+    assert zoo(*small_run(plain, corpus_cache, "train.steps=1")).returncode == 0
+    refused = zoo("generate", "--checkpoint", str(plain), "--prompt", "x", "--weights", "ema")
+    assert refused.returncode == 1 and "holds no moving average" in refused.stderr

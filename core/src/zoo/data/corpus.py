@@ -29,8 +29,8 @@ import numpy as np
 from zoo.data.gpt import split_ranges
 from zoo.data.indexed import IndexedDatasetWriter, best_dtype
 from zoo.data.megatron import batches, file_lock
+from zoo.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from zoo.errors import ConfigError
-from zoo.tokenizer import Tokenizer, load_tokenizer, train_bpe
 
 CORPUS_VERSION = 3
 STDLIB_MODULES = (

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from zoo.errors import ZooError
+from zoo.io import user_mode
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -175,6 +176,7 @@ class IndexedDatasetWriter:
         self.multimodal = multimodal
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.bin_path.parent, prefix=f".{self.bin_path.name}.", suffix=".tmp")
+        os.fchmod(fd, user_mode())  # mkstemp's 0600 -> what the umask gives a plain file (teammates read it)
         self._tmp_bin = Path(tmp)
         self._bin = os.fdopen(fd, "wb")
         self._lengths: list[np.ndarray] = []
@@ -236,6 +238,7 @@ class IndexedDatasetWriter:
             np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         docs = np.concatenate(self._docs)
         fd, tmp_idx = tempfile.mkstemp(dir=self.idx_path.parent, prefix=f".{self.idx_path.name}.", suffix=".tmp")
+        os.fchmod(fd, user_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(HEADER.pack(MAGIC, VERSION, CODES[self.dtype], len(lengths), len(docs)))
             f.write(lengths.astype("<i4").tobytes())

@@ -132,7 +132,7 @@ def eod_id(run: Any) -> int:
     if run.data.eod_id is not None:
         return int(run.data.eod_id)
     if run.data.tokenizer:
-        from zoo.tokenizer import load_tokenizer
+        from zoo.data.tokenizer import load_tokenizer
 
         return load_tokenizer(run.data.tokenizer).eod_id
     raise ConfigError("data.reset_position_ids / reset_attention_mask / eod_mask_loss need the end-of-document id: "

@@ -160,7 +160,7 @@ def _bad(path: str, offset: int, what: str, on_error: str, stats: dict[str, int]
 @functools.lru_cache(maxsize=1)
 def _tokenizer(spec: str) -> Any:
     """One tokenizer per worker process, so its piece cache lives across chunks."""
-    from zoo.tokenizer import load_tokenizer
+    from zoo.data.tokenizer import load_tokenizer
 
     return load_tokenizer(spec)
 
@@ -213,7 +213,7 @@ def _concat(parts: Sequence[Path], prefix: Path, dtype: Any) -> None:
 def prepare_text(*, inputs: Sequence[str], output_prefix: str, tokenizer: str | None, json_keys: Sequence[str],
                  append_eod: bool, workers: int, on_error: str, train_bpe_vocab: int | None = None,
                  progress: bool = True) -> dict[str, Any]:
-    from zoo.tokenizer import load_tokenizer, train_bpe
+    from zoo.data.tokenizer import load_tokenizer, train_bpe
 
     files = find_inputs(inputs)
     out_prefix = Path(output_prefix)

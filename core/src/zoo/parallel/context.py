@@ -9,33 +9,30 @@ recomputes the block scores from the saved log-sum-exp (flash-attention style) a
 key/value gradients around the ring with the blocks, so they arrive at their owner after ``cp``
 hops. Grouped-query heads are handled without repeating K/V. Pure PyTorch on any backend.
 
-The core switches it on around forwards with `scope`; `zoo.nn.attention` then routes causal
-attention here. Batches are split with `split_batch`.
+The core switches it on by setting ``cp_group`` on every `ContextParallelSite` of the model
+(`zoo.nn.AttentionCore` is one), which then routes causal attention here. Batches are split with
+`split_batch`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-CP_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("zoo_cp_group", default=None)
-
 _TAG_KV, _TAG_DKV = 1 << 20, (1 << 20) + 1  # apart from pipeline tags (2 * stage + direction)
 
 
-@contextlib.contextmanager
-def scope(group: Any) -> Iterator[None]:
-    token = CP_GROUP.set(group if group is not None and dist.get_world_size(group) > 1 else None)
-    try:
-        yield
-    finally:
-        CP_GROUP.reset(token)
+class ContextParallelSite(torch.nn.Module):
+    """A module whose attention runs as ring attention over ``cp_group`` once the core sets it
+    (`zoo.parallel.engine.Parallel`, when cp > 1); None runs it on the whole sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cp_group: Any = None
 
 
 def local_positions(seq_len: int, cp: int, rank: int, device: Any = None) -> torch.Tensor:

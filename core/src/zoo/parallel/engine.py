@@ -1,51 +1,55 @@
 """Every parallel layout behind one object: `Parallel` takes the plain model a family built (the
-same full model on every rank, from one seed) and the run's layout, and applies, in this order,
-tensor parallelism (the family's ``tp_plan``), sequence parallelism (the family's
-``sequence.dim``), pipeline stages (the family's `PipelineSpec`), and the data-parallel gradient
-buckets over the data x context group. Context parallelism needs no change to the model: batches
-are split by `prepare` and attention becomes ring attention inside `scope`.
+same full model on every rank, from one seed) and a validated `Layout`, and applies, in this
+order, tensor parallelism (the family's ``tp_plan``), sequence parallelism (the family's
+``sequence.dim``), pipeline stages (the family's `PipelineSpec`), context parallelism (ring
+attention in every `zoo.nn.AttentionCore`, batches split by `prepare`) and the data-parallel
+gradient buckets over the data x context group. What it did to each parameter is recorded once,
+in ``placements`` (`zoo.parallel.sharding`).
 
 One optimizer step is then ``forward_backward`` (all micro-batches, with or without a pipeline
-schedule), ``finish_grads`` (DP reduction, sequence-parallel norm gradients, tied embeddings)
-and ``clip``. The training loop and the tests use exactly this path.
+schedule; the loss and the family's metrics reduced over micro-batches and ranks), ``finish_grads``
+(DP reduction, sequence-parallel norm gradients, tied embeddings) and ``clip``. The trainer and
+the tests use exactly this path.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from zoo.errors import PluginError
+from zoo.family import Family
 from zoo.parallel import apply as tp_apply
 from zoo.parallel import comm, context
 from zoo.parallel.grid import ProcessGrid
-from zoo.parallel.pipeline import (
-    Pipeline,
-    Stages,
-    _tied,
-    build_stages,
-    gather_objects,
-    gather_state,
-    sync_tied_grads,
-)
+from zoo.parallel.layout import Layout
+from zoo.parallel.pipeline import Pipeline, Stages, _tied, build_stages, gather_objects, gather_state, sync_tied_grads
+from zoo.parallel.sharding import Placement, Placements
 
-StepFn = Callable[[nn.Module, dict[str, Any]], tuple[torch.Tensor, Any]]
+StepFn = Callable[[nn.Module, dict[str, Any]], tuple[Any, Any]]
+
+
+class StepOutput(NamedTuple):
+    """A step's (or an evaluation's) results, the same on every rank: ``loss`` is what was
+    backpropagated (auxiliary terms included), ``metrics`` holds ``"loss"`` (the main objective)
+    and the family's declared metrics, each reduced as declared. All are 0-dim float32 tensors."""
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]
 
 
 class Parallel:
-    def __init__(self, model: nn.Module, family: Any, *, tp: int = 1, cp: int = 1, pp: int = 1, vpp: int = 1,
-                 sequence_parallel: bool = False, order: str = "tp-cp-ep-dp-pp", pp_layers: Sequence[int] | None = None,
-                 pp_schedule: str = "1f1b", rank: int = 0, world_size: int = 1, seed: int = 1234) -> None:
-        self.family = family
-        if world_size % (tp * cp * pp):
-            raise ValueError(f"world size {world_size} is not divisible by tp*cp*pp = {tp * cp * pp}")
-        dp = world_size // (tp * cp * pp)
-        self.tp, self.cp, self.pp, self.dp, self.vpp = tp, cp, pp, dp, vpp
-        self.grid = ProcessGrid({"tp": tp, "cp": cp, "dp": dp, "pp": pp}, [a for a in order.split("-") if a != "ep"],
-                                rank=rank, world_size=world_size)
+    def __init__(self, model: nn.Module, family: Family, layout: Layout, *, rank: int = 0, seed: int = 1234) -> None:
+        self.family, self.layout = family, layout
+        lay = layout
+        self.tp, self.cp, self.pp, self.dp, self.vpp = lay.tp, lay.cp, lay.pp, lay.dp, lay.vpp
+        self.grid = ProcessGrid({"tp": lay.tp, "cp": lay.cp, "dp": lay.dp, "pp": lay.pp},
+                                [a for a in lay.order.split("-") if a != "ep"], rank=rank, world_size=lay.world_size)
         g = self.grid
         self.tp_group, self.cp_group, self.pp_group = g.group("tp"), g.group("cp"), g.group("pp")
         self.dp_cp_group = g.group("dp", "cp")  # gradients are averaged over data and context ranks
@@ -55,36 +59,59 @@ class Parallel:
 
         # Dropout inside TP regions draws from this (`tp_rng.fork()`); saved with checkpoints.
         self.tp_rng = TensorParallelRNG(seed, self.tp_rank)
-        seq = family.sequence
-        if cp > 1 and seq is None:
-            raise ValueError(f"parallel.cp={cp}: family {family.name!r} declares no sequence spec (SequenceSpec)")
-        if (pp > 1 or sequence_parallel) and family.pipeline is None:
-            raise ValueError(f"family {family.name!r} declares no pipeline spec (PipelineSpec): "
-                             "pipeline and sequence parallelism need its layer list")
-        if tp > 1:
-            if not family.tp_plan:
-                raise ValueError(f"parallel.tp={tp}: family {family.name!r} declares no tp_plan")
+        seq, pipe = family.sequence, family.pipeline
+        if lay.tp > 1:
             tp_apply.apply_tensor_parallel(model, family.tp_plan, family.tp_local, self.tp_group)
-        self.sequence_parallel = sequence_parallel and tp > 1
+        shards = tp_apply.tensor_parallel_shards(model)
+        self.sequence_parallel = lay.sequence_parallel and lay.tp > 1
+        on_shards: set[str] = set()
         if self.sequence_parallel:
-            tp_apply.apply_sequence_parallel(model, family.pipeline.layers, seq.dim if seq else 1, self.tp_group)
+            assert pipe is not None  # the layout checked it
+            on_shards = tp_apply.apply_sequence_parallel(model, pipe.layers, seq.dim if seq else 1, self.tp_group)
+        if lay.cp > 1:
+            self._ring_attention(model)
         self.stages: Stages | None = None
         self.embedding_group = None
-        if pp > 1:
-            self.stages = build_stages(model, family.pipeline, pp=pp, vpp=vpp, rank=self.pp_rank, sizes=pp_layers)
+        if lay.pp > 1:
+            assert pipe is not None
+            self.stages = build_stages(model, pipe, pp=lay.pp, vpp=lay.vpp, rank=self.pp_rank, sizes=lay.pp_layers)
             self.model = self.stages.local
             self.chunks = self.stages.chunks
             # Every rank joins the group's creation, so decide from the full model's structure.
-            self.embedding_group = g.group_at("pp", (0, pp - 1)) if _tied(model, family.pipeline) else None
-            self.pipeline = Pipeline(self.stages, family.pipeline, pp_ranks=g.ranks_of(["pp"]), pp_rank=self.pp_rank,
-                                     kind=pp_schedule)
+            self.embedding_group = g.group_at("pp", (0, lay.pp - 1)) if _tied(model, pipe) else None
+            self.pipeline = Pipeline(self.stages, pipe, pp_ranks=g.ranks_of(["pp"]), pp_rank=self.pp_rank,
+                                     kind=lay.pp_schedule)
         else:
             self.model, self.chunks = model, [model]
+        self.placements = self._placements(shards, on_shards)
+        # The chunk whose output is the loss (the family's metrics are only known there).
+        self._last_chunk = self.chunks[-1] if self.pp_rank == lay.pp - 1 else None
         # Whether positions must be supplied: the model cannot count them from a sequence slice.
-        self._needs_positions = seq is not None and seq.positions is not None and (cp > 1 or pp > 1 or self.sequence_parallel)
-        self.buckets = None
+        self._needs_positions = (seq is not None and seq.positions is not None
+                                 and (lay.cp > 1 or lay.pp > 1 or self.sequence_parallel))
+        self.buckets: Any = None
+        self._metric_specs = [("loss", "mean")] + [(m.name, m.reduce) for m in family.metrics]
+        self._aux = [m.name for m in family.metrics if m.aux_loss]
 
     # ----------------------------------------------------------------------------- set-up
+
+    def _ring_attention(self, model: nn.Module) -> None:
+        cores = [m for m in model.modules() if isinstance(m, context.ContextParallelSite)]
+        if not cores:
+            raise PluginError(f"parallel.cp={self.cp}: family {self.family.name!r} builds no zoo.nn.AttentionCore, "
+                              "so its attention cannot run as ring attention")
+        for core in cores:
+            core.cp_group = self.cp_group
+
+    def _placements(self, shards: Mapping[str, Any], on_shards: set[str]) -> Placements:
+        st = self.stages
+        out = {}
+        for name, _ in self.model.named_parameters():
+            canon = st.canonical.get(name, name) if st is not None else name
+            out[name] = Placement(canon, shard=shards.get(canon), sequence_parallel=canon in on_shards,
+                                  tied=st is not None and name in st.tied,
+                                  duplicate=st is not None and name in st.duplicates)
+        return Placements(self.model, out)
 
     def make_buckets(self, bucket_size: int, *, shard: bool) -> Any:
         """Gradient buckets over the data x context group; with ``shard`` (the distributed
@@ -117,88 +144,141 @@ class Parallel:
         total = comm.all_reduce(n.clone(), self.cp_group)
         return float(n * self.cp / total.clamp(min=1))
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[None]:
-        with context.scope(self.cp_group):
-            yield
+    def _objective(self, step_fn: StepFn) -> StepFn:
+        """The family's loss with its auxiliary terms added (on the stage that computes the loss);
+        returns ``(what to backpropagate, {"loss": main objective, **metrics})``. Metrics the family
+        did not declare are averaged like the loss; a pipeline needs them declared (its other
+        stages must know what to reduce)."""
+        declared = {name for name, _ in self._metric_specs}
+
+        def run(model: nn.Module, batch: dict[str, Any]) -> tuple[Any, Any]:
+            out, metrics = step_fn(model, batch)
+            if model is not self._last_chunk:
+                return out, {}
+            missing = sorted(declared - {"loss"} - set(metrics))
+            undeclared = sorted(set(metrics) - declared)
+            if missing or (undeclared and self.pp > 1) or "loss" in metrics:
+                raise PluginError(f"family {self.family.name!r}: its loss returned metrics {sorted(metrics)}; declared in "
+                                  f"Family.metrics: {sorted(declared - {'loss'})} (under pipeline parallelism every "
+                                  "metric must be declared; 'loss' is the core's)")
+            total = out
+            for name in self._aux:
+                total = total + metrics[name]
+            return total, {"loss": out, **metrics}
+
+        return run
+
+    def _reduce(self, per_mb: Sequence[Mapping[str, Any]], weights: Sequence[float]) -> dict[str, torch.Tensor]:
+        """Micro-batch metrics -> step metrics on every rank: ``mean`` weighted like the loss,
+        ``sum``, ``max``. Only the last pipeline stage has any (``per_mb`` is empty elsewhere);
+        ``total`` (what was backpropagated, when auxiliary terms make it differ from the loss) is
+        averaged like the loss, and so are metrics the family did not declare (pp = 1 only: every
+        rank then knows their names)."""
+        extra = sorted(set(per_mb[0]) - {"total"} - {n for n, _ in self._metric_specs}) if per_mb else []
+        specs = [*([("total", "mean")] if self._aux else []), *self._metric_specs, *[(name, "mean") for name in extra]]
+        m = len(weights)
+        sums = torch.zeros(len(specs), dtype=torch.float32)
+        maxes = torch.full((len(specs),), -math.inf, dtype=torch.float32)
+        for i, (name, kind) in enumerate(specs):
+            for metrics, w in zip(per_mb, weights):
+                v = torch.as_tensor(metrics[name]).detach().float().cpu()
+                if kind == "mean":
+                    sums[i] += v * w / m if w != 1.0 else v / m
+                elif kind == "sum":
+                    sums[i] += v
+                else:
+                    maxes[i] = torch.maximum(maxes[i], v)
+        if self.pp > 1:
+            sums = comm.all_reduce(sums, self.pp_group)  # only the last stage had them
+        ranks = self.dp * self.cp
+        if self.dp_cp_group is not None:
+            sums = comm.all_reduce(sums, self.dp_cp_group)
+        out = {}
+        for i, (name, kind) in enumerate(specs):
+            out[name] = sums[i] / ranks if kind == "mean" and self.dp_cp_group is not None else sums[i]
+        if any(kind == "max" for _, kind in specs):
+            for group in (self.pp_group if self.pp > 1 else None, self.dp_cp_group):
+                maxes = comm.all_reduce(maxes, group, torch.distributed.ReduceOp.MAX)
+            out.update({name: maxes[i] for i, (name, kind) in enumerate(specs) if kind == "max"})
+        return out
 
     def forward_backward(self, batches: Sequence[Mapping[str, Any]], step_fn: StepFn, *, seq_length: int,
-                         scale: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> torch.Tensor:
+                         scale: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> StepOutput:
         """Forward and backward of one step's micro-batches (losses averaged over them, gradients
-        accumulated). Returns the step's loss: the global mean over micro-batches, data and context
-        ranks, known on every rank. ``scale`` maps the loss to what is backpropagated (a loss scaler)."""
+        accumulated). The loss is the global mean over micro-batches, data and context ranks.
+        ``scale`` maps the loss to what is backpropagated (a loss scaler)."""
         m = len(batches)
         prepared = [self.prepare(b, seq_length) for b in batches]
         weights = [self._loss_weight(b) for b in prepared]
-        total = torch.zeros((), dtype=torch.float32)
+        objective = self._objective(step_fn)
         buckets = self.buckets
-        with self.scope():
-            if self.pp == 1:
-                for i, batch in enumerate(prepared):
-                    sync = buckets.no_sync() if (buckets is not None and i < m - 1) else contextlib.nullcontext()
-                    with sync:
-                        loss, _ = step_fn(self.model, batch)
-                        loss = loss * weights[i] if weights[i] != 1.0 else loss
-                        scale(loss / m).backward()
-                    total += loss.detach().float().cpu() / m
-            else:
-                def scale_last(loss: torch.Tensor, mb: int) -> torch.Tensor:
-                    return scale(loss * weights[mb] / m)
+        results: list[tuple[torch.Tensor, Any]] = []
+        if self.pp == 1:
+            for i, batch in enumerate(prepared):
+                sync = buckets.no_sync() if (buckets is not None and i < m - 1) else contextlib.nullcontext()
+                with sync:
+                    loss, metrics = objective(self.model, batch)
+                    weighted = loss * weights[i] if weights[i] != 1.0 else loss
+                    scale(weighted / m).backward()
+                results.append((loss.detach(), metrics))
+        else:
+            def scale_last(loss: torch.Tensor, mb: int) -> torch.Tensor:
+                return scale(loss * weights[mb] / m)
 
-                def before_backward(chunk: int, last: bool) -> None:
-                    if buckets is not None:  # reduce on each chunk's final backward only
-                        buckets.sync = last
+            def before_backward(chunk: int, last: bool) -> None:
+                if buckets is not None:  # reduce on each chunk's final backward only
+                    buckets.sync = last
 
-                losses = self.pipeline.run(prepared, step_fn, scale_loss=scale_last, before_backward=before_backward)
-                if buckets is not None:
-                    buckets.sync = True
-                for i, loss in enumerate(losses):
-                    total += loss.float().cpu() * weights[i] / m
-                total = comm.all_reduce(total, self.pp_group)  # only the last stage had it
-        if self.dp_cp_group is not None:
-            total = comm.all_reduce(total, self.dp_cp_group) / (self.dp * self.cp)
-        return total
+            results = self.pipeline.run(prepared, objective, scale_loss=scale_last, before_backward=before_backward)
+            if buckets is not None:
+                buckets.sync = True
+        return self._step_output(results, weights)
+
+    def _step_output(self, results: Sequence[tuple[torch.Tensor, Any]], weights: Sequence[float]) -> StepOutput:
+        reduced = self._reduce([{**metrics, "total": loss} for loss, metrics in results], weights)
+        total = reduced.pop("total") if self._aux else reduced["loss"]
+        return StepOutput(total, reduced)
 
     @torch.no_grad()
-    def evaluate(self, batches: Sequence[Mapping[str, Any]], step_fn: StepFn, *, seq_length: int) -> float:
-        """Mean loss over ``batches`` without gradients (forward-only pipeline), averaged over
-        data and context ranks like a training step's loss."""
+    def evaluate(self, batches: Sequence[Mapping[str, Any]], step_fn: StepFn, *, seq_length: int) -> StepOutput:
+        """Loss and metrics over ``batches`` without gradients (forward-only pipeline), averaged
+        over data and context ranks like a training step's."""
         if not batches:
-            return float("nan")
+            nan = torch.tensor(float("nan"))
+            return StepOutput(nan, {name: nan for name, _ in self._metric_specs})
         prepared = [self.prepare(b, seq_length) for b in batches]
         weights = [self._loss_weight(b) for b in prepared]
-        total = torch.zeros((), dtype=torch.float32)
-        with self.scope():
-            if self.pp == 1:
-                losses = [step_fn(self.model, b)[0] for b in prepared]
-            else:
-                losses = self.pipeline.run(prepared, step_fn, scale_loss=lambda x, _: x, forward_only=True)
-            for i, loss in enumerate(losses):
-                total += loss.float().cpu() * weights[i] / len(prepared)
-            if self.pp > 1:
-                total = comm.all_reduce(total, self.pp_group)
-        if self.dp_cp_group is not None:
-            total = comm.all_reduce(total, self.dp_cp_group) / (self.dp * self.cp)
-        return float(total)
+        objective = self._objective(step_fn)
+        if self.pp == 1:
+            results = [objective(self.model, b) for b in prepared]
+            results = [(loss.detach(), metrics) for loss, metrics in results]
+        else:
+            results = self.pipeline.run(prepared, objective, scale_loss=lambda x, _: x, forward_only=True)
+        return self._step_output(results, weights)
 
     def finish_grads(self) -> None:
         """After the last backward of a step: wait for the data-parallel reductions, sum the
         sequence-parallel norm gradients over TP and tied embeddings over the first and last stage."""
         if self.buckets is not None:
             self.buckets.finish()
+        params = dict(self.model.named_parameters())
         if self.sequence_parallel:
             from zoo.parallel.tensor_parallel import reduce_sequence_parallel_grads
 
-            reduce_sequence_parallel_grads(self.model, self.tp_group)
-        sync_tied_grads(self.model, self.embedding_group)
+            reduce_sequence_parallel_grads([params[n] for n, pl in self.placements.items() if pl.sequence_parallel],
+                                           self.tp_group)
+        sync_tied_grads([params[n] for n, pl in self.placements.items() if pl.tied], self.embedding_group)
 
     def clip(self, max_norm: float) -> float:
-        return tp_apply.clip_grad_norm(self.model, max_norm, self.tp_group, self.pp_group)
+        return tp_apply.clip_grad_norm(self.model, self.placements, max_norm, self.tp_group, self.pp_group)
 
-    # --------------------------------------------------------------- full-tensor state (checkpoints)
+    def grad_norm_squared(self, pairs: Any, dp_group: Any = None) -> torch.Tensor:
+        """`zoo.parallel.apply.grad_norm_squared` over this layout's groups, for ``(gradient,
+        parameter)`` pairs (the distributed optimizer's pieces)."""
+        return tp_apply.grad_norm_squared(((g, self.placements.of(p)) for g, p in pairs), tp_group=self.tp_group,
+                                          pp_group=self.pp_group, dp_group=dp_group)
 
-    def canonical(self, name: str) -> str:
-        return self.stages.canonical.get(name, name) if self.stages is not None else name
+    # --------------------------------------------------------------- full-tensor state (tests, checkpoints)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every gradient at its full shape under its single-process name (collective; for tests
@@ -207,10 +287,21 @@ class Parallel:
             self.buckets.unshard()
         out = {}
         for name, p in self.model.named_parameters():
-            if p.grad is None or self.canonical(name) != name:
+            placement = self.placements[name]
+            if p.grad is None or placement.duplicate:
                 continue
-            st = tp_apply.tp_style(self.model, name)
-            out[name] = tp_apply.gather_full(p.grad, *st) if st else p.grad.detach().clone()
+            out[placement.name] = placement.shard.gather(p.grad) if placement.shard else p.grad.detach().clone()
+        return gather_state(out, self.pp_group) if self.stages is not None else out
+
+    def full_state(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Local tensors shaped like this rank's parameters (by local name) at their full shape under
+        single-process names, on every rank (collective)."""
+        out = {}
+        for name, t in tensors.items():
+            placement = self.placements.get(name)
+            if placement is None or placement.duplicate:
+                continue
+            out[placement.name] = placement.shard.gather(t) if placement.shard else t.detach().clone()
         return gather_state(out, self.pp_group) if self.stages is not None else out
 
     def global_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -224,41 +315,5 @@ class Parallel:
             merged.append({**per_stage[0], "params": sorted(names, key=order.__getitem__)})
         return merged
 
-    def local_state(self, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's slice of a single-process state dict (TP shards of its stage's tensors)."""
-        keys = self.model.state_dict().keys()
-        missing = [k for k in keys if k not in full]
-        if missing:
-            from zoo.tensorio import CheckpointError
 
-            raise CheckpointError(f"the checkpoint lacks {missing[0]!r}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-        state = {k: full[k] for k in keys}
-        return tp_apply.load_full_state_dict(self.model, state) if self.tp_group is not None else state
-
-    def local_optimizer(self, tensors: Mapping[str, torch.Tensor], groups: list[dict[str, Any]], opt_order: list[list[str]]
-                        ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
-        """Saved optimizer tensors and groups (single-process names) for this rank's parameters,
-        keyed by its own names; ``opt_order`` lists this rank's names per param group."""
-        if self.stages is None:
-            return dict(tensors), groups
-        by_param: dict[str, list[tuple[str, torch.Tensor]]] = {}
-        for key, value in tensors.items():
-            name, _, fieldname = key.partition("::")
-            by_param.setdefault(name, []).append((fieldname, value))
-        out = {}
-        for names in opt_order:
-            for n in names:
-                for fieldname, value in by_param.get(self.canonical(n), []):
-                    out[f"{n}::{fieldname}"] = value
-        local_groups = [{**g, "params": list(names)} for g, names in zip(groups, opt_order)]
-        for g, names in zip(groups, opt_order):
-            saved = set(g["params"])
-            absent = [n for n in names if self.canonical(n) not in saved]
-            if absent:
-                from zoo.tensorio import CheckpointError
-
-                raise CheckpointError(f"optimizer state has no entry for parameter {self.canonical(absent[0])!r}")
-        return out, local_groups
-
-
-__all__ = ["Parallel"]
+__all__ = ["Parallel", "StepOutput"]

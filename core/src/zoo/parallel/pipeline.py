@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zoo.family import PipelineSpec
+from zoo.parallel.sharding import aliases
 
 
 def split_layers(num_layers: int, stages: int, sizes: Sequence[int] | None = None) -> list[range]:
@@ -115,44 +116,39 @@ class Stages:
     canonical: dict[str, str] = field(default_factory=dict)
     global_order: list[str] = field(default_factory=list)  # parameter names of the whole model
     aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name it shares (whole model)
+    tied: set[str] = field(default_factory=set)  # this rank's parameters shared by the first and last stage
+    duplicates: set[str] = field(default_factory=set)  # of those, the last stage's copies (counted once)
 
 
 def build_stages(model: nn.Module, spec: PipelineSpec, *, pp: int, vpp: int, rank: int,
                  sizes: Sequence[int] | None = None) -> Stages:
     _check_spec(model, spec)
     global_order = [n for n, _ in model.named_parameters()]
-    first_name: dict[int, str] = {}
-    aliases = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first_name:
-            aliases[n] = first_name[id(p)]
-        else:
-            first_name[id(p)] = n
     num = pp * vpp
     ranges = split_layers(len(getattr(model, spec.layers)), num, sizes)
     mine = [v * pp + rank for v in range(vpp)]
     chunks = [_cut(model, spec, ranges[s], first=s == 0, last=s == num - 1) for s in mine]
     local = _cut(model, spec, [i for s in mine for i in ranges[s]], first=rank == 0, last=rank == pp - 1)
     tied = _tied(model, spec) if pp > 1 else {}
-    canonical = {}
+    canonical, tied_names, duplicates = {}, set(), set()
     for name, p in local.named_parameters():
         if id(p) in tied:
-            p.pipeline_tied = True  # type: ignore[attr-defined]
+            tied_names.add(name)
             if rank != 0:  # the last stage's copy: counted once (on the first stage) in norms
-                p.pipeline_duplicate = True  # type: ignore[attr-defined]
+                duplicates.add(name)
             canonical[name] = tied[id(p)]
         else:
             canonical[name] = name
     return Stages(local=local, chunks=chunks, virtual_stages=mine, num_virtual=num, canonical=canonical,
-                  global_order=global_order, aliases=aliases)
+                  global_order=global_order, aliases=aliases(model), tied=tied_names, duplicates=duplicates)
 
 
-def sync_tied_grads(model: nn.Module, group: Any) -> None:
+def sync_tied_grads(params: Sequence[nn.Parameter], group: Any) -> None:
     """Sum the gradients of tied embeddings over the first and last stage (Megatron's embedding group)."""
     if group is None:
         return
-    for p in model.parameters():
-        if getattr(p, "pipeline_tied", False) and p.grad is not None:
+    for p in params:
+        if p.grad is not None:
             dist.all_reduce(p.grad, group=group)
 
 
@@ -191,24 +187,35 @@ def schedule(kind: str, *, pp: int, vpp: int, rank: int, micro_batches: int) -> 
     return actions
 
 
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool]
 _FREEABLE = {"AddBackward0"}  # outputs whose producing node saved nothing of them (residual adds)
+_HEADER = 11  # dtype, ndim, up to 8 sizes, requires_grad
 
 
-def _run_backward(out: torch.Tensor, grad: torch.Tensor) -> None:
+def _run_backward(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
     # The engine's entry point checks the gradient against the graph's recorded shape, not the
     # tensor's current data, so it works on an output whose storage was already freed.
     torch.autograd.Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
-        (out,), (grad,), False, False, (), True, True)
+        tuple(outs), tuple(grads), False, False, (), True, True)
+
+
+@dataclass
+class _Sent:
+    """What a forward kept for its backward: the received inputs, and the outputs sent on."""
+
+    inputs: dict[str, torch.Tensor]
+    outputs: list[tuple[torch.Tensor, tuple[int, ...], torch.dtype]]  # (tensor, shape, dtype) needing a gradient
 
 
 class Pipeline:
     """Runs one optimizer step's micro-batches through this rank's chunks.
 
     ``step_fn(chunk, batch) -> (output, metrics)`` is the family's loss under the core's
-    autocast/recompute scopes: on the last stage ``output`` is the loss, elsewhere the hidden state
-    sent on. On stages after the first, ``batch[input_key]`` is replaced by the received hidden
-    state. Counters (``sent``, ``sent_bytes``) feed the communication benchmark.
+    autocast/recompute scopes: on the last stage ``output`` is the loss, elsewhere what the stage
+    hands on: the hidden state, or a dict of the tensors the family's `PipelineSpec` carries
+    (``input_key`` first, then ``carries``). On stages after the first those batch keys are
+    replaced by the received tensors. Counters (``sent``, ``sent_bytes``) feed the communication
+    benchmark.
     """
 
     def __init__(self, stages: Stages, spec: PipelineSpec, *, pp_ranks: Sequence[int], pp_rank: int,
@@ -216,8 +223,9 @@ class Pipeline:
         self.stages, self.spec, self.ranks, self.rank, self.kind = stages, spec, list(pp_ranks), pp_rank, kind
         self.pp = len(self.ranks)
         self.vpp = len(stages.chunks)
-        self._headers_sent: set[tuple[int, tuple[int, ...]]] = set()
-        self._shapes: dict[tuple[int, tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]] = {}
+        self.keys = (spec.input_key, *spec.carries)  # what crosses each stage boundary, in this order
+        self._headers_sent: set[tuple[Any, ...]] = set()
+        self._headers: dict[tuple[Any, ...], list[tuple[tuple[int, ...], torch.dtype, bool]]] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self.sent = 0
         self.sent_bytes = 0
@@ -238,20 +246,34 @@ class Pipeline:
         dist.recv(t, self._peer(stage), tag=tag)
         return t
 
-    def _send_activation(self, out: torch.Tensor, to: int, key: tuple[int, ...]) -> None:
-        if (to, key) not in self._headers_sent:  # first time for this input shape: say the shape
-            header = torch.tensor([_DTYPES.index(out.dtype), out.dim(), *out.shape] + [0] * (8 - out.dim()),
-                                  dtype=torch.int64)
-            self._send(header, to, 2 * to)
-            self._headers_sent.add((to, key))
-        self._send(out, to, 2 * to)
+    def _outputs(self, out: Any, stage: int) -> list[torch.Tensor]:
+        if isinstance(out, torch.Tensor) and len(self.keys) == 1:
+            return [out]
+        if not isinstance(out, dict) or list(out) != list(self.keys):
+            got = list(out) if isinstance(out, dict) else type(out).__name__
+            raise ValueError(f"pipeline stage {stage} returned {got}; the family's PipelineSpec carries {list(self.keys)} "
+                             "(a dict in that order, or the hidden state alone when nothing else is carried)")
+        return list(out.values())
 
-    def _recv_activation(self, stage: int, key: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        if (stage, key) not in self._shapes:
-            header = self._recv((10,), torch.int64, stage - 1, 2 * stage, torch.device("cpu")).tolist()
-            self._shapes[(stage, key)] = (tuple(header[2:2 + header[1]]), _DTYPES[header[0]])
-        shape, dtype = self._shapes[(stage, key)]
-        return self._recv(shape, dtype, stage - 1, 2 * stage, device)
+    def _send_activations(self, outs: list[torch.Tensor], to: int, key: tuple[Any, ...]) -> None:
+        if (to, key) not in self._headers_sent:  # first time for this input shape: say the shapes
+            for out in outs:
+                header = torch.tensor([_DTYPES.index(out.dtype), out.dim(), *out.shape, *[0] * (8 - out.dim()),
+                                       int(out.requires_grad)], dtype=torch.int64)
+                self._send(header, to, 2 * to)
+            self._headers_sent.add((to, key))
+        for out in outs:
+            self._send(out, to, 2 * to)
+
+    def _recv_activations(self, stage: int, key: tuple[Any, ...], device: torch.device) -> dict[str, torch.Tensor]:
+        if (stage, key) not in self._headers:
+            heads = [self._recv((_HEADER,), torch.int64, stage - 1, 2 * stage, torch.device("cpu")).tolist()
+                     for _ in self.keys]
+            self._headers[(stage, key)] = [(tuple(h[2:2 + h[1]]), _DTYPES[h[0]], bool(h[10])) for h in heads]
+        received = {}
+        for name, (shape, dtype, grad) in zip(self.keys, self._headers[(stage, key)]):
+            received[name] = self._recv(shape, dtype, stage - 1, 2 * stage, device).requires_grad_(grad)
+        return received
 
     def _reap(self, wait: bool = False) -> None:
         keep = []
@@ -264,56 +286,63 @@ class Pipeline:
 
     def run(self, batches: Sequence[dict[str, Any]], step_fn: Callable[[nn.Module, dict[str, Any]], tuple[Any, Any]],
             *, scale_loss: Callable[[torch.Tensor, int], torch.Tensor],
-            before_backward: Callable[[int, bool], None] | None = None, forward_only: bool = False) -> list[torch.Tensor]:
-        """Forward and backward of every micro-batch; returns the last stage's unscaled losses in
-        micro-batch order (empty elsewhere); ``scale_loss(loss, micro_batch)`` is what is
+            before_backward: Callable[[int, bool], None] | None = None, forward_only: bool = False
+            ) -> list[tuple[torch.Tensor, Any]]:
+        """Forward and backward of every micro-batch; returns the last stage's unscaled losses and
+        metrics in micro-batch order (empty elsewhere); ``scale_loss(loss, micro_batch)`` is what is
         backpropagated. ``before_backward(chunk, is_last_for_chunk)`` lets gradient buckets
         reduce on each chunk's final backward only."""
         m = len(batches)
-        key_name = self.spec.input_key
         last_stage = self.stages.num_virtual - 1
-        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor, tuple[int, ...], torch.dtype]] = {}
-        losses: dict[int, torch.Tensor] = {}
+        saved: dict[tuple[int, int], _Sent] = {}
+        results: dict[int, tuple[torch.Tensor, Any]] = {}
         kind = "forward" if forward_only else self.kind
         for action, c, mb in schedule(kind, pp=self.pp, vpp=self.vpp, rank=self.rank, micro_batches=m):
             s = self.stages.virtual_stages[c]
-            batch = batches[mb]
-            key = tuple(batch[key_name].shape)
             if action == "F":
-                x = None
-                if s > 0:
-                    device = batch[key_name].device
-                    x = self._recv_activation(s, key, device).requires_grad_(not forward_only)
-                    batch = {**batch, key_name: x}
-                out, _ = step_fn(self.stages.chunks[c], batch)
-                if s == last_stage:
-                    losses[mb] = out.detach()
-                    if forward_only:
-                        continue
-                    out = scale_loss(out, mb)
-                else:
-                    self._send_activation(out, s + 1, key)
-                    if forward_only:
-                        continue
-                shape, dtype = tuple(out.shape), out.dtype
-                if s != last_stage and out.grad_fn is not None and out.grad_fn.name() in _FREEABLE:
-                    out.data = torch.empty((1,), dtype=out.dtype, device=out.device)  # the graph stays
-                saved[(c, mb)] = (x, out, shape, dtype)
+                self._forward(c, s, mb, batches[mb], step_fn, scale_loss, saved, results, forward_only, s == last_stage)
             else:
-                x, out, shape, dtype = saved.pop((c, mb))
+                sent = saved.pop((c, mb))
                 if before_backward is not None:
                     before_backward(c, mb == m - 1)
                 if s == last_stage:
-                    out.backward()
-                else:
-                    grad = self._recv(shape, dtype, s + 1, 2 * s + 1, out.device)
-                    _run_backward(out, grad)
-                if s > 0:
-                    assert x is not None
+                    sent.outputs[0][0].backward()
+                elif sent.outputs:
+                    grads = [self._recv(shape, dtype, s + 1, 2 * s + 1, out.device) for out, shape, dtype in sent.outputs]
+                    _run_backward([out for out, _, _ in sent.outputs], grads)
+                for x in sent.inputs.values():  # the previous stage waits for these, in carried order
                     self._send(x.grad if x.grad is not None else torch.zeros_like(x), s - 1, 2 * (s - 1) + 1)
             self._reap()
         self._reap(wait=True)
-        return [losses[i] for i in sorted(losses)]
+        return [results[i] for i in sorted(results)]
+
+    def _forward(self, c: int, s: int, mb: int, batch: dict[str, Any], step_fn: Callable[..., Any],
+                 scale_loss: Callable[[torch.Tensor, int], torch.Tensor], saved: dict[tuple[int, int], _Sent],
+                 results: dict[int, tuple[torch.Tensor, Any]], forward_only: bool, last: bool) -> None:
+        key = (tuple(batch[self.spec.input_key].shape), forward_only)
+        inputs: dict[str, torch.Tensor] = {}
+        if s > 0:
+            inputs = self._recv_activations(s, key, batch[self.spec.input_key].device)
+            batch = {**batch, **inputs}
+        out, metrics = step_fn(self.stages.chunks[c], batch)
+        if last:
+            results[mb] = (out.detach(), metrics)
+            if not forward_only:
+                loss = scale_loss(out, mb)
+                saved[(c, mb)] = _Sent({k: x for k, x in inputs.items() if x.requires_grad}, [(loss, (), loss.dtype)])
+            return
+        outs = self._outputs(out, s)
+        self._send_activations(outs, s + 1, key)
+        if forward_only:
+            return
+        kept = []
+        for t in outs:
+            if not t.requires_grad:
+                continue
+            kept.append((t, tuple(t.shape), t.dtype))
+            if t.grad_fn is not None and t.grad_fn.name() in _FREEABLE:
+                t.data = torch.empty((1,), dtype=t.dtype, device=t.device)  # the graph stays
+        saved[(c, mb)] = _Sent({k: x for k, x in inputs.items() if x.requires_grad}, kept)
 
 
 def gather_state(state: dict[str, torch.Tensor], group: Any) -> dict[str, torch.Tensor]:

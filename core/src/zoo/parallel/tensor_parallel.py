@@ -8,6 +8,7 @@ sequence parallelism the inputs and outputs of a TP region are sharded along dim
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.parallel import comm
+from zoo.parallel.sharding import TPShard
 
 
 def _tp(group: Any) -> tuple[int, int]:
@@ -24,25 +26,38 @@ def _tp(group: Any) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-class ColumnParallelLinear(nn.Module):
-    """``y = x W^T + b`` with W split along its output rows: each rank computes a slice of y."""
+def _shard(style: str, group: Any) -> TPShard:
+    n, r = _tp(group)
+    return TPShard(style, n, r, group)  # type: ignore[arg-type]
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, group: Any,
-                 gather_output: bool = False, sequence_parallel: bool = False) -> None:
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W split along its output rows: each rank computes a slice of y.
+
+    ``gated``: the weight is a fused ``[gate; up]`` whose halves are split per rank (each rank
+    holds ``[gate_r; up_r]``, so a gated activation works on its slice). ``vocab``: the output is a
+    vocabulary (an LM head): `zoo.nn.linear_cross_entropy` then computes the loss vocab-parallel
+    instead of gathering the logits."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, group: Any, gated: bool = False,
+                 vocab: bool = False, gather_output: bool = False, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        self.vocab = vocab
         self.seq_dim = 0
-        n, _ = _tp(group)
-        if out_features % n:
-            raise ValueError(f"out_features={out_features} does not split over tp={n}")
-        self.weight = nn.Parameter(torch.empty(out_features // n, in_features))
-        self.bias = nn.Parameter(torch.zeros(out_features // n)) if bias else None
+        self.shard = _shard("gated_rows" if gated else "rows", group)
+        local = self.shard.local_shape((out_features, in_features))
+        self.weight = nn.Parameter(torch.empty(local))
+        self.bias = nn.Parameter(torch.zeros(local[0])) if bias else None
+
+    def tp_shards(self) -> dict[str, TPShard]:
+        return {name: self.shard for name in ("weight", "bias") if getattr(self, name) is not None}
 
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight.copy_(comm.split(weight, self.group, 0))
+        self.weight.copy_(self.shard.cut(weight))
         if self.bias is not None and bias is not None:
-            self.bias.copy_(comm.split(bias, self.group, 0))
+            self.bias.copy_(self.shard.cut(bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = comm.gather_seq(x, self.group, self.seq_dim) if self.sequence_parallel else comm.copy_to(x, self.group)
@@ -58,18 +73,18 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
         self.seq_dim = 0
-        n, _ = _tp(group)
-        if in_features % n:
-            raise ValueError(f"in_features={in_features} does not split over tp={n}")
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // n))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None  # replicated, added once
-        if self.bias is not None and sequence_parallel:
-            # Added to this rank's sequence shard only: its gradient must be summed over TP.
-            self.bias.sequence_parallel = True  # type: ignore[attr-defined]
+        self.shard = _shard("cols", group)
+        self.weight = nn.Parameter(torch.empty(self.shard.local_shape((out_features, in_features))))
+        # Replicated and added once; under sequence parallelism it is added to this rank's sequence
+        # shard only, so its gradient is summed over TP (`sequence_parallel_params`).
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def tp_shards(self) -> dict[str, TPShard]:
+        return {"weight": self.shard}
 
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight.copy_(comm.split(weight, self.group, 1))
+        self.weight.copy_(self.shard.cut(weight))
         if self.bias is not None and bias is not None:
             self.bias.copy_(bias)
 
@@ -87,16 +102,19 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int, *, group: Any) -> None:
         super().__init__()
         self.group = group
-        n, r = _tp(group)
-        if num_embeddings % n:
-            raise ValueError(f"vocabulary of {num_embeddings} does not split over tp={n} (pad it)")
-        per = num_embeddings // n
-        self.start, self.end = r * per, (r + 1) * per
+        self.shard = _shard("rows", group)
+        if num_embeddings % self.shard.size:
+            raise ValueError(f"vocabulary of {num_embeddings} does not split over tp={self.shard.size} (pad it)")
+        per = num_embeddings // self.shard.size
+        self.start, self.end = self.shard.rank * per, (self.shard.rank + 1) * per
         self.weight = nn.Parameter(torch.empty(per, dim))
+
+    def tp_shards(self) -> dict[str, TPShard]:
+        return {"weight": self.shard}
 
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor) -> None:
-        self.weight.copy_(weight[self.start:self.end])
+        self.weight.copy_(self.shard.cut(weight))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)
@@ -140,10 +158,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     return _VocabParallelCE.apply(logits, target, group)
 
 
-def reduce_sequence_parallel_grads(module: nn.Module, group: Any) -> None:
+def reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], group: Any) -> None:
     """Sum over TP the gradients of parameters applied to sequence shards (norm weights, row
     biases), all in one all-reduce of their concatenation."""
-    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None]
     if not grads or comm._size(group) == 1:
         return
     flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)

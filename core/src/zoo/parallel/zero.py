@@ -7,7 +7,8 @@ model's parameters and the parameters are all-gathered. Optimizer state per rank
 1/DP of the unsharded state (plus padding of each bucket to a multiple of DP).
 
 Inside a shard, each parameter's piece becomes its own float32 master tensor, so per-parameter
-rules (no weight decay on vectors) carry over unchanged.
+rules (no weight decay on vectors, learning-rate multipliers) carry over unchanged: ``group_of``
+gives each parameter its optimizer group's options, as it does for the plain optimizer.
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ from torch import nn
 
 from zoo.parallel.data_parallel import GradBuckets
 
+# (gradient, parameter) pairs and the data-parallel group -> the model's squared gradient norm
+NormSquared = Callable[[list[tuple[torch.Tensor, nn.Parameter]], Any], torch.Tensor]
+
 
 class DistributedOptimizer:
     def __init__(self, buckets: GradBuckets, make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
-                 *, weight_decay: float) -> None:
+                 *, group_of: Callable[[nn.Parameter], dict[str, Any]]) -> None:
         if not buckets.shard:
             raise ValueError("the distributed optimizer needs GradBuckets(shard=True)")
         self.buckets, self.group = buckets, buckets.group
@@ -33,7 +37,7 @@ class DistributedOptimizer:
         self.rank = 0 if self.group is None else dist.get_rank(self.group)
         # (bucket, offset of the piece in the bucket, length, float32 master, parameter, offset in it)
         self.pieces: list[tuple[Any, int, int, torch.Tensor, nn.Parameter, int]] = []
-        decay, no_decay = [], []
+        groups: dict[tuple[Any, ...], dict[str, Any]] = {}
         for b in buckets.buckets:
             per = b.buffer.numel() // self.size
             lo, hi = self.rank * per, (self.rank + 1) * per
@@ -43,10 +47,11 @@ class DistributedOptimizer:
                 if a < z:
                     master = p.detach().reshape(-1)[a - offset:z - offset].float().clone().requires_grad_(True)
                     self.pieces.append((b, a, z - a, master, p, a - offset))
-                    (decay if p.dim() >= 2 else no_decay).append(master)
+                    options = group_of(p)
+                    key = tuple(sorted(options.items()))
+                    groups.setdefault(key, {**options, "params": []})["params"].append(master)
                 offset += p.numel()
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        self.optimizer = make_optimizer([g for g in groups if g["params"]])
+        self.optimizer = make_optimizer(list(groups.values()))
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -60,21 +65,25 @@ class DistributedOptimizer:
         return total
 
     @torch.no_grad()
-    def step(self, *, max_norm: float = 0.0, tp_group: Any = None, pp_group: Any = None,
+    def step(self, *, max_norm: float = 0.0, norm_squared: NormSquared | None = None,
              loss_scale: DynamicLossScale | None = None) -> float:
         """Update this rank's shard and all-gather the parameters; returns the global gradient norm
-        (clipping to ``max_norm`` when positive). Tensor-parallel shards' squares are summed over
-        ``tp_group``, everything over the data-parallel group and the pipeline stages (the last
-        stage's copy of a tied embedding counted once). With ``loss_scale`` (fp16) the gradients
-        are unscaled first; an overflow anywhere makes the norm infinite on every rank, and every
-        rank then skips the update and lowers the scale alike."""
-        from zoo.parallel.apply import grad_norm_squared
-
+        (clipping to ``max_norm`` when positive). ``norm_squared(pairs, dp_group)`` sums squared
+        ``(gradient piece, its parameter)`` pairs over the whole model (the layout's rule:
+        `zoo.parallel.engine.Parallel.grad_norm_squared`; default: one process, every parameter
+        whole). With ``loss_scale`` (fp16) the gradients are unscaled first; an overflow anywhere
+        makes the norm infinite on every rank, and every rank then skips the update and lowers the
+        scale alike."""
         inv = 1.0 / loss_scale.scale_value if loss_scale is not None else 1.0
         for b, a, n, master, _, _ in self.pieces:
             master.grad = b.buffer[a:a + n].float() * inv  # this rank's reduced gradient slice, unscaled
-        total = grad_norm_squared(((piece[3].grad, piece[4]) for piece in self.pieces), tp_group=tp_group,
-                                  pp_group=pp_group, dp_group=self.group)
+        pairs = [(piece[3].grad, piece[4]) for piece in self.pieces]
+        if norm_squared is None:
+            from zoo.parallel.apply import grad_norm_squared
+
+            total = grad_norm_squared(((g, None) for g, _ in pairs), dp_group=self.group)
+        else:
+            total = norm_squared(pairs, self.group)
         norm = float(total.sqrt())
         if loss_scale is not None:
             loss_scale.update(found_inf=not math.isfinite(norm))

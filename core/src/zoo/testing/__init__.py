@@ -3,7 +3,7 @@ conformance checks every model family must pass (`zoo.testing.conformance`).
 
 `run_distributed` starts ``world_size`` fresh processes exactly as `torchrun` would describe them
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so the code under test goes through
-`zoo.distributed.init` like a real job. The rendezvous store is hosted by the calling process on a
+`zoo.parallel.distributed.init` like a real job. The rendezvous store is hosted by the calling process on a
 port the OS picks, and ranks join it as clients (torchrun's agent-store mode): no fixed port and no
 window in which another test can take the port. The first rank that raises is reported with its
 traceback; ranks that are still running after ``timeout`` are killed and the call fails, so a hung
@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["DistributedTestError", "run_distributed"]
+__all__ = ["DistributedTestError", "layout_for", "run_distributed"]
 
 
 # After the first failure, how long to wait for messages still in flight (an earlier failure's
@@ -59,7 +59,7 @@ def _worker(
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    from zoo import distributed
+    from zoo.parallel import distributed
 
     try:
         distributed.init(backend=backend, device="cpu", timeout_s=pg_timeout)
@@ -154,3 +154,20 @@ def run_distributed(
         missing = [r for r in range(world_size) if r not in outputs]
         raise DistributedTestError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s (hung?)")
     return [outputs[r] for r in range(world_size)]
+
+
+def layout_for(family: Any, world_size: int, *, model: Any = None, seq_length: int = 16,
+               micro_batches: int | None = None, **parallel: Any) -> Any:
+    """A validated `zoo.parallel.Layout` of ``family`` on ``world_size`` ranks for tests that
+    drive `zoo.parallel.Parallel` directly: ``parallel`` holds `ParallelConfig` fields
+    (``tp=2, pp=2, ...``); ``model`` the model config (default: the tiny flavor's);
+    ``micro_batches`` per data-parallel rank and step (default: pp, which interleaving needs)."""
+    from zoo.config import ParallelConfig, RunConfig, TrainConfig
+    from zoo.parallel.layout import plan
+
+    p = ParallelConfig(**parallel)
+    dp = max(world_size // (p.tp * p.cp * p.pp), 1)
+    train = TrainConfig(seq_length=seq_length, micro_batch_size=1, global_batch_size=dp * (micro_batches or p.pp))
+    run = RunConfig(family=family.name, flavor="test", model=model if model is not None else family.flavors["tiny"](),
+                    parallel=p, train=train)
+    return plan(run, world_size=world_size, family=family)

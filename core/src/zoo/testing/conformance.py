@@ -11,7 +11,11 @@ The checks: the flavor builds from its config and named spec; it builds on the m
 same parameter count (so dry runs are exact); a forward on the family's example batch gives a finite
 scalar loss; backward reaches every trainable parameter with finite gradients; the same seed gives
 bitwise the same loss and gradients; a few optimizer steps on one batch lower the loss (the model
-can learn at all).
+can learn at all). And what the family declares for the trainer (`check_declarations`): every
+declared metric is returned as a finite scalar and every auxiliary loss carries a gradient; the
+throughput hooks count positive units and FLOPs; a preview returns a `zoo.media.Artifact`; a
+pipeline spec's stages, run one after the other in one process, give the whole model's loss, with
+exactly the tensors the spec carries crossing the boundary.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["check_family", "installed_families", "build_tiny"]
+__all__ = ["build_tiny", "check_declarations", "check_family", "installed_families"]
 
 
 def installed_families() -> list[str]:
@@ -127,3 +131,71 @@ def check_family(name: str, *, flavor: str = "tiny", registry: Any = None) -> No
         opt.step()
     end = measure()
     assert end < start, f"{name}: 10 AdamW steps on one batch did not lower the loss ({start:.4f} -> {end:.4f})"
+    check_declarations(name, flavor=flavor, registry=registry)
+
+
+def check_declarations(name: str, *, flavor: str = "tiny", registry: Any = None) -> None:
+    """The checks of what a family declares for the trainer (metrics, throughput, preview, pipeline)."""
+    import torch
+
+    from zoo.config import RunConfig, TrainConfig
+    from zoo.family import resolve
+
+    fam, cfg, spec, build, loss_fn, example = _parts(name, flavor, registry)
+    owner = f"family {name!r}"
+    torch.manual_seed(0)
+    model = build(cfg, spec)
+    seq = _seq_length(fam, flavor)
+    batch = example(cfg, batch_size=2, seq_length=seq, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1)
+    loss, metrics = loss_fn(model, batch)
+    for m in fam.metrics:
+        assert m.name in metrics, f"{name}: declared metric {m.name!r} is not in what the loss returns ({sorted(metrics)})"
+        value = metrics[m.name]
+        assert torch.as_tensor(value).numel() == 1 and math.isfinite(float(value)), f"{name}: metric {m.name!r} is {value!r}"
+        if m.aux_loss:
+            assert isinstance(value, torch.Tensor) and value.requires_grad, \
+                f"{name}: auxiliary loss {m.name!r} must be a tensor with a gradient (the core backpropagates it)"
+    tp = fam.throughput
+    count = resolve(tp.count, owner=owner)(batch) if tp.count else None
+    assert count is None or (isinstance(count, int) and count > 0), f"{name}: throughput count gave {count!r}"
+    if tp.flops_per_unit:
+        run = RunConfig(family=name, flavor=flavor, model=cfg, train=TrainConfig(seq_length=seq))
+        with torch.device("meta"):
+            flops = float(resolve(tp.flops_per_unit, owner=owner)(build(cfg, spec), run))
+        assert math.isfinite(flops) and flops > 0, f"{name}: flops_per_unit gave {flops}"
+    if fam.preview:
+        from zoo.media import Artifact
+
+        with torch.no_grad():
+            art = resolve(fam.preview, owner=owner)(model, cfg, batch, generator=torch.Generator().manual_seed(0))
+        assert isinstance(art, Artifact), f"{name}: preview returned {type(art).__name__}, not a zoo.media.Artifact"
+    if fam.pipeline is not None:
+        _check_stages(name, fam, model, loss_fn, batch)
+
+
+def _check_stages(name: str, fam: Any, model: Any, loss_fn: Any, batch: dict[str, Any]) -> None:
+    """Two pipeline stages cut from one model, run one after the other, give the model's loss."""
+    import torch
+
+    from zoo.parallel.pipeline import build_stages
+
+    spec = fam.pipeline
+    if len(getattr(model, spec.layers)) < 2:
+        return
+    torch.manual_seed(1)
+    with torch.no_grad():
+        whole = loss_fn(model, batch)[0]
+        first = build_stages(model, spec, pp=2, vpp=1, rank=0).chunks[0]
+        last = build_stages(model, spec, pp=2, vpp=1, rank=1).chunks[0]
+        torch.manual_seed(1)
+        out, _ = loss_fn(first, dict(batch))
+        keys = (spec.input_key, *spec.carries)
+        sent = {spec.input_key: out} if isinstance(out, torch.Tensor) else out
+        assert isinstance(sent, dict) and list(sent) == list(keys), \
+            f"{name}: a first pipeline stage handed on {list(sent) if isinstance(sent, dict) else type(out).__name__}; " \
+            f"its PipelineSpec carries {list(keys)}"
+        torch.manual_seed(1)  # the same noise as the first stage drew (diffusion losses draw before the model)
+        staged = loss_fn(last, {**batch, **sent})[0]
+    assert torch.allclose(staged, whole, rtol=1e-5, atol=1e-6), \
+        f"{name}: two pipeline stages give loss {float(staged)}, the whole model {float(whole)}"

@@ -1,13 +1,13 @@
 """Hugging Face layouts of GPT-2 (`GPT2LMHeadModel`) and LLaMA (`LlamaForCausalLM`): key tables
-and config translation. The tables are data; `zoo.mapping` applies them strictly both ways."""
+and config translation. The tables are data; `zoo.checkpoint.mapping` applies them strictly both ways."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from zoo.convert import ExternalFormat
+from zoo.checkpoint import ExternalFormat
+from zoo.checkpoint.mapping import Fuse, Ignore, MappingTable, Rename, Tie, Transpose
 from zoo.errors import UsageError
-from zoo.mapping import Fuse, Ignore, MappingTable, Rename, Tie, Transpose
 from zoo_gpt.plugin import GPTConfig
 
 

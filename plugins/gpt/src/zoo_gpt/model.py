@@ -16,10 +16,10 @@ from torch import nn
 
 from zoo.nn import (
     ACTIVATIONS,
+    AttentionCore,
     KVCache,
     Rotary,
     apply_rotary,
-    attention,
     gated_activation,
     linear_cross_entropy,
     make_norm,
@@ -35,6 +35,7 @@ class Attention(nn.Module):
         self.h, self.kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=spec.bias)
         self.proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=spec.bias)
+        self.core = AttentionCore()  # softmax(q k^T) v; the core may make it ring attention or recompute it
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: KVCache | None,
                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -52,7 +53,7 @@ class Attention(nn.Module):
         if cache is not None:
             offset = cache.pos
             k, v = cache.update(self.layer, k, v)
-        y = attention(q, k, v, causal=self.spec.causal, offset=offset, segment_ids=segment_ids)  # (B, H, T, hd)
+        y = self.core(q, k, v, causal=self.spec.causal, offset=offset, segment_ids=segment_ids)  # (B, H, T, hd)
         return self.proj(y.transpose(1, 2).reshape(b, t, self.h * self.hd))
 
 
@@ -139,7 +140,7 @@ class GPT(nn.Module):
         x = self.norm(x)
         if labels is not None:
             mask = loss_mask.flatten().bool() if loss_mask is not None else None
-            return linear_cross_entropy(x.flatten(0, 1), self.head.weight, labels.flatten(), mask)
+            return linear_cross_entropy(x.flatten(0, 1), self.head, labels.flatten(), mask)
         return self.head(x)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
@@ -164,6 +165,6 @@ def example_batch(cfg: GPTConfig, *, batch_size: int, seq_length: int, generator
 
 
 def generate(model: GPT, cfg: GPTConfig, **request: Any) -> torch.Tensor:
-    from zoo.sampling import generate_tokens
+    from zoo.nn.sampling import generate_tokens
 
     return generate_tokens(model, context=cfg.max_seq_length, **request)

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from zoo.data.bpe_cache import bytes_to_unicode
 from zoo.errors import UsageError
 
 EOD = "<|endoftext|>"
@@ -30,14 +31,14 @@ class Tokenizer:
 
     @functools.cached_property
     def _fast(self) -> Any:
-        """`zoo.bpe_cache.CachedBPE` for this tokenizer, or None where it does not apply."""
-        from zoo.bpe_cache import CachedBPE
+        """`zoo.data.bpe_cache.CachedBPE` for this tokenizer, or None where it does not apply."""
+        from zoo.data.bpe_cache import CachedBPE
 
         return CachedBPE.for_tokenizer(self._tok)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Bulk encoding (``zoo prepare``): the same ids as ``encode``, through the exact piece cache
-        of `zoo.bpe_cache` where the tokenizer's configuration allows it."""
+        of `zoo.data.bpe_cache` where the tokenizer's configuration allows it."""
         if self._tok is None:
             return [self.encode(t) for t in texts]
         if self._fast is None:
@@ -84,18 +85,6 @@ TIKTOKEN_PATTERN = (
 )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from bytes to printable characters (byte-level BPE vocabularies use it)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, n = printable[:], 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return dict(zip(printable, (chr(c) for c in chars)))
-
-
 def _split_by_ranks(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
     """Merge ``token``'s bytes using only ranks below ``max_rank``: what remains are its two parents."""
     parts = [bytes([b]) for b in token]
@@ -127,7 +116,7 @@ def load_tiktoken(path: Path) -> Tokenizer:
             ranks[base64.b64decode(token, validate=True)] = int(rank)
         except ValueError:
             raise UsageError(f"{path}:{n}: not a tiktoken ranks line ('<base64 token> <rank>')") from None
-    enc = _bytes_to_unicode()
+    enc = bytes_to_unicode()
 
     def text(b: bytes) -> str:
         return "".join(enc[x] for x in b)

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.nn.recompute import SelectiveCore, recomputable
+from zoo.parallel.context import ContextParallelSite
 from zoo.spec import NormSpec
 
 
@@ -47,9 +49,7 @@ def _rms_normed(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> to
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / rms(x))`` in float32, HF's numerics, with a memory-lean backward; under
-    `zoo.recompute` a layer that saves the output gets it recomputed from what the norm keeps."""
-    from zoo.recompute import recomputable
-
+    `zoo.nn.recompute` a layer that saves the output gets it recomputed from what the norm keeps."""
     y = _RMSNormFn.apply(x, weight, eps)
     if y.grad_fn is not None:
         x_saved, w_saved, rstd = y.grad_fn.saved_tensors
@@ -94,10 +94,8 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """``act(gate) * up`` for a fused ``[gate | up]`` tensor (SwiGLU when ``activation == "silu"``);
-    under `zoo.recompute` the output projection's saved input is recomputed from ``gate_up``."""
+    under `zoo.nn.recompute` the output projection's saved input is recomputed from ``gate_up``."""
     if activation == "silu":
-        from zoo.recompute import recomputable
-
         h = _SwiGLUFn.apply(gate_up)
         if h.grad_fn is not None:
             (saved,) = h.grad_fn.saved_tensors
@@ -242,35 +240,52 @@ class KVCache:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, offset: int = 0,
               segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Scaled dot-product attention with grouped-query heads.
+    """Scaled dot-product attention with grouped-query heads, on one process's whole sequence.
 
     q: (B, H, T, hd), k/v: (B, KV, S, hd) with H a multiple of KV. ``offset`` is the number of
     cached positions before q's first one (S = offset + T), so causal masking stays right when
     decoding with a KV cache. ``segment_ids`` (B, T) keeps attention inside documents packed into
-    one sample (Megatron's reset_attention_mask). Under selective recomputation (`zoo.recompute`)
-    the core is recomputed in backward instead of keeping its activations. Under context
-    parallelism (`zoo.parallel.context.scope`) it is ring attention over the CP group.
+    one sample (Megatron's reset_attention_mask). Models call it through `AttentionCore`, which
+    the core can switch to ring attention or recomputation.
     """
-    from zoo.parallel.context import CP_GROUP, ring_attention
-    from zoo.recompute import SELECTIVE
-
     if torch.is_grad_enabled() and q._base is None:
         # K or V still a slice of the fused qkv projection (no rotary applied to it) would keep the
         # whole projection alive among the saved tensors once Q and K are rotated copies: its own
         # copy costs less than what that frees.
         k = k.contiguous() if k._base is not None else k
         v = v.clone(memory_format=torch.contiguous_format) if v._base is not None else v
-    cp_group = CP_GROUP.get()
-    if cp_group is not None:  # context parallel: this rank holds 2 of the 2*cp sequence chunks
-        if not causal or offset or segment_ids is not None:
-            raise ValueError("context-parallel attention is causal self-attention without a KV cache or "
-                             "document masking (data.reset_attention_mask)")
-        return ring_attention(q, k, v, cp_group)  # keeps only q, k, v, out and the log-sum-exp
-    if SELECTIVE.get() and torch.is_grad_enabled():
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(_attention, q, k, v, causal, offset, segment_ids, use_reentrant=False)
     return _attention(q, k, v, causal, offset, segment_ids)
+
+
+class AttentionCore(SelectiveCore, ContextParallelSite):
+    """``softmax(q k^T) v`` as a module (no parameters), so the core can change how it runs
+    without the model changing: a model holds one per attention layer and calls it like
+    `attention`. Two fields, set from outside and read only here:
+
+    - ``cp_group``: a context-parallel group (set by `zoo.parallel.engine.Parallel` when cp > 1);
+      the layer then holds 2 of the 2*cp sequence chunks and runs ring attention over the group.
+    - ``recompute``: recompute the core in backward instead of keeping its activations (set by
+      ``train.recompute=selective`` through `zoo.nn.recompute.apply`).
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, offset: int = 0,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.cp_group is not None:  # context parallel: this rank holds 2 of the 2*cp sequence chunks
+            if not causal or offset or segment_ids is not None:
+                raise ValueError("context-parallel attention is causal self-attention without a KV cache or "
+                                 "document masking (data.reset_attention_mask)")
+            from zoo.parallel.context import ring_attention
+
+            if torch.is_grad_enabled() and q._base is None:  # as in `attention`: free the fused projection
+                k = k.contiguous() if k._base is not None else k
+                v = v.clone(memory_format=torch.contiguous_format) if v._base is not None else v
+            return ring_attention(q, k, v, self.cp_group)  # keeps only q, k, v, out and the log-sum-exp
+        if self.recompute and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(attention, q, k, v, use_reentrant=False, causal=causal, offset=offset,
+                              segment_ids=segment_ids)
+        return attention(q, k, v, causal=causal, offset=offset, segment_ids=segment_ids)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
@@ -337,24 +352,29 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         return grad_h * grad.to(grad_h.dtype), (grad_w * grad).to(ctx.weight_dtype), None, None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+def linear_cross_entropy(hidden: torch.Tensor, head: nn.Module | torch.Tensor, labels: torch.Tensor,
                          loss_mask: torch.Tensor | None = None, *, chunk: int = 1024) -> torch.Tensor:
-    """Mean next-token cross entropy of ``hidden (N, D) @ weight (V, D).T`` over unmasked tokens.
+    """Mean next-token cross entropy of ``hidden (N, D) @ weight (V, D).T`` over unmasked tokens,
+    ``weight`` being the LM ``head`` (an `nn.Linear`, or its weight).
 
     Equal to ``F.cross_entropy(hidden @ weight.T, labels)`` (float32 softmax) with the peak
-    memory of one ``(chunk, V)`` block instead of the whole ``(N, V)`` logits.
+    memory of one ``(chunk, V)`` block instead of the whole ``(N, V)`` logits. When tensor
+    parallelism made the head a vocabulary-parallel `ColumnParallelLinear`, the logits stay split
+    over its group and the loss is computed vocab-parallel.
     """
+    from zoo.parallel.tensor_parallel import ColumnParallelLinear
+
     if loss_mask is None:
         loss_mask = torch.ones_like(labels, dtype=torch.bool)
-    group = getattr(weight, "tp_group", None)
-    if group is not None:  # a vocab-parallel head (zoo.parallel.apply): logits stay sharded
+    if isinstance(head, ColumnParallelLinear) and head.vocab and head.shard.size > 1:
         from zoo.parallel import comm
         from zoo.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
-        logits = comm.copy_to(hidden, group) @ weight.t()
-        per_token = vocab_parallel_cross_entropy(logits, labels, group)
+        logits = comm.copy_to(hidden, head.group) @ head.weight.t()
+        per_token = vocab_parallel_cross_entropy(logits, labels, head.group)
         mask = loss_mask.to(per_token.dtype)
         return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    weight = head.weight if isinstance(head, nn.Module) else head
     if torch.is_autocast_enabled(hidden.device.type):
         hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
     # Gradients are formed in forward only when backward can follow (never under no_grad/eval).

@@ -22,6 +22,14 @@ class CheckpointError(ZooError):
     """A checkpoint or weights file is missing, incomplete, corrupted or of another model."""
 
 
+def read_json(path: Path) -> Any:
+    """A JSON document of a checkpoint or model directory; a broken one is a `CheckpointError`."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
 def load_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file as _load

@@ -32,10 +32,16 @@ GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 _CLASSES = {"L": r"\p{L}", "N": r"\p{N}", "s": r"\s"}
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    from zoo.tokenizer import _bytes_to_unicode as table
-
-    return table()
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (byte-level BPE vocabularies use it)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = printable[:], 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(printable, (chr(c) for c in chars)))
 
 
 def _ranges(codepoints: list[int]) -> list[list[int]]:
@@ -156,7 +162,7 @@ class CachedBPE:
         self._prefix_space = prefix_space
         self._before, self._after = around
         self._added = re.compile("|".join(map(re.escape, sorted(added, key=len, reverse=True)))).search if added else None
-        self._bytes = _bytes_to_unicode()
+        self._bytes = bytes_to_unicode()
         self._cache: dict[str, tuple[int, ...]] = {}
 
     @classmethod

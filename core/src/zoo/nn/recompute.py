@@ -10,8 +10,10 @@ core; ``full`` recomputes whole blocks.
 
 ``full``: every residual block (the family's ``model.layers``, or ``model.blocks``) runs under
 `torch.utils.checkpoint`, keeping only block inputs. ``selective`` (Korthikanti et al. 2022):
-only the attention core (`zoo.nn.attention`: softmax(QK^T)V, whose activations grow with the
+only the attention core (`zoo.nn.AttentionCore`: softmax(QK^T)V, whose activations grow with the
 square of the sequence) is recomputed, which costs little compute and saves most of the memory.
+Both are applied to the model once (`apply`); ``elementwise`` works through saved-tensor hooks
+installed around each training forward (`scope`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from torch.utils.checkpoint import checkpoint
 
 from zoo.errors import ConfigError
 
-SELECTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("zoo_selective_recompute", default=False)
 # grad_fn of a recomputable output -> (recipe, shape, dtype); set while a training forward runs.
 _OUTPUTS: contextvars.ContextVar[dict[Any, tuple[Callable[[], torch.Tensor], torch.Size, torch.dtype]] | None] = \
     contextvars.ContextVar("zoo_recomputable_outputs", default=None)
@@ -104,24 +105,40 @@ def blocks_of(model: nn.Module) -> nn.ModuleList:
 
 
 def apply(model: nn.Module, mode: str) -> None:
-    """``full``: recompute every block (``selective`` is switched on around forwards by `scope`).
+    """``full``: recompute every block; ``selective``: every attention core (`zoo.nn.AttentionCore`).
 
     The block's own forward is replaced (not wrapped in a new module) so parameter names and
     checkpoints are the same with and without recomputation.
     """
+    if mode not in MODES:
+        raise ConfigError(f"train.recompute={mode!r}: expected one of {', '.join(MODES)}")
     if mode == "full":
         for block in blocks_of(model):
             block.forward = _recomputed(block.forward)  # type: ignore[method-assign]
+    elif mode == "selective":
+        cores = [m for m in model.modules() if isinstance(m, SelectiveCore)]
+        if not cores:
+            raise ConfigError(f"train.recompute=selective: {type(model).__name__} has no zoo.nn.AttentionCore to recompute")
+        for core in cores:
+            core.recompute = True
+
+
+class SelectiveCore(nn.Module):
+    """A parameter-free module that ``train.recompute=selective`` recomputes in backward (its
+    ``forward`` reads ``recompute``): `zoo.nn.AttentionCore` is one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recompute = False
 
 
 @contextlib.contextmanager
 def scope(mode: str) -> Iterator[None]:
     """Around a training forward: norm and activation outputs are recomputed unless ``mode`` is
-    ``none``, attention cores too when it is ``selective`` (``full`` is applied to the blocks by
-    `apply`; inside a recomputed block nothing else is saved)."""
+    ``none`` (``full`` and ``selective`` are applied to the model by `apply`; inside a recomputed
+    block nothing else is saved)."""
     if mode not in MODES:
         raise ConfigError(f"train.recompute={mode!r}: expected one of {', '.join(MODES)}")
-    token = SELECTIVE.set(mode == "selective")
     outputs = _OUTPUTS.set({} if mode != "none" else None)
     try:
         if mode == "none":
@@ -131,4 +148,3 @@ def scope(mode: str) -> Iterator[None]:
                 yield
     finally:
         _OUTPUTS.reset(outputs)
-        SELECTIVE.reset(token)

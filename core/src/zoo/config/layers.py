@@ -1,203 +1,25 @@
-"""Run configuration: one small dataclass per concern, composed into a `RunConfig`.
+"""Layering and type checking of run configurations.
 
-Layers, lowest first: the section defaults below < the family's flavor (the ``model`` section) and
-recipe < YAML files (``--config a.yaml``, in order) < command-line overrides ``section.key=value``.
-Every value is checked against the field's type when it is set, so an error names the layer it
-came from (file, recipe or command line), the key and the expected type; an unknown key suggests
-the closest valid ones.
+Layers, lowest first: the section defaults (`zoo.config.sections`) < the family's flavor (the
+``model`` section) and recipe < YAML files (``--config a.yaml``, in order) < command-line overrides
+``section.key=value``. Every value is checked against the field's type when it is set, so an error
+names the layer it came from (file, recipe or command line), the key and the expected type; an
+unknown key suggests the closest valid ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 import types
 import typing
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import yaml
 
+from zoo.config.sections import SECTIONS, RunConfig
 from zoo.errors import ConfigError, suggest
-
-AXES = ("tp", "cp", "ep", "dp", "pp")
-
-
-@dataclass(kw_only=True)
-class ParallelConfig:
-    tp: int = 1  # tensor parallel size
-    pp: int = 1  # pipeline stages
-    vpp: int = 1  # virtual stages (model chunks) per pipeline rank, interleaved 1F1B when > 1
-    pp_layers: list[int] | None = None  # layers per (virtual) stage, e.g. [3, 4, 4, 3]; None: even
-    pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"  # gpipe: all forwards, then all backwards
-    cp: int = 1  # context parallel size (ring attention)
-    ep: int = 1  # expert parallel size
-    etp: int | None = None  # expert tensor parallel size; None: same as tp
-    sequence_parallel: bool = False  # shard norm/dropout regions along the sequence inside TP
-    zero: int = 0  # 1: distributed optimizer (fp32 master weights and Adam state sharded over DP)
-    order: str = "tp-cp-ep-dp-pp"  # leftmost axis varies fastest: TP ranks are neighbours
-    bucket_size: int = 40_000_000  # gradient elements per DP bucket (Megatron's default)
-    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
-    timeout_s: float = 600.0  # collective timeout: a dead rank fails the job instead of hanging it
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "vpp", "cp", "ep"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
-        if self.etp is not None and self.etp < 1:
-            raise ValueError(f"etp={self.etp} must be at least 1")
-        if self.zero not in (0, 1):
-            raise ValueError(f"zero={self.zero}: only 0 (off) and 1 (distributed optimizer) exist")
-        axes = self.order.split("-")
-        if sorted(axes) != sorted(AXES):
-            raise ValueError(f"order={self.order!r} must name each of {'-'.join(AXES)} once")
-        if self.vpp > 1 and self.pp == 1:
-            raise ValueError(f"vpp={self.vpp} needs pp > 1 (virtual stages interleave a pipeline)")
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("sequence_parallel=true needs tp > 1 (it shards inside tensor-parallel regions)")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s={self.timeout_s} must be positive")
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    path: str | list[Any] | None = None  # Megatron blend "0.5 A 0.3 B" or a YAML list; None: family default
-    # Per-split blends (Megatron's --train-data-path ...): each uses all documents of its datasets
-    # and takes precedence over data.path (with data.split) for that split.
-    train_path: str | list[Any] | None = None
-    valid_path: str | list[Any] | None = None
-    test_path: str | list[Any] | None = None
-    dataset: str | None = None  # a named dataset from a plugin; None: the family's default_dataset
-    split: str = "969,30,1"  # train,valid,test proportions of documents
-    tokenizer: str | None = None  # HF tokenizer dir, tiktoken file, "bytes"; None: the dataset's own
-    # Megatron's document options: restart positions after each end-of-document token, keep
-    # attention inside documents, leave EOD tokens out of the loss. They need the EOD id: from
-    # data.tokenizer, or data.eod_id.
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    eod_mask_loss: bool = False
-    eod_id: int | None = None
-    num_workers: int = 0
-    cache_dir: str | None = None  # where built indices and prepared corpora are cached
-
-
-@dataclass(kw_only=True)
-class OptimizerConfig:
-    name: Literal["adamw"] = "adamw"
-    lr: float = 3e-4  # peak learning rate
-    weight_decay: float = 0.1  # never applied to norms, biases and embeddings' position tables
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-
-
-@dataclass(kw_only=True)
-class ScheduleConfig:
-    warmup_steps: int = 0
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    min_lr_ratio: float = 0.1  # final lr as a fraction of the peak
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    steps: int = 200
-    micro_batch_size: int = 8
-    global_batch_size: int | None = None  # None: micro_batch_size x dp (no accumulation)
-    seq_length: int = 256
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # compute: bf16/fp16 autocast over fp32 parameters
-    # Parameter storage: bf16/fp16 keep parameters and gradients in that type and fp32 master
-    # weights in the distributed optimizer (needs parallel.zero=1 and the same precision;
-    # Megatron's --bf16 / --fp16). fp16 adds dynamic loss scaling.
-    param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    seed: int = 1234
-    # Activation recomputation (`zoo.recompute`): elementwise recomputes norm and activation outputs
-    # (bitwise exact, a few percent of step time), selective adds the attention core, full whole blocks.
-    recompute: Literal["none", "elementwise", "selective", "full"] = "elementwise"
-    eval_interval: int = 50  # steps between validations; 0 disables
-    eval_steps: int = 10
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "micro_batch_size", "seq_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
-        if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
-            raise ValueError(
-                f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}"
-            )
-
-
-@dataclass(kw_only=True)
-class CheckpointConfig:
-    dir: str | None = None  # None: <run dir>/checkpoints
-    interval: int = 0  # steps between saves; 0: only at the end
-    # "auto": continue from the newest complete checkpoint in checkpoint.dir if there is one (so
-    # rerunning a command after a crash or preemption continues it); "none": start fresh (refused
-    # when checkpoint.dir already holds checkpoints); or a checkpoint path.
-    resume: str = "auto"
-    load: str | None = None  # initial weights, e.g. "hf:/path/to/model"
-    keep_last: int | None = None  # retention; None keeps all
-    interval_minutes: float = 0.0  # also save when this many minutes passed since the last save; 0: off
-    async_save: bool = False  # copy tensors off and write in a background thread while training goes on
-    save_on_sigterm: bool = True  # preemption: SIGTERM saves at the end of the current step, then exits
-
-
-@dataclass(kw_only=True)
-class LoggingConfig:
-    interval: int = 10  # steps between metric lines
-    progress: bool = True
-    tensorboard: bool = True  # written when the tensorboard package is installed
-
-
-SECTIONS: dict[str, type] = {
-    "parallel": ParallelConfig,
-    "data": DataConfig,
-    "optimizer": OptimizerConfig,
-    "schedule": ScheduleConfig,
-    "train": TrainConfig,
-    "checkpoint": CheckpointConfig,
-    "logging": LoggingConfig,
-}
-
-
-@dataclass(kw_only=True)
-class RunConfig:
-    """The resolved configuration of one run: the family's model config plus one per concern."""
-
-    family: str
-    flavor: str
-    model: Any  # the family's config dataclass instance
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"family": self.family, "flavor": self.flavor, **{
-            name: _plain(getattr(self, name)) for name in ("model", *SECTIONS)
-        }}
-
-    def to_yaml(self) -> str:
-        buf = io.StringIO()
-        yaml.safe_dump(self.to_dict(), buf, sort_keys=False, default_flow_style=False)
-        return buf.getvalue()
-
-
-def _plain(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(x) for x in obj]
-    if isinstance(obj, Mapping):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    return obj
-
 
 # ---------------------------------------------------------------------------------------------
 # Typed values
@@ -288,7 +110,8 @@ def _coerce(value: Any, tp: Any) -> Any:
     if origin in (dict, Mapping) or tp is dict:
         if not isinstance(value, Mapping):
             raise _Mismatch
-        return dict(value)
+        args = typing.get_args(tp)
+        return {_coerce(k, args[0]): _coerce(v, args[1]) for k, v in value.items()} if args else dict(value)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import threading
 import time
 import zlib
@@ -42,48 +41,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from zoo.convert import META, _fsync_dir, complete_and_move
+from zoo.checkpoint import rng as rng_mod
+from zoo.checkpoint.model_dir import META, SHARDED_FORMAT_VERSION, _fsync_dir, complete_and_move
+from zoo.checkpoint.tensorio import CheckpointError, read_json
 from zoo.io import atomic_write_text
-from zoo.tensorio import CheckpointError
+from zoo.parallel.sharding import TPShard, regions
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = SHARDED_FORMAT_VERSION
 INDEX = "index.json"
 SHARDS = "shards"
-
-# (slices of the local tensor, offset of that region in the global tensor)
-Region = tuple[tuple[slice, ...], tuple[int, ...]]
-
-
-def regions(local_shape: Sequence[int], style: str | None, tp: int, tp_rank: int) -> tuple[tuple[int, ...], list[Region]]:
-    """The global shape of a tensor and where this rank's local tensor sits in it, for the
-    tensor-parallel styles of `zoo.parallel.apply` (``None``: replicated, the whole tensor)."""
-    shape = tuple(local_shape)
-    whole = tuple(slice(None) for _ in shape)
-    zero = (0,) * len(shape)
-    if style is None or tp == 1:
-        return shape, [(whole, zero)]
-    if style == "cols":
-        return (shape[0], shape[1] * tp, *shape[2:]), [(whole, (0, tp_rank * shape[1], *zero[2:]))]
-    if style == "rows":
-        return (shape[0] * tp, *shape[1:]), [(whole, (tp_rank * shape[0], *zero[1:]))]
-    if style == "gated_rows":  # local [gate_r; up_r], global [gate_0..gate_n; up_0..up_n]
-        half = shape[0] // 2
-        rest = tuple(slice(None) for _ in shape[1:])
-        return (shape[0] * tp, *shape[1:]), [
-            ((slice(0, half), *rest), (tp_rank * half, *zero[1:])),
-            ((slice(half, shape[0]), *rest), (tp * half + tp_rank * half, *zero[1:])),
-        ]
-    raise ValueError(f"unknown tensor-parallel style {style!r}")
 
 
 @dataclass
 class Entry:
-    """One tensor this rank holds: its single-process name, local data, TP style, and whether
-    this rank is the one replica that writes it."""
+    """One tensor this rank holds: its single-process name, local data, how tensor parallelism
+    split it, and whether this rank is the one replica that writes it."""
 
     name: str
     tensor: torch.Tensor
-    style: str | None
+    shard: TPShard | None
     write: bool
 
 
@@ -144,7 +120,7 @@ def _write_direct(path: Path, head: bytes, datas: list[tuple[str, memoryview]], 
     if not flag:
         return False
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o666)  # the umask decides the mode
     except OSError:
         return False
     buf = mmap.mmap(-1, _CHUNK)  # page-aligned
@@ -185,27 +161,6 @@ def _write_direct(path: Path, head: bytes, datas: list[tuple[str, memoryview]], 
         os.close(fd)
 
 
-def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    tensors = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        tensors.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    py = random.getstate()
-    np_state = np.random.get_state()
-    return tensors, {"python": [py[0], list(py[1]), py[2]], "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
-
-
-def restore_rng(tensors: Mapping[str, torch.Tensor], other: Mapping[str, Any]) -> None:
-    torch.set_rng_state(tensors["torch"])
-    if torch.cuda.is_available():
-        cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("cuda"))]
-        if cuda:
-            torch.cuda.set_rng_state_all(cuda)
-    v, internal, gauss = other["python"]
-    random.setstate((v, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = other["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
 # ------------------------------------------------------------------------------------- saving
 
 
@@ -216,19 +171,18 @@ class _Snapshot:
     tensors: dict[str, torch.Tensor]  # file key -> data
     pieces: list[dict[str, Any]]  # name, key, offset, shape
     globals: dict[str, dict[str, Any]]  # name -> shape, dtype (for every tensor this rank holds)
-    rng_tensors: dict[str, torch.Tensor]
-    rng_other: dict[str, Any]
+    rng: rng_mod.RNGState
 
 
-def snapshot(entries: Sequence[Entry], *, tp: int, tp_rank: int, copy: bool = True,
-             pool: dict[str, torch.Tensor] | None = None, rng: Mapping[str, torch.Tensor] | None = None) -> _Snapshot:
+def snapshot(entries: Sequence[Entry], *, copy: bool = True, pool: dict[str, torch.Tensor] | None = None,
+             rng: Mapping[str, torch.Tensor] | None = None) -> _Snapshot:
     """What to write; ``copy`` (an asynchronous save) copies the tensors off, so training can
     change them meanwhile, into ``pool``'s buffers when they fit (reused from the previous save:
     no fresh allocation, whose page faults would cost more than the copy). A synchronous save
     writes straight from the live tensors."""
     tensors, pieces, globals_ = {}, [], {}
     for e in entries:
-        shape, regs = regions(e.tensor.shape, e.style, tp, tp_rank)
+        shape, regs = regions(e.tensor.shape, e.shard)
         globals_[e.name] = {"shape": list(shape), "dtype": str(e.tensor.dtype).removeprefix("torch.")}
         if not e.write:
             continue
@@ -246,9 +200,8 @@ def snapshot(entries: Sequence[Entry], *, tp: int, tp_rank: int, copy: bool = Tr
                 data = data.cpu().contiguous()
             tensors[key] = data
             pieces.append({"name": e.name, "key": key, "offset": list(offset), "shape": list(data.shape)})
-    rng_t, rng_o = _rng_state()
-    rng_t.update({k: v.clone() for k, v in (rng or {}).items()})  # e.g. this rank's tensor-parallel stream
-    return _Snapshot(tensors, pieces, globals_, rng_t, rng_o)
+    # (``rng``: extra streams, e.g. this rank's tensor-parallel one)
+    return _Snapshot(tensors, pieces, globals_, rng_mod.capture(rng))
 
 
 def _rank_name(rank: int) -> str:
@@ -262,10 +215,10 @@ def write_rank(tmp: Path, rank: int, snap: _Snapshot) -> None:
     name = _rank_name(rank)
     path = shards / f"{name}.safetensors"
     crcs = write_safetensors(path, snap.tensors)
-    write_safetensors(shards / f"{name}.rng.safetensors", snap.rng_tensors)
+    write_safetensors(shards / f"{name}.rng.safetensors", {**snap.rng.tensors, **snap.rng.extra})
     pieces = [{**p, "crc32": crcs[p["key"]]} for p in snap.pieces]
     marker = {"rank": rank, "file": f"{SHARDS}/{name}.safetensors", "size": path.stat().st_size,
-              "rng_file": f"{SHARDS}/{name}.rng.safetensors", "rng": snap.rng_other,
+              "rng_file": f"{SHARDS}/{name}.rng.safetensors", "rng": snap.rng.json(),
               "pieces": pieces, "tensors": snap.globals}
     atomic_write_text(shards / f"{name}.json", json.dumps(marker))
 
@@ -274,7 +227,7 @@ def finalize(tmp: Path, dst: Path, *, world_size: int, meta: Mapping[str, Any], 
              files: Mapping[str, bytes], tokenizer_from: Path | None, timeout_s: float) -> Path:
     """Global rank 0: wait for every rank's marker, write the index and the rest, mark complete,
     move into place."""
-    from zoo.tensorio import copy_tokenizer_files
+    from zoo.checkpoint.tensorio import copy_tokenizer_files
 
     deadline = time.monotonic() + timeout_s
     markers = []
@@ -304,7 +257,7 @@ def finalize(tmp: Path, dst: Path, *, world_size: int, meta: Mapping[str, Any], 
     atomic_write_text(tmp / INDEX, json.dumps(index))
     atomic_write_text(tmp / "state.json", json.dumps(state))
     for name, data in files.items():
-        (tmp / name).write_bytes(data)
+        atomic_write_text(tmp / name, data.decode())
     if tokenizer_from is not None:
         copy_tokenizer_files(tokenizer_from, tmp)
     atomic_write_text(tmp / META, json.dumps({**meta, "format_version": FORMAT_VERSION, "sharded": True}, indent=2))
@@ -365,10 +318,7 @@ class ShardedCheckpoint:
         index_path = self.path / INDEX
         if not index_path.is_file():
             raise CheckpointError(f"{self.path}: sharded checkpoint without {INDEX}")
-        try:
-            index = json.loads(index_path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{index_path}: not valid JSON ({e})") from None
+        index = read_json(index_path)
         version = index.get("format_version")
         if not isinstance(version, int) or version > FORMAT_VERSION or version < 2:
             raise CheckpointError(f"{index_path}: sharded format version {version!r}; this zoo reads version "
@@ -458,10 +408,9 @@ class ShardedCheckpoint:
             raise CheckpointError(f"{self.path}: {name!r} box {list(offset)}+{list(shape)} is not fully covered")
         return out
 
-    def read_local(self, name: str, local_shape: Sequence[int], style: str | None, tp: int, tp_rank: int,
-                   *, what: str = "") -> torch.Tensor:
-        """This rank's shard of ``name`` for a tensor of ``local_shape`` split by ``style``."""
-        shape, regs = regions(local_shape, style, tp, tp_rank)
+    def read_local(self, name: str, local_shape: Sequence[int], shard: TPShard | None, *, what: str = "") -> torch.Tensor:
+        """This rank's piece of ``name`` for a tensor of ``local_shape`` split as ``shard`` says."""
+        shape, regs = regions(local_shape, shard)
         if name in self.tensors and self.shape(name) != shape:
             raise CheckpointError(f"{self.path}: {name!r} has shape {list(self.shape(name))} in the checkpoint, "
                                   f"the model needs {list(shape)}{what}")
@@ -482,11 +431,12 @@ class ShardedCheckpoint:
     def names(self) -> Iterator[str]:
         return iter(self.tensors)
 
-    def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def rng(self, rank: int) -> rng_mod.RNGState:
+        """Rank ``rank``'s random states (rank 0's when the checkpoint had fewer ranks)."""
         entry = self.index["rng"].get(str(rank)) or self.index["rng"]["0"]
-        from zoo.tensorio import load_file
+        from zoo.checkpoint.tensorio import load_file
 
-        return load_file(self.path / entry["file"]), entry["other"]
+        return rng_mod.from_saved(load_file(self.path / entry["file"]), entry["other"])
 
     def __enter__(self) -> ShardedCheckpoint:
         return self
@@ -495,4 +445,4 @@ class ShardedCheckpoint:
         self.close()
 
 
-__all__ = ["Entry", "Saver", "ShardedCheckpoint", "finalize", "regions", "restore_rng", "snapshot", "write_rank"]
+__all__ = ["Entry", "Saver", "ShardedCheckpoint", "finalize", "snapshot", "write_rank"]

@@ -1,8 +1,11 @@
-"""The parallel layout of a run, derived from the parallel config and the world size.
+"""The parallel layout of a run: derived from the run config, the family and the world size, and
+validated here once; everything downstream (the engine, the trainer, checkpoints) trusts it.
 
 ``dp`` is never configured: it is what is left, ``world // (tp * cp * pp)`` (experts are laid out
 beside the dense grid, ``expert_dp = world // (etp * ep * pp)``). A layout that cannot work fails
-here, before any process group exists, with the reason.
+here, before any process group exists, with the reason: sizes that do not divide, a family that
+does not declare what a layout needs (a TP plan, a pipeline spec, a sequence spec, experts), and
+precision rules that depend on the layout.
 
 Model sizes are checked through the config fields families conventionally name ``num_layers``,
 ``num_heads``, ``num_kv_heads``, ``vocab_size`` and ``num_experts``; a family without one of them
@@ -12,10 +15,10 @@ is simply not checked on that point.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from zoo.config import ParallelConfig, TrainConfig
+from zoo.config import RunConfig
 from zoo.errors import ConfigError
+from zoo.family import Family
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +34,11 @@ class Layout:
     expert_dp: int
     grad_accum: int  # micro-batches per optimizer step on each DP rank
     global_batch_size: int
+    sequence_parallel: bool = False
+    zero: int = 0
+    order: str = "tp-cp-ep-dp-pp"
+    pp_layers: tuple[int, ...] | None = None
+    pp_schedule: str = "1f1b"
 
     def describe(self) -> str:
         axes = " x ".join(f"{a}={getattr(self, a)}" for a in ("tp", "cp", "dp", "pp"))
@@ -46,8 +54,16 @@ class Layout:
         )
 
 
-def plan(parallel: ParallelConfig, train: TrainConfig, model: Any, *, world_size: int) -> Layout:
-    p = parallel
+def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> Layout:
+    """The layout of ``run`` on ``world_size`` processes; every rule about it is checked here
+    (``family``'s declarations too, when given)."""
+    p, train, model = run.parallel, run.train, run.model
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"parallel: vpp={p.vpp} needs pp > 1 (virtual stages interleave a pipeline)")
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel: sequence_parallel=true needs tp > 1 (it shards inside tensor-parallel regions)")
+    if family is not None:
+        _check_family(run, family)
     model_parallel = p.tp * p.cp * p.pp
     if world_size % model_parallel:
         raise ConfigError(
@@ -107,4 +123,27 @@ def plan(parallel: ParallelConfig, train: TrainConfig, model: Any, *, world_size
     return Layout(
         world_size=world_size, tp=p.tp, cp=p.cp, ep=p.ep, dp=dp, pp=p.pp, vpp=p.vpp,
         etp=etp, expert_dp=expert_dp, grad_accum=accum, global_batch_size=gbs,
+        sequence_parallel=p.sequence_parallel, zero=p.zero, order=p.order,
+        pp_layers=tuple(p.pp_layers) if p.pp_layers is not None else None, pp_schedule=p.pp_schedule,
     )
+
+
+def _check_family(run: RunConfig, fam: Family) -> None:
+    """What the family or the precision cannot do under this layout."""
+    p = run.parallel
+    if p.tp > 1 and not fam.tp_plan:
+        raise ConfigError(f"parallel.tp={p.tp}: family {fam.name!r} declares no tp_plan")
+    if (p.pp > 1 or p.sequence_parallel) and fam.pipeline is None:
+        what = f"parallel.pp={p.pp}" if p.pp > 1 else "parallel.sequence_parallel"
+        raise ConfigError(f"{what}: family {fam.name!r} declares no pipeline spec (its layer list)")
+    if p.cp > 1 and fam.sequence is None:
+        raise ConfigError(f"parallel.cp={p.cp}: family {fam.name!r} declares no sequence spec")
+    if p.cp > 1 and run.data.reset_attention_mask:
+        raise ConfigError("parallel.cp > 1 with data.reset_attention_mask: ring attention has no document masking")
+    if run.train.precision == "fp16" and (p.tp > 1 or p.pp > 1) and not p.zero:
+        raise ConfigError("train.precision=fp16 with parallel.tp > 1 or pp > 1 needs parallel.zero=1 (its overflow "
+                          "check is all-reduced over every parallel group; torch's GradScaler checks one rank)")
+    dtype = run.train.param_dtype
+    if dtype != "fp32" and not (p.zero and run.train.precision == dtype):
+        raise ConfigError(f"train.param_dtype={dtype} needs parallel.zero=1 (its distributed optimizer keeps the fp32 "
+                          f"master weights) and train.precision={dtype}")

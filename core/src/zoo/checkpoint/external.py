@@ -1,0 +1,218 @@
+"""Checkpoint conversion between zoo's model directories and external formats (Hugging Face),
+and loading a model from either.
+
+A family declares each format it converts to as an `ExternalFormat`: the format's architecture
+names, a key `MappingTable` (`zoo.checkpoint.mapping`) and the config translation both ways.
+Conversions write into a temporary sibling directory and rename it into place, and refuse to
+overwrite anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from zoo.checkpoint.mapping import MappingError, MappingTable, check_shapes, from_external, to_external
+from zoo.checkpoint.model_dir import (
+    META,
+    build_empty,
+    config_for,
+    load_into,
+    read_meta,
+    resolve_checkpoint,
+    write_model_dir,
+)
+from zoo.checkpoint.reader import Shape, lazy_model_state, read_model_state
+from zoo.checkpoint.tensorio import CheckpointError, ShardStream, copy_tokenizer_files, read_dir, read_json
+from zoo.errors import UsageError
+from zoo.io import make_dir_like_user
+
+if TYPE_CHECKING:
+    from zoo.registry import FamilyEntry
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExternalFormat:
+    """How a family's checkpoints look in another ecosystem (declared by the plugin).
+
+    ``architectures`` maps the format's architecture names (HF ``config.json`` ``architectures``)
+    to the zoo family that reads them; ``table(config)`` gives the key mapping; ``to_config`` and
+    ``from_config`` translate the config document.
+    """
+
+    name: str
+    architectures: Mapping[str, str]
+    table: Callable[[Any], MappingTable]
+    to_config: Callable[[Any], dict[str, Any]]
+    from_config: Callable[[dict[str, Any]], Any]
+
+
+def _registry() -> Any:
+    from zoo.registry import get_registry
+
+    return get_registry()
+
+
+@dataclass
+class Loaded:
+    model: Any
+    family: str
+    config: Any
+    tokenizer_dir: Path | None
+
+
+def _materialize(entry: FamilyEntry, config: Any, state: Mapping[str, Any], *, device: str, what: str) -> Any:
+    """Build the model (under a forked RNG, so loading never disturbs the caller's seed) and fill it."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        model = build_empty(entry, config, device=device)
+    load_into(model, state, what=what)
+    return model
+
+
+def load(path: str | os.PathLike[str], *, device: str = "cpu", weights: str = "auto") -> Loaded:
+    """Load a zoo checkpoint or model directory, or a Hugging Face directory of a known architecture.
+    ``weights``: ``auto`` takes a training checkpoint's moving average of the parameters when it
+    has one (``train.ema``), ``ema`` requires it, ``raw`` takes the parameters themselves."""
+    p = resolve_checkpoint(path)  # a run directory or checkpoint root: its newest complete checkpoint
+    if p.is_dir() and not (p / META).exists() and (p / "config.json").is_file():
+        entry, fmt, config, _ = _hf_source(p)
+        state = _import_tensors(p, entry, fmt, config)
+    else:
+        md = read_meta(p)
+        entry = _registry().get(md.family)
+        config = config_for(entry, md.meta["model_config"], source=str(p / META))
+        state = read_model_state(md, weights=weights)
+    model = _materialize(entry, config, state, device=device, what=str(p))
+    return Loaded(model, entry.family.name, config, p if (p / "tokenizer.json").is_file() else None)
+
+
+def load_model(path: str | os.PathLike[str], *, device: str = "cpu", weights: str = "auto") -> Any:
+    """The model stored at ``path`` (zoo or Hugging Face directory), ready for ``model(input_ids)``."""
+    return load(path, device=device, weights=weights).model
+
+
+# ------------------------------------------------------------------------------------- external
+
+
+def _formats(fmt_name: str) -> list[tuple[Any, ExternalFormat]]:
+    from zoo.family import resolve
+
+    out = []
+    for entry in _registry().families.values():
+        ref = entry.family.checkpoint_formats.get(fmt_name)
+        if ref is not None:
+            out.append((entry, resolve(ref, owner=str(entry.plugin))))
+    return out
+
+
+def _hf_source(src: Path) -> tuple[Any, ExternalFormat, Any, dict[str, Any]]:
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{src}: no config.json (not a Hugging Face model directory)")
+    hf = read_json(cfg_path)
+    archs = hf.get("architectures") or []
+    known: dict[str, tuple[Any, ExternalFormat]] = {}
+    for _, fmt in _formats("hf"):
+        for arch, family in fmt.architectures.items():
+            known.setdefault(arch, (_registry().get(family), fmt))
+    for arch in archs:
+        if arch in known:
+            entry, fmt = known[arch]
+            try:
+                config = fmt.from_config(hf)
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"{cfg_path}: cannot read the {arch} config ({type(e).__name__}: {e})") from None
+            return entry, fmt, config, hf
+    supported = ", ".join(f"{a} ({e.family.name})" for a, (e, _) in sorted(known.items())) or "none (no plugin declares an hf format)"
+    raise UsageError(f"{cfg_path}: unsupported architecture {archs or '(none given)'}; supported: {supported}")
+
+
+def _import_tensors(src: Path, entry: FamilyEntry, fmt: ExternalFormat, config: Any) -> dict[str, Any]:
+    tensors = read_dir(src)
+    try:
+        state = from_external(fmt.table(config), tensors, config)
+        check_shapes(build_empty(entry, config, device="meta").state_dict(), state, what=str(src))
+    except MappingError as e:
+        raise CheckpointError(f"{src}: {e}") from None
+    return state
+
+
+def import_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
+    if fmt_name != "hf":
+        raise UsageError(f"unknown format {fmt_name!r}; supported: hf")
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        raise UsageError(f"{dst} already exists; nothing was overwritten")
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: not a directory")
+    entry, fmt, config, _ = _hf_source(src)
+    state = _import_tensors(src, entry, fmt, config)
+    return write_model_dir(dst, family=entry.family.name, flavor="custom", config=config, state=state,
+                           extra_meta={"source": {"format": "hf", "path": str(src)}}, tokenizer_from=src)
+
+
+def export_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
+                    max_shard_bytes: int = 5 * 2**30, dtype: str | None = None, weights: str = "auto") -> Path:
+    import torch
+
+    from zoo.io import atomic_write_text
+
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        raise UsageError(f"{dst} already exists; nothing was overwritten")
+    md = read_meta(src)
+    entry = _registry().get(md.family)
+    ref = entry.family.checkpoint_formats.get(fmt_name)
+    if ref is None:
+        have = ", ".join(entry.family.checkpoint_formats) or "none"
+        raise UsageError(f"family {entry.family.name!r} cannot be exported to {fmt_name!r}; its formats: {have}")
+    from zoo.family import resolve
+
+    fmt: ExternalFormat = resolve(ref, owner=str(entry.plugin))
+    config = config_for(entry, md.meta["model_config"], source=str(src / META))
+    # Tensor by tensor: each is read when its mapping rule needs it and written out at once.
+    state = lazy_model_state(md, weights=weights)
+    try:
+        shapes = {k: Shape(v) for k, v in state.shapes.items()}  # compared without reading any tensor
+        check_shapes(build_empty(entry, config, device="meta").state_dict(), shapes, what=str(src))
+    except MappingError as e:
+        raise CheckpointError(str(e)) from None
+    target = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype] if dtype else None
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = make_dir_like_user(Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.partial-")))
+    try:
+        stream = ShardStream(tmp, max_shard_bytes=max_shard_bytes, dtype=target)
+        to_external(fmt.table(config), state, config, put=stream.put)
+        stream.close()
+        hf_config = fmt.to_config(config)
+        hf_config["torch_dtype"] = hf_config["dtype"] = str(stream.first_dtype).removeprefix("torch.")
+        atomic_write_text(tmp / "config.json", json.dumps(hf_config, indent=2))
+        copy_tokenizer_files(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def parse_size(text: str) -> int:
+    units = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "b": 1}
+    t = text.strip().lower()
+    for unit, mult in sorted(units.items(), key=lambda u: -len(u[0])):
+        if t.endswith(unit):
+            try:
+                return int(float(t[: -len(unit)]) * mult)
+            except ValueError:
+                break
+    try:
+        return int(t)
+    except ValueError:
+        raise UsageError(f"--max-shard-size {text!r}: expected a size like 5GB or 500MB") from None

@@ -1,0 +1,121 @@
+"""A model's weights in training checkpoints and as a run's starting point.
+
+`ModelState` is the model as a `zoo.checkpoint.state.Stateful`: this rank's parameters and
+buffers under their single-process names, split as `zoo.parallel.sharding.Placements` says; tied
+aliases are stored once. `load_initial_weights` reads ``checkpoint.load``: a Hugging Face
+directory (only the rows and columns of each HF tensor this rank's pieces come from) or a zoo
+checkpoint of either format (only this rank's pieces).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zoo.checkpoint.model_dir import load_into, read_meta
+from zoo.checkpoint.reader import open_reader, weight_source
+from zoo.checkpoint.state import Checkpoint
+from zoo.checkpoint.tensorio import CheckpointError
+from zoo.parallel.sharding import Placements, TPShard, aliases
+
+
+class ModelState:
+    """This rank's part of the model, saved and restored under single-process names."""
+
+    key = "model"
+
+    def __init__(self, model: nn.Module, placements: Placements) -> None:
+        self.model, self.placements = model, placements
+        self._aliases = aliases(model)
+
+    def _own(self) -> dict[str, torch.Tensor]:
+        """The tensors this rank stores: not an alias, not the second copy of a tied parameter."""
+        out = {}
+        for name, t in self.model.state_dict().items():
+            placement = self.placements.get(name)
+            if name not in self._aliases and not (placement is not None and placement.duplicate):
+                out[name] = t
+        return out
+
+    def state_tensors(self) -> list[tuple[str, torch.Tensor, TPShard | None]]:
+        return [(self.placements.canonical(n), t, self.placements.shard(n)) for n, t in self._own().items()]
+
+    def state_json(self) -> None:
+        return None
+
+    def load_state(self, ckpt: Checkpoint, saved: Any) -> None:
+        self.load(lambda name, t: ckpt.read(self.placements.canonical(name), t.shape, self.placements.shard(name)),
+                  what=str(ckpt.path))
+
+    def load(self, read: Any, *, what: str) -> None:
+        """Fill the model from ``read(local name, local tensor) -> this rank's piece``."""
+        state = {}
+        for name, t in self.model.state_dict().items():
+            if name not in self._aliases:
+                state[name] = read(name, t)
+        for alias, original in self._aliases.items():
+            state[alias] = state[original]
+        load_into(self.model, state, what=what)
+
+
+def load_initial_weights(source: str, *, model: nn.Module, placements: Placements, family: str,
+                         weights: str = "auto") -> dict[str, torch.Tensor]:
+    """This rank's tensors for ``checkpoint.load``, under its local names: from a Hugging Face
+    directory (``hf:DIR``, read lazily, keeping only this rank's pieces) or a zoo checkpoint (a
+    training checkpoint's moving average when it has one and ``weights`` allows). The result
+    still has to pass `zoo.checkpoint.model_dir.load_into`'s shape check."""
+    path = Path(source.removeprefix("hf:"))
+    if source.startswith("hf:") or (path / "config.json").is_file() and not (path / "zoo.json").is_file():
+        return _from_hf(path, model=model, placements=placements, family=family)
+    md = read_meta(path)
+    if md.family != family:
+        raise CheckpointError(f"{path}: a checkpoint of {md.family!r}, not {family!r}")
+    reader = open_reader(md)
+    try:
+        source_of = weight_source(list(reader.names()), weights, where=path)
+        ties = md.meta.get("ties", {})
+        out = {}
+        for name, t in model.state_dict().items():
+            canon = placements.canonical(name)
+            out[name] = reader.read_local(source_of(ties.get(canon, canon)), t.shape, placements.shard(name),
+                                          what=f" (loading {path})")
+        return out
+    finally:
+        reader.close()
+
+
+def _from_hf(path: Path, *, model: nn.Module, placements: Placements, family: str) -> dict[str, torch.Tensor]:
+    from zoo.checkpoint.external import _hf_source
+    from zoo.checkpoint.mapping import MappingError, from_external
+    from zoo.checkpoint.slicing import read_sliced
+    from zoo.checkpoint.tensorio import LazyTensors
+
+    entry, fmt, config, _ = _hf_source(path)
+    if entry.family.name != family:
+        raise CheckpointError(f"{path}: a {entry.family.name!r} model, not {family!r}")
+    lazy = LazyTensors(path)
+    local = model.state_dict()
+    try:
+        if any(placements.shard(n) is not None for n in local):  # read only the boxes this rank's pieces come from
+            wanted: dict[str, tuple[tuple[int, ...], Any]] = {}
+            for name, t in local.items():
+                shard = placements.shard(name)
+                shape = shard.global_shape(t.shape) if shard is not None else tuple(t.shape)
+                wanted[placements.canonical(name)] = (shape, shard.cut if shard is not None else (lambda x: x))
+            got = read_sliced(fmt.table(config), lazy, config, wanted)
+            return {name: got[placements.canonical(name)] for name in local}
+        keep = {n for name in local for n in (name, placements.canonical(name))}
+        full = from_external(fmt.table(config), lazy, config, keep=keep)
+    except MappingError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    missing = [placements.canonical(n) for n in local if placements.canonical(n) not in full]
+    if missing:
+        raise CheckpointError(f"{path}: the checkpoint lacks {missing[0]!r}"
+                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    return {name: full[placements.canonical(name)] for name in local}
+
+
+__all__ = ["ModelState", "load_initial_weights"]

@@ -1,0 +1,22 @@
+"""Run configuration: one small dataclass per concern (`zoo.config.sections`), layered and
+type-checked (`zoo.config.layers`): section defaults < the family's flavor and recipe < YAML files
+< ``section.key=value`` overrides."""
+
+from zoo.config.layers import Layers, config_from_dict, parse_override, read_yaml, resolve
+from zoo.config.sections import (
+    AXES,
+    SECTIONS,
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RunConfig,
+    ScheduleConfig,
+    TrainConfig,
+    plain,
+)
+
+__all__ = ["AXES", "SECTIONS", "CheckpointConfig", "DataConfig", "Layers", "LoggingConfig", "OptimizerConfig",
+           "ParallelConfig", "RunConfig", "ScheduleConfig", "TrainConfig", "config_from_dict", "parse_override",
+           "plain", "read_yaml", "resolve"]

@@ -1,0 +1,172 @@
+"""How this rank's parameters relate to the single-process model: one typed description.
+
+`TPShard` says how a tensor-parallel parameter is split (its style, over how many ranks, which
+piece this rank holds) and owns the geometry: the global shape, where the local pieces sit in the
+global tensor (`regions`), cutting a full tensor (`cut`) and gathering one back (`gather`). The
+tensor-parallel layers create their parameters from it, clipping sums squares by it, and
+checkpoints, HF import and format-1 loading read and write boxes computed by it: the geometry is
+written once, here.
+
+`Placement` adds what the other layouts say about a parameter: its single-process name (a tied
+head on the last pipeline stage is the first stage's embedding), whether it is applied to sequence
+shards (its gradient is summed over TP) and whether it is the second copy of a tied parameter
+(summed over the embedding group, counted and written once). `Placements` holds them for one rank,
+by local name and by parameter.
+
+Styles: ``rows`` (dim 0 split contiguously: column-parallel weights and biases, vocabulary rows),
+``cols`` (dim 1 split: row-parallel weights) and ``gated_rows`` (a fused ``[gate; up]`` whose halves
+are split per rank and re-joined as ``[gate_r; up_r]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+Style = Literal["rows", "cols", "gated_rows"]
+STYLES: tuple[str, ...] = ("rows", "cols", "gated_rows")
+
+# (slices of the local tensor, offset of that region in the global tensor)
+Region = tuple[tuple[slice, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """``style`` over ``size`` tensor-parallel ranks; this rank holds piece ``rank``. ``group`` is
+    the process group (for `gather`; not part of the description's identity)."""
+
+    style: Style
+    size: int
+    rank: int
+    group: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.style not in STYLES:
+            raise ValueError(f"unknown tensor-parallel style {self.style!r}; one of {', '.join(STYLES)}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} outside size {self.size}")
+
+    def local_shape(self, global_shape: Sequence[int]) -> tuple[int, ...]:
+        shape = list(global_shape)
+        dim = 1 if self.style == "cols" else 0
+        if shape[dim] % (self.size * (2 if self.style == "gated_rows" else 1)):
+            raise ValueError(f"dim {dim} of {tuple(global_shape)} does not split {self.style} over tp={self.size}")
+        shape[dim] //= self.size
+        return tuple(shape)
+
+    def global_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
+        shape = list(local_shape)
+        shape[1 if self.style == "cols" else 0] *= self.size
+        return tuple(shape)
+
+    def regions(self, local_shape: Sequence[int], rank: int | None = None) -> list[Region]:
+        """Where piece ``rank`` (default: this rank's) of a tensor of ``local_shape`` sits in the global tensor."""
+        r = self.rank if rank is None else rank
+        shape = tuple(local_shape)
+        zero = (0,) * len(shape)
+        whole = tuple(slice(None) for _ in shape)
+        if self.style == "cols":
+            return [(whole, (0, r * shape[1], *zero[2:]))]
+        if self.style == "rows":
+            return [(whole, (r * shape[0], *zero[1:]))]
+        half = shape[0] // 2  # local [gate_r; up_r], global [gate_0 .. gate_n; up_0 .. up_n]
+        rest = tuple(slice(None) for _ in shape[1:])
+        return [((slice(0, half), *rest), (r * half, *zero[1:])),
+                ((slice(half, shape[0]), *rest), (self.size * half + r * half, *zero[1:]))]
+
+    def cut(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the full tensor (a new contiguous tensor)."""
+        local = self.local_shape(full.shape)
+        out = torch.empty(local, dtype=full.dtype, device=full.device)
+        for sl, offset in self.regions(local):
+            part = out[sl]
+            part.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, part.shape))])
+        return out
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor from every rank's piece (collective over ``group``)."""
+        if self.size == 1:
+            return local
+        import torch.distributed as dist
+
+        pieces = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(pieces, local.contiguous(), group=self.group)
+        full = torch.empty(self.global_shape(local.shape), dtype=local.dtype, device=local.device)
+        for r, piece in enumerate(pieces):
+            for sl, offset in self.regions(local.shape, r):
+                part = piece[sl]
+                full[tuple(slice(o, o + n) for o, n in zip(offset, part.shape))] = part
+        return full
+
+
+def aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Tied parameter names of a model: alias -> the first name of the same parameter (tied
+    tensors are stored once and their gradients summed once)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
+
+
+def regions(local_shape: Sequence[int], shard: TPShard | None) -> tuple[tuple[int, ...], list[Region]]:
+    """The global shape of a tensor and where this rank's local tensor sits in it (``None``:
+    replicated, the whole tensor)."""
+    shape = tuple(local_shape)
+    if shard is None or shard.size == 1:
+        return shape, [(tuple(slice(None) for _ in shape), (0,) * len(shape))]
+    return shard.global_shape(shape), shard.regions(shape)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One of this rank's parameters, described against the single-process model."""
+
+    name: str  # its single-process name
+    shard: TPShard | None = None  # tensor-parallel split; None: whole on every TP rank
+    sequence_parallel: bool = False  # applied to sequence shards: its gradient is summed over TP
+    tied: bool = False  # shared by the first and last pipeline stage: gradients summed over both
+    duplicate: bool = False  # the last stage's copy of a tied parameter: counted in norms and written once
+
+
+class Placements(Mapping[str, Placement]):
+    """This rank's placements by local parameter name; `of` finds one by the parameter itself."""
+
+    def __init__(self, model: torch.nn.Module, by_name: Mapping[str, Placement]) -> None:
+        self._by_name = dict(by_name)
+        self._by_id = {id(p): self._by_name[n] for n, p in model.named_parameters() if n in self._by_name}
+
+    def __getitem__(self, name: str) -> Placement:
+        return self._by_name[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def of(self, p: torch.Tensor) -> Placement | None:
+        return self._by_id.get(id(p))
+
+    def shard(self, name: str) -> TPShard | None:
+        """The split of a local parameter (or of a buffer, which is never split)."""
+        placement = self._by_name.get(name)
+        return placement.shard if placement is not None else None
+
+    def canonical(self, name: str) -> str:
+        placement = self._by_name.get(name)
+        return placement.name if placement is not None else name
+
+    @staticmethod
+    def plain(model: torch.nn.Module) -> Placements:
+        """One process: every parameter is itself."""
+        return Placements(model, {n: Placement(n) for n, _ in model.named_parameters()})
+
+
+__all__ = ["STYLES", "Placement", "Placements", "Region", "Style", "TPShard", "aliases", "regions"]

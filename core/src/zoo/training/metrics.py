@@ -1,0 +1,148 @@
+"""What a run reports: metrics.jsonl (kept consistent with the checkpoint on resume), TensorBoard
+event files, validation previews, the loss curve; and the throughput arithmetic behind
+``<unit>/s`` and model FLOPs utilisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zoo.config import RunConfig
+from zoo.io import atomic_write_text
+
+# How each throughput unit is printed.
+UNIT_LABELS = {"tokens": "tok/s", "images": "img/s", "frames": "frames/s", "samples": "samples/s"}
+
+_PEAK: dict[tuple[str, str], float] = {}
+
+
+def count_tokens(batch: Mapping[str, Any]) -> int:
+    """The default unit count: the elements of the batch's ``tokens`` (or ``input_ids``)."""
+    for key in ("tokens", "input_ids"):
+        value = batch.get(key)
+        if value is not None and hasattr(value, "numel"):
+            return int(value.numel())
+    return 0
+
+
+def lm_flops_per_token(model: torch.nn.Module, run: RunConfig) -> float:
+    """Training FLOPs per token: 6 x (weights used in matmuls) + attention (PaLM, Chowdhery et al.
+    2022 app. B). Counts every `nn.Linear` weight once (a tied head counts once, embedding lookups
+    are free) and adds ``12 * layers * hidden * seq`` for the attention scores and values when the
+    config names ``num_layers`` and ``hidden_size``."""
+    from torch import nn
+
+    seen, n = set(), 0
+    for mod in model.modules():
+        if isinstance(mod, nn.Linear) and id(mod.weight) not in seen:
+            seen.add(id(mod.weight))
+            n += mod.weight.numel()
+    cfg = run.model
+    attn = 0.0
+    if isinstance(getattr(cfg, "num_layers", None), int) and isinstance(getattr(cfg, "hidden_size", None), int):
+        attn = 12.0 * cfg.num_layers * cfg.hidden_size * run.train.seq_length
+    return 6.0 * n + attn
+
+
+def measured_peak_flops(device: str, dtype: Any) -> float:
+    """GEMM throughput measured on this device (the denominator of MFU), cached per process."""
+    import torch
+
+    key = (device, str(dtype))
+    if key in _PEAK:
+        return _PEAK[key]
+    n = 1024 if device == "cpu" else 8192
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    reps, best = 3 if device == "cpu" else 20, float("inf")
+    for _ in range(reps):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        a @ b
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    _PEAK[key] = 2 * n**3 / best
+    return _PEAK[key]
+
+
+class MetricsLog:
+    """metrics.jsonl, TensorBoard and previews of one run (written by global rank 0 only)."""
+
+    def __init__(self, run_dir: Path, *, resume_step: int, tensorboard: bool) -> None:
+        self.run_dir = run_dir
+        self.path = run_dir / "metrics.jsonl"
+        self.records: list[dict[str, Any]] = []
+        if resume_step and self.path.exists():
+            # Lines written after the checkpoint we resume from belong to a run that died.
+            for line in self.path.read_text().splitlines():
+                with contextlib.suppress(json.JSONDecodeError):
+                    rec = json.loads(line)
+                    if rec.get("step", 0) <= resume_step:
+                        self.records.append(rec)
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+        self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self.tb: Any = None
+        self.tb_dir: Path | None = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except (ImportError, RuntimeError):  # tensorboard is optional for zoo-core
+                self.tb = None
+            else:
+                self.tb_dir = run_dir / "tensorboard"
+                self.tb = SummaryWriter(str(self.tb_dir), purge_step=resume_step + 1 if resume_step else None)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, record["step"])
+
+    def preview(self, artifact: Any, step: int) -> Path:
+        """Write a validation preview to ``samples/step_N.*`` and TensorBoard."""
+        from zoo import media
+
+        path = media.save(artifact, self.run_dir / "samples" / f"step_{step:08d}")
+        if self.tb is not None:
+            if artifact.kind == "text":
+                self.tb.add_text("preview", artifact.data, step)
+            elif artifact.kind == "image":
+                self.tb.add_image("preview", artifact.data, step, dataformats="HWC")
+            else:  # a video as a strip of frames (TensorBoard's own video summary needs moviepy)
+                import numpy as np
+
+                frames = artifact.data[:: max(1, len(artifact.data) // 8)]
+                self.tb.add_image("preview", np.concatenate(list(frames), axis=1), step, dataformats="HWC")
+        return path
+
+    def close(self, *, plot: Path | None, title: str, log_scale: bool) -> str | None:
+        """Close the files; draw the loss curve at ``plot``. Returns a note when no plot was drawn."""
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if plot is None:
+            return None
+        from zoo.training.plot import loss_curve
+
+        steps = [r["step"] for r in self.records]
+        return loss_curve(plot, steps, [r["loss"] for r in self.records],
+                          [(r["step"], r["val_loss"]) for r in self.records if "val_loss" in r],
+                          title=title, log_scale=log_scale)
+
+
+__all__ = ["UNIT_LABELS", "MetricsLog", "count_tokens", "lm_flops_per_token", "measured_peak_flops"]

@@ -1,0 +1,182 @@
+"""The optimizer side of training: the learning-rate schedule, which parameters train and in which
+group (weight decay, learning-rate multipliers, frozen patterns), the optimizer (plain AdamW or
+the distributed optimizer), and their checkpoint state.
+
+One rule gives every parameter its group options (`ParamRules.options`), used by the plain
+optimizer and by the distributed one alike, so ZeRO-1 on or off trains the same model. Patterns
+match single-process parameter names (`fnmatch`: ``"vision.*"`` is everything under ``vision``),
+so they mean the same under every layout.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from zoo.checkpoint.state import Checkpoint
+from zoo.checkpoint.tensorio import CheckpointError
+from zoo.errors import ConfigError
+from zoo.parallel.engine import Parallel
+from zoo.parallel.sharding import Placements, TPShard
+
+
+def lr_at(step: int, *, peak: float, warmup: int, total: int, decay: str, min_ratio: float) -> float:
+    """Linear warmup to ``peak`` over ``warmup`` steps, then cosine/linear decay or constant."""
+    if warmup and step < warmup:
+        return peak * (step + 1) / warmup
+    if decay == "constant":
+        return peak
+    span = max(total - warmup, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
+    floor = peak * min_ratio
+    if decay == "linear":
+        return peak - (peak - floor) * progress
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class ParamRules:
+    """Per-parameter training rules, by single-process name."""
+
+    weight_decay: float
+    lr_mult: Mapping[str, float] = field(default_factory=dict)
+    freeze: Sequence[str] = ()
+
+    def frozen(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.freeze)
+
+    def options(self, name: str, p: torch.Tensor) -> dict[str, Any]:
+        """The optimizer-group options of a parameter: no weight decay on norms, biases and other
+        vectors (GPT-2/LLaMA practice); the first matching learning-rate multiplier, else 1."""
+        mult = next((float(m) for pattern, m in self.lr_mult.items() if fnmatch.fnmatchcase(name, pattern)), 1.0)
+        return {"weight_decay": self.weight_decay if p.dim() >= 2 else 0.0, "lr_mult": mult}
+
+    def check(self, names: Sequence[str]) -> None:
+        """Every pattern must match a parameter of the whole model: a typo fails here, by name."""
+        for key, patterns in (("train.freeze", self.freeze), ("optimizer.lr_mult", list(self.lr_mult))):
+            for pattern in patterns:
+                if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                    from zoo.errors import suggest
+
+                    raise ConfigError(f"{key}: pattern {pattern!r} matches no parameter of the model"
+                                      + (suggest(pattern, names) or f" (e.g. {', '.join(list(names)[:3])})"))
+
+
+def param_groups(model: nn.Module, weight_decay: float, *, rules: ParamRules | None = None,
+                 placements: Placements | None = None) -> list[dict[str, Any]]:
+    """Optimizer groups of the model's trainable parameters, one per distinct options (in the
+    order first seen); ``placements`` give single-process names under a parallel layout."""
+    rules = rules or ParamRules(weight_decay)
+    groups: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        options = rules.options(placements.canonical(name) if placements is not None else name, p)
+        groups.setdefault(tuple(sorted(options.items())), {**options, "params": []})["params"].append(p)
+    return list(groups.values())
+
+
+def freeze(model: nn.Module, placements: Placements, rules: ParamRules) -> list[str]:
+    """Make the frozen parameters of this rank untrainable; returns their single-process names."""
+    out = []
+    for name, p in model.named_parameters():
+        if rules.frozen(placements.canonical(name)):
+            p.requires_grad_(False)
+            out.append(placements.canonical(name))
+    return out
+
+
+def set_lr(optimizer: Any, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_mult", 1.0)
+
+
+class OptimizerState:
+    """The optimizer (plain or the distributed one) as a checkpoint `Stateful`: its tensors under
+    ``<single-process name>::<field>`` in the parameter's global shape, so they reshard like the
+    parameters, and its groups (parameter names, options) as JSON."""
+
+    key = "optimizer_param_groups"
+
+    def __init__(self, optimizer: Any, model: nn.Module, par: Parallel, *, distributed: bool) -> None:
+        self.optimizer, self.model, self.par, self.distributed = optimizer, model, par, distributed
+        self.names = {id(p): n for n, p in model.named_parameters()}
+
+    def _local(self) -> dict[str, torch.Tensor]:
+        if self.distributed:  # gathered over DP (a collective), as full per-parameter tensors
+            return self.optimizer.full_state(self.names)
+        return {f"{self.names[id(p)]}::{k}": (v if torch.is_tensor(v) else torch.tensor(v))
+                for p, st in self.optimizer.state.items() for k, v in st.items()}
+
+    def state_tensors(self) -> list[tuple[str, torch.Tensor, TPShard | None]]:
+        out = []
+        for key, t in self._local().items():
+            local, _, fieldname = key.partition("::")
+            placement = self.par.placements[local]
+            if not placement.duplicate:
+                out.append((f"{placement.name}::{fieldname}", t, placement.shard if t.dim() else None))
+        return out
+
+    def state_json(self) -> list[dict[str, Any]]:
+        # The names of the parameters the state is for (the group options are the run config's).
+        names = [self.par.placements.canonical(n) for n, p in self.model.named_parameters() if p.requires_grad]
+        return self.par.global_groups([{"params": names}])
+
+    def load_state(self, ckpt: Checkpoint, saved: Any) -> None:
+        saved_names = {n for g in saved or [] for n in g["params"]}
+        fields: dict[str, list[str]] = {}
+        for key in ckpt.names():
+            pname, sep, fieldname = key.partition("::")
+            if sep:
+                fields.setdefault(pname, []).append(fieldname)
+        tensors: dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            placement = self.par.placements[name]
+            if placement.name not in saved_names:
+                raise CheckpointError(f"{ckpt.path}: optimizer state has no entry for parameter {placement.name!r}")
+            for fieldname in fields.get(placement.name, []):
+                key = f"{placement.name}::{fieldname}"
+                scalar = len(ckpt.shape(key)) == 0
+                tensors[f"{name}::{fieldname}"] = ckpt.full(key) if scalar else ckpt.read(key, p.shape, placement.shard)
+        if self.distributed:
+            self.optimizer.load_full_state(tensors, self.names)
+            return
+        params = dict(self.model.named_parameters())
+        for key, value in tensors.items():
+            name, _, fieldname = key.partition("::")
+            if fieldname == "master":  # fp32 masters a bf16-parameter run saved: not a plain optimizer's state
+                continue
+            p = params[name]
+            # As torch's own load_state_dict: state follows the parameter's dtype and device, the step count stays.
+            state = self.optimizer.state[p]
+            state[fieldname] = value if fieldname == "step" else value.to(dtype=p.dtype, device=p.device)
+
+
+class ScalerState:
+    """The fp16 loss scale (torch's GradScaler or the distributed optimizer's) as JSON."""
+
+    key = "scaler"
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+
+    def state_tensors(self) -> list[tuple[str, torch.Tensor, TPShard | None]]:
+        return []
+
+    def state_json(self) -> Any:
+        return self.scaler.state_dict() if self.scaler.is_enabled() else None
+
+    def load_state(self, ckpt: Checkpoint, saved: Any) -> None:
+        if saved and self.scaler.is_enabled():
+            self.scaler.load_state_dict(saved)
+
+
+__all__ = ["OptimizerState", "ParamRules", "ScalerState", "freeze", "lr_at", "param_groups", "set_lr"]

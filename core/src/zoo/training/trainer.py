@@ -1,0 +1,436 @@
+"""The training loop, as a `Trainer` whose parts are named: build (model, layout, optimizer),
+restore, one step, evaluation (and its preview), saving, logging, and the loop that calls them.
+
+What the trainer does not know: the model and its loss (the family's ``build`` and ``loss``), the
+data (the named dataset's ``build``), what a unit of throughput is and what extra metrics the
+loss reports (the family's ``throughput`` and ``metrics``). It owns: the optimizer and schedule,
+gradient accumulation, clipping, precision (fp32, bf16 autocast, fp16 with loss scaling),
+recomputation, frozen parameters and learning-rate multipliers, the moving average of the
+weights, validation and previews, NaN detection, metrics, checkpoints and exact resume.
+
+Every layout (tensor, sequence, pipeline, context and data parallel, ZeRO-1) is applied by
+`zoo.parallel.Parallel` from what the family declares; the loop is the same for all of them.
+Checkpoints hold the single-process model's names and shapes, so a run resumes under any layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zoo.checkpoint.sharded import Saver
+from zoo.checkpoint.state import Stateful, TrainState
+from zoo.config import RunConfig
+from zoo.errors import ConfigError, ZooError
+from zoo.family import DatasetSpec, Family, resolve
+from zoo.io import atomic_write_text
+from zoo.parallel.engine import Parallel, StepOutput
+from zoo.parallel.layout import Layout
+from zoo.training import optim
+from zoo.training.ema import EMA
+from zoo.training.metrics import UNIT_LABELS, MetricsLog, count_tokens, lm_flops_per_token, measured_peak_flops
+from zoo.training.progress import Progress
+from zoo.training.run_control import Preemption, run_token
+
+
+class Trainer:
+    """Trains ``family`` as ``run`` says under ``layout``; `fit` runs the job (one process or one
+    rank under torchrun). ``dataset`` overrides the registry's lookup (tests, embedding)."""
+
+    def __init__(self, family: Family, run: RunConfig, layout: Layout, *, run_dir: Path, owner: str | None = None,
+                 dataset: DatasetSpec | None = None) -> None:
+        self.family, self.run, self.layout, self.run_dir = family, run, layout, run_dir
+        self.owner = owner or f"family {family.name!r}"
+        self._build_model = resolve(family.build, owner=self.owner)
+        self._loss = resolve(family.loss, owner=self.owner)
+        self._count = resolve(family.throughput.count, owner=self.owner) if family.throughput.count else count_tokens
+        self._flops = (resolve(family.throughput.flops_per_unit, owner=self.owner) if family.throughput.flops_per_unit
+                       else lm_flops_per_token)
+        self._preview = resolve(family.preview, owner=self.owner) if family.preview and run.train.preview else None
+        self.dataset, self._dataset_owner = self._dataset(dataset)
+        self.ckpt_root = Path(run.checkpoint.dir) if run.checkpoint.dir else run_dir / "checkpoints"
+        self.state = TrainState()
+        self.log: MetricsLog | None = None  # global rank 0's, once the loop starts
+
+    def _dataset(self, given: DatasetSpec | None) -> tuple[DatasetSpec, str]:
+        if given is not None:
+            return given, self.owner
+        run = self.run
+        # data.path names Megatron indexed data; otherwise the family's own default dataset.
+        has_paths = run.data.path or run.data.train_path
+        name = run.data.dataset or ("megatron" if has_paths else self.family.default_dataset)
+        if not name:
+            raise ConfigError(f"family {self.family.name!r} declares no default dataset; set data.dataset=NAME")
+        from zoo.registry import get_registry
+
+        spec, info = get_registry().dataset(name)
+        return spec, str(info)
+
+    # ------------------------------------------------------------------------------- the job
+
+    def fit(self) -> int:
+        from zoo.parallel import distributed
+
+        run = self.run
+        resume_from = self._resume_point()
+        with distributed.session(backend=run.parallel.backend, device=run.train.device,
+                                 timeout_s=run.parallel.timeout_s) as env:
+            if env.world_size != self.layout.world_size:
+                raise ConfigError(f"the layout was planned for {self.layout.world_size} processes but this job has "
+                                  f"{env.world_size} (--world-size is for --dry-run planning)")
+            self.env = env
+            self.build()
+            self.restore(resume_from)
+            if self.state.step >= run.train.steps:
+                if env.is_main:
+                    print(f"{self.run_dir}: already trained to step {self.state.step} (train.steps={run.train.steps}); "
+                          "nothing to do", flush=True)
+                return 0
+            self.open_outputs()
+            try:
+                self.loop()
+            finally:
+                self.close_outputs()
+        return 0
+
+    def _resume_point(self) -> Path | None:
+        from zoo.checkpoint.state import complete_checkpoints, latest, resolve_checkpoint
+
+        resume = self.run.checkpoint.resume
+        if resume == "auto":
+            return latest(self.ckpt_root)
+        if resume != "none":
+            return resolve_checkpoint(resume)
+        if complete_checkpoints(self.ckpt_root):
+            raise ConfigError(f"{self.ckpt_root} already holds checkpoints; continue with checkpoint.resume=auto "
+                              "or use another --run-dir")
+        return None
+
+    # ------------------------------------------------------------------------------- building
+
+    def build(self) -> None:
+        """This rank's model under the layout, the frozen set, the optimizer, the loss scaler, the EMA."""
+        from zoo.checkpoint.weights import ModelState
+        from zoo.nn import recompute
+        from zoo.parallel.sharding import aliases
+
+        run, env, fam = self.run, self.env, self.family
+        torch.manual_seed(run.train.seed)
+        self.dev_type = "cuda" if env.device.startswith("cuda") else "cpu"
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.train.precision)
+        # Every rank builds the same full model from one seed; the core then keeps this rank's
+        # part, so every layout trains the same model.
+        full = self._build_model(run.model, fam.spec_for(run.model)).to(env.device)
+        self.n_params = sum(p.numel() for p in full.parameters())
+        self.flops_per_unit = float(self._flops(full, run))
+        self.rules = optim.ParamRules(run.optimizer.weight_decay, run.optimizer.lr_mult, run.train.freeze)
+        self.rules.check([n for n, _ in full.named_parameters()])
+        recompute.apply(full, run.train.recompute)
+        self.ties = aliases(full)
+        self.par = Parallel(full, fam, self.layout, rank=env.rank, seed=run.train.seed)
+        del full
+        self.model = self.par.model  # this rank's parameters (its tensor-parallel pieces of its stages)
+        self.model_state = ModelState(self.model, self.par.placements)
+        self.frozen = optim.freeze(self.model, self.par.placements, self.rules)
+
+    def build_optimizer(self) -> None:
+        """After the weights are in place: ZeRO-1 copies them into its fp32 masters."""
+        run, par = self.run, self.par
+        if run.train.param_dtype != "fp32":
+            self.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[run.train.param_dtype])
+
+        def adamw(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(groups, lr=run.optimizer.lr, betas=(run.optimizer.beta1, run.optimizer.beta2),
+                                     eps=run.optimizer.eps)
+
+        self.buckets = par.make_buckets(run.parallel.bucket_size, shard=bool(self.layout.zero))
+        self.zero = None
+        if self.layout.zero:
+            from zoo.parallel.zero import DistributedOptimizer
+
+            names = {id(p): par.placements.canonical(n) for n, p in self.model.named_parameters()}
+            # fp32 master weights and Adam state only for this rank's shard of every bucket.
+            self.opt: Any = DistributedOptimizer(self.buckets, adamw, group_of=lambda p: self.rules.options(names[id(p)], p))
+            self.zero = self.opt
+        else:
+            self.opt = adamw(optim.param_groups(self.model, run.optimizer.weight_decay, rules=self.rules,
+                                                placements=par.placements))
+        if self.zero is not None and run.train.precision == "fp16":
+            from zoo.parallel.zero import DynamicLossScale
+
+            self.scaler: Any = DynamicLossScale()  # overflow decided on the all-reduced norm, by every rank alike
+        else:
+            self.scaler = torch.amp.GradScaler(self.dev_type, enabled=run.train.precision == "fp16")
+        self.ema = EMA(self.model, par.placements, run.train.ema) if run.train.ema > 0 else None
+
+    def stateful(self) -> list[Stateful]:
+        """Everything a checkpoint saves besides the loop position and the RNG states."""
+        items: list[Stateful] = [self.model_state, optim.OptimizerState(self.opt, self.model, self.par,
+                                                                        distributed=self.zero is not None),
+                                 optim.ScalerState(self.scaler)]
+        return items + ([self.ema] if self.ema is not None else [])
+
+    # ------------------------------------------------------------------------------ restoring
+
+    def restore(self, path: Path | None) -> None:
+        """Weights from the checkpoint resumed (or ``checkpoint.load``), then the optimizer,
+        scaler, EMA, loop position and RNG states; each rank reads only its pieces."""
+        from zoo.checkpoint import rng as rng_mod
+        from zoo.checkpoint.model_dir import load_into
+        from zoo.checkpoint.state import Checkpoint
+        from zoo.checkpoint.weights import load_initial_weights
+
+        run = self.run
+        if path is None:
+            if run.checkpoint.load:
+                load_into(self.model, load_initial_weights(run.checkpoint.load, model=self.model, family=run.family,
+                                                           placements=self.par.placements), what=run.checkpoint.load)
+            self.build_optimizer()
+            return
+        with Checkpoint(path, family=run.family, rank=self.env.rank, world_size=self.env.world_size) as ckpt:
+            ckpt.restore(self.model_state)
+            self.build_optimizer()
+            ckpt.restore(*self.stateful()[1:])
+            rng = ckpt.rng()
+            self.state = ckpt.train_state()
+        rng_mod.restore(rng)
+        if "tp_stream" in rng.extra:  # this rank's tensor-parallel dropout stream, same layout
+            self.par.tp_rng.load_state(rng.extra["tp_stream"])
+        if self.env.is_main:
+            print(f"resuming from {path} (step {self.state.step})", flush=True)
+
+    # ------------------------------------------------------------------------------- a step
+
+    def forward(self, model: torch.nn.Module, batch: Mapping[str, Any]) -> tuple[Any, Any]:
+        """The family's loss on one micro-batch under the run's precision and recomputation."""
+        from zoo.nn import recompute
+
+        with torch.autocast(self.dev_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None), \
+                recompute.scope(self.run.train.recompute):
+            return self._loss(model, _to(batch, self.env.device))
+
+    def train_step(self, batches: list[Mapping[str, Any]], lr: float) -> tuple[StepOutput, float]:
+        """Forward and backward of the step's micro-batches, then clipping and the update;
+        returns the step's output and the gradient norm."""
+        run = self.run
+        optim.set_lr(self.opt, lr)
+        # All micro-batches (through the pipeline schedule when pp > 1); gradient reductions
+        # overlap backward, the last ones are awaited in finish_grads.
+        out = self.par.forward_backward(batches, self.forward, seq_length=run.train.seq_length, scale=self.scaler.scale)
+        self.par.finish_grads()
+        total = out.loss.item()
+        if not math.isfinite(total):
+            raise ZooError(f"loss is {total} at step {self.state.step + 1} (lr {lr:.3g}); lower optimizer.lr or check the data")
+        self.saver.wait()  # a save in flight still reads the parameters and optimizer state
+        if self.zero is not None:  # clips over the shards, updates them, gathers the parameters
+            grad_norm = self.zero.step(max_norm=run.optimizer.grad_clip, norm_squared=self.par.grad_norm_squared,
+                                       loss_scale=self.scaler if run.train.precision == "fp16" else None)
+        else:
+            self.scaler.unscale_(self.opt)
+            grad_norm = self.par.clip(run.optimizer.grad_clip)
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        if self.buckets is not None:
+            self.buckets.zero_grad()  # gradients are views into the buckets: zero, never free
+        else:
+            self.opt.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update()
+        self.state.step += 1
+        self.state.consumed_samples += self.layout.global_batch_size
+        return out, grad_norm
+
+    # ------------------------------------------------------------------------------ evaluation
+
+    def evaluate(self) -> StepOutput:
+        """Validation loss and metrics (every rank: parallel forwards are collective), then the
+        family's preview of the first validation micro-batch."""
+        it = self.data("valid", 0)
+        batches = []
+        for _ in range(self.run.train.eval_steps):
+            try:
+                batches.append(next(it))
+            except StopIteration:
+                break
+        modules = [self.par.model, *self.par.chunks]
+        was_training = self.par.model.training
+        for m in modules:
+            m.eval()
+        try:
+            out = self.par.evaluate(batches, self.forward, seq_length=self.run.train.seq_length)
+            if self._preview is not None and batches:
+                self.preview(batches[0])
+        finally:
+            for m in modules:
+                m.train(was_training)
+        return out
+
+    def preview(self, batch: Mapping[str, Any]) -> None:
+        """The family's sample for this evaluation, with the EMA weights when kept. It runs on the
+        ranks of the first data-parallel replica (tensor-parallel layers communicate) and is
+        written by rank 0, under its own random stream (training's is left untouched)."""
+        lay = self.layout
+        if lay.pp > 1 or lay.cp > 1:
+            if self.env.is_main and not getattr(self, "_preview_note", False):
+                print(f"preview skipped: family previews run with pp=1 and cp=1 (this layout: pp={lay.pp}, cp={lay.cp})",
+                      flush=True)
+                self._preview_note = True
+            return
+        if self.par.dp_rank != 0:
+            return
+        generator = torch.Generator(self.env.device).manual_seed(self.run.train.seed + self.state.step)
+        with torch.random.fork_rng(devices=[self.env.device] if self.dev_type == "cuda" else []), torch.no_grad():
+            ema = self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
+            with ema, torch.autocast(self.dev_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                artifact = self._preview(self.model, self.run.model, _to(batch, self.env.device), generator=generator)
+        if self.env.is_main:
+            assert self.log is not None
+            path = self.log.preview(artifact, self.state.step)
+            if self.run.logging.progress:
+                print(f"preview {path}", flush=True)
+
+    # ------------------------------------------------------------------------------ outputs
+
+    def data(self, split: str, start: int) -> Iterator[Any]:
+        build = resolve(self.dataset.build, owner=self._dataset_owner)
+        return iter(build(self.run, split=split, dp_rank=self.par.dp_rank, dp_size=self.layout.dp, consumed_samples=start))
+
+    def open_outputs(self) -> None:
+        run, env = self.run, self.env
+        tok = self.dataset.tokenizer
+        self.tokenizer_dir = resolve(tok, owner=self._dataset_owner)(run) if tok else None
+        if env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.run_dir / "config.yaml", run.to_yaml())
+        self.log = MetricsLog(self.run_dir, resume_step=self.state.step, tensorboard=run.logging.tensorboard) \
+            if env.is_main else None
+        self.peak = measured_peak_flops(env.device, self.amp_dtype or torch.float32) if env.is_main else 1.0
+        self.progress = Progress(run.train.steps, enabled=env.is_main and run.logging.progress, start=self.state.step)
+        # An async save writes from the live tensors while the next forward and backward run; the
+        # optimizer update (the only thing that changes them) waits for it.
+        self.saver = Saver(asynchronous=run.checkpoint.async_save, copy=False)
+        self.token = run_token(env.world_size)  # names this run's partial checkpoint directories
+        self.preempt = Preemption(run.checkpoint.save_on_sigterm)
+        self.saved_step, self.saved_at = -1, time.monotonic()
+
+    def close_outputs(self) -> None:
+        self.preempt.restore()
+        if self.log is None:
+            return
+        note = self.log.close(plot=self.run_dir / "loss.png" if self.state.step > 0 and self.run.logging.plot else None,
+                              title=f"{self.run.family} ({self.run.flavor})", log_scale=self.run.logging.plot_log_scale)
+        if note:
+            print(note, flush=True)
+
+    def save(self) -> None:
+        from zoo.checkpoint.state import save
+
+        # Each rank snapshots what it holds (ZeRO shards gathered over DP first: a collective);
+        # the files are written now or in the background, one save in flight at most.
+        self.saved_step, self.saved_at = self.state.step, time.monotonic()
+        run, env = self.run, self.env
+        path = save(self.ckpt_root, state=TrainState(self.state.step, self.state.consumed_samples), run=run, par=self.par,
+                    items=self.stateful(), ties=self.ties, saver=self.saver, token=self.token,
+                    tokenizer_dir=self.tokenizer_dir, keep_last=run.checkpoint.keep_last, rank=env.rank,
+                    world_size=env.world_size, timeout_s=run.parallel.timeout_s)
+        if env.is_main and run.logging.progress:
+            print(f"{'saving' if self.saver.asynchronous else 'saved'} checkpoint {path}", flush=True)
+
+    def record(self, out: StepOutput, *, lr: float, grad_norm: float, units: int, seconds: float,
+               val: StepOutput | None) -> dict[str, Any]:
+        """The metrics line of a step (global rank 0)."""
+        unit = self.family.throughput.unit
+        rate = units / max(seconds, 1e-9)
+        metrics = {k: float(v) for k, v in out.metrics.items()}
+        record: dict[str, Any] = {"step": self.state.step, "loss": metrics.pop("loss"), "lr": lr, "grad_norm": grad_norm,
+                                  f"{unit}_per_s": rate,
+                                  "mfu": rate * self.flops_per_unit / self.env.world_size / self.peak, **metrics}
+        if val is not None:
+            record["val_loss"] = float(val.metrics["loss"])
+            record.update({f"val_{k}": float(v) for k, v in val.metrics.items() if k != "loss"})
+        return record
+
+    def show(self, record: Mapping[str, Any]) -> None:
+        label = UNIT_LABELS.get(self.family.throughput.unit, f"{self.family.throughput.unit}/s")
+        fields = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.3g}",
+                  label: f"{record[self.family.throughput.unit + '_per_s']:,.0f}", "mfu": f"{record['mfu']:.1%}"}
+        fields.update({m.name: f"{record[m.name]:.4g}" for m in self.family.metrics if m.name in record})
+        if "val_loss" in record:
+            fields["val"] = f"{record['val_loss']:.4f}"
+        self.progress.update(self.state.step, fields, log_line=True)
+
+    # ------------------------------------------------------------------------------- the loop
+
+    def loop(self) -> None:
+        run, env, lay = self.run, self.env, self.layout
+        train_iter = self.data("train", self.state.consumed_samples)
+        t_last, units, last_loss = time.perf_counter(), 0, float("nan")
+        while self.state.step < run.train.steps:
+            lr = optim.lr_at(self.state.step, peak=run.optimizer.lr, warmup=run.schedule.warmup_steps,
+                             total=run.train.steps, decay=run.schedule.decay, min_ratio=run.schedule.min_lr_ratio)
+            batches = [next(train_iter) for _ in range(lay.grad_accum)]
+            units += sum(self._count(b) for b in batches) * lay.dp
+            out, grad_norm = self.train_step(batches, lr)
+            step = self.state.step
+            log_now = step % run.logging.interval == 0 or step == run.train.steps
+            eval_now = bool(run.train.eval_interval) and log_now and (
+                step % run.train.eval_interval == 0 or step == run.train.steps)
+            val = self.evaluate() if eval_now else None
+            if env.is_main and log_now:
+                now = time.perf_counter()
+                record = self.record(out, lr=lr, grad_norm=grad_norm, units=units, seconds=now - t_last, val=val)
+                t_last, units = now, 0
+                assert self.log is not None
+                self.log.log(record)
+                self.show(record)
+            elif env.is_main:
+                self.progress.update(step, {"loss": f"{float(out.metrics['loss']):.4f}"}, log_line=False)
+            last_loss = float(out.metrics["loss"])
+            if self.checkpoint_due():
+                break
+        if run.train.steps > 0 and self.state.step == run.train.steps and self.saved_step != self.state.step:
+            self.save()
+        self.saver.wait()  # the last checkpoint is complete before the run ends
+        if env.is_main:
+            self.finished(last_loss)
+
+    def checkpoint_due(self) -> bool:
+        """Save when the interval says so; on SIGTERM save and return True (stop)."""
+        run, env = self.run, self.env
+        due = bool(run.checkpoint.interval) and self.state.step % run.checkpoint.interval == 0
+        stop = False
+        if self.preempt.watching or run.checkpoint.interval_minutes > 0:
+            # Every rank must take the same decision: rank 0's clock, anyone's SIGTERM.
+            late = (run.checkpoint.interval_minutes > 0
+                    and time.monotonic() - self.saved_at >= 60 * run.checkpoint.interval_minutes)
+            flags = torch.tensor([float(self.preempt.requested), float(late and env.is_main)])
+            if env.world_size > 1:
+                torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+            stop, due = bool(flags[0]), due or bool(flags[1])
+        if (due or stop) and self.state.step < run.train.steps:
+            self.save()
+        if stop and env.is_main:
+            print(f"SIGTERM: saved step {self.state.step} and stopping; rerun the same command to continue", flush=True)
+        return stop
+
+    def finished(self, loss: float) -> None:
+        run = self.run
+        print(f"trained {run.family} ({run.flavor}, {self.n_params:,} parameters) for {self.state.step} steps; "
+              f"final loss {loss:.4f}; run directory {self.run_dir}", flush=True)
+        if self.log is not None and self.log.tb_dir is not None:
+            print(f"TensorBoard event files in {self.log.tb_dir} (tensorboard --logdir {self.log.tb_dir})", flush=True)
+
+
+def _to(batch: Any, device: str) -> Any:
+    if isinstance(batch, Mapping):
+        return {k: (v.to(device, non_blocking=True) if hasattr(v, "to") else v) for k, v in batch.items()}
+    return batch
+
+
+__all__ = ["Trainer"]

@@ -1,0 +1,170 @@
+"""The trainer applies what a family declares, under every layout: a family defined here (not a
+plugin: `_trainer_family`) with an auxiliary loss, ``max`` and ``sum`` metrics, images as its
+throughput unit, frozen parameters, a learning-rate multiplier, an EMA of the weights and a preview
+trains under dp2, tp2 and pp2 (its conditioning vector carried across the stage boundary) on gloo
+exactly as one process does, and resumes from another layout's checkpoint with its EMA and frozen
+state resharded. References are independent: a plain PyTorch computation of the first step, the
+EMA formula, and the single-process run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _trainer_family import AUX_WEIGHT, DATASET, FAMILY, CondConfig, build, sample
+
+from zoo.testing import run_distributed
+
+COMMON = ["train.steps=6", "train.micro_batch_size=2", "train.global_batch_size=8", "logging.interval=1",
+          "train.eval_interval=3", "train.eval_steps=2", "train.ema=0.9", "train.freeze=[embed.*]",
+          "optimizer.lr_mult={cond_embed.*: 0.5}", "optimizer.lr=3e-3", "optimizer.eps=1e-6", "schedule.warmup_steps=0",
+          "checkpoint.interval=3", "logging.progress=false", "train.seed=5"]
+COMPARED = ("loss", "aux_l2", "max_abs_err", "samples", "grad_norm", "val_loss", "val_aux_l2")
+
+
+def _fit(run_dir: str, world: int, overrides: list[str]) -> None:
+    from zoo.config import resolve
+    from zoo.parallel.layout import plan
+    from zoo.training.trainer import Trainer
+
+    run = resolve(family="cond", flavor="tiny", model_cls=CondConfig, model_defaults=FAMILY.flavors["tiny"](),
+                  recipe=[("recipe of cond", FAMILY.recipe)], overrides=overrides)
+    Trainer(FAMILY, run, plan(run, world_size=world, family=FAMILY), run_dir=Path(run_dir), dataset=DATASET).fit()
+
+
+def _train(run_dir: Path, world: int, *extra: str) -> list[dict]:
+    run_distributed(_fit, world, str(run_dir), world, [*COMMON, *extra], timeout=240)
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _close(got: list[dict], ref: list[dict], rel: float = 1e-5, *, validation: bool = True) -> None:
+    """Equal curves; ``validation=False`` when data-parallel ranks each evaluate their own
+    ``eval_steps`` micro-batches (so more samples than one process)."""
+    assert [r["step"] for r in got] == [r["step"] for r in ref]
+    for a, b in zip(got, ref):
+        for key in COMPARED:
+            if key in b and (validation or not key.startswith("val_")):
+                assert abs(a[key] - b[key]) <= rel * abs(b[key]) + 1e-7, (key, a["step"], a[key], b[key])
+
+
+def _same(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    """Every tensor within 1e-5 relative norm (float32 sums in another order differ in the last
+    bits, and Adam's normalisation carries that into the next steps, element by element)."""
+    assert got.keys() == ref.keys()
+    for name, t in ref.items():
+        a, b = got[name].double(), t.double()
+        assert float((a - b).norm() / b.norm().clamp(min=1e-30)) <= 1e-5, name
+
+
+def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    from zoo.checkpoint.sharded import ShardedCheckpoint
+
+    with ShardedCheckpoint(ckpt) as ck:
+        return {name: ck.full(name) for name in ck.names()}
+
+
+def _initial() -> torch.nn.Module:
+    torch.manual_seed(5)  # the trainer seeds with train.seed, then builds
+    return build(CondConfig(), FAMILY.specs["cond"])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("trainer")
+    out = {"root": root}
+    for name, world, layout in (("one", 1, ()), ("dp2", 2, ()), ("tp2", 2, ("parallel.tp=2",)),
+                                ("pp2", 2, ("parallel.pp=2",))):
+        out[name] = _train(root / name, world, *layout)
+    return out
+
+
+def test_first_step_matches_an_independent_computation(runs):
+    """Step 1's logged loss is the main objective (MSE) alone, the auxiliary term is logged beside
+    it and included in what is backpropagated (the gradient norm says so), and frozen parameters
+    get no gradient."""
+    model = _initial()
+    rows = [sample(5, "train", g) for g in range(8)]
+    x, label = torch.stack([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
+    target = torch.stack([r[2] for r in rows])
+    mse, aux = 0.0, 0.0
+    for i in range(0, 8, 2):  # four micro-batches of two, averaged
+        pred = model(x[i:i + 2], label[i:i + 2])
+        m, a = (pred - target[i:i + 2]).pow(2).mean() / 4, AUX_WEIGHT * pred.pow(2).mean() / 4
+        (m + a).backward()
+        mse, aux = mse + m.detach(), aux + a.detach()
+    trainable = [p for n, p in model.named_parameters() if not n.startswith("embed.")]
+    norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in trainable))
+    first = runs["one"][0]
+    assert first["loss"] == pytest.approx(float(mse), rel=1e-6) and first["aux_l2"] == pytest.approx(float(aux), rel=1e-6)
+    assert first["grad_norm"] == pytest.approx(float(norm), rel=1e-6)
+    assert first["samples"] == 8.0
+    assert "images_per_s" in first and "tokens_per_s" not in first and first["mfu"] > 0
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
+def test_layouts_train_like_one_process(runs, layout):
+    _close(runs[layout], runs["one"], validation=layout != "dp2")
+    _same(_tensors(runs["root"] / layout / "checkpoints" / "step_00000006"),
+          _tensors(runs["root"] / "one" / "checkpoints" / "step_00000006"))
+
+
+def test_frozen_parameters_keep_their_values_and_have_no_optimizer_state(runs):
+    initial = _initial().embed.weight.detach()
+    for layout in ("one", "dp2", "tp2", "pp2"):
+        tensors = _tensors(runs["root"] / layout / "checkpoints" / "step_00000006")
+        assert torch.equal(tensors["embed.weight"], initial), layout
+        assert not [n for n in tensors if n.startswith("embed.") and "::" in n or n.startswith("ema/embed.")], layout
+        assert "cond_embed.weight::exp_avg" in tensors and "ema/cond_embed.weight" in tensors
+
+
+def test_preview_and_tensorboard(runs):
+    from PIL import Image
+
+    one = runs["root"] / "one"
+    assert sorted(p.name for p in (one / "samples").iterdir()) == ["step_00000003.png", "step_00000006.png"]
+    with Image.open(one / "samples" / "step_00000006.png") as img:
+        # targets then predictions of the micro-batch (2 each), 8x8 tiles with 2-pixel gaps, one row
+        assert img.format == "PNG" and img.mode == "RGB" and img.size == (4 * 10 + 2, 10 + 2)
+        pixels = torch.from_numpy(np.array(img)).int()
+    with Image.open(runs["root"] / "tp2" / "samples" / "step_00000006.png") as img:  # drawn by both TP ranks together
+        assert (torch.from_numpy(np.array(img)).int() - pixels).abs().max() <= 1
+    assert list((one / "tensorboard").glob("events.out.tfevents.*"))
+    assert not (runs["root"] / "pp2" / "samples").exists()  # previews need pp=1
+
+
+def test_resume_across_layouts_reshards_ema_and_frozen_state(runs, tmp_path):
+    import shutil
+
+    def resume(src: str, name: str, world: int, *layout: str) -> tuple[list[dict], dict]:
+        run = tmp_path / name
+        (run / "checkpoints").mkdir(parents=True)
+        shutil.copytree(runs["root"] / src / "checkpoints" / "step_00000003", run / "checkpoints" / "step_00000003")
+        records = _train(run, world, *layout)
+        return records, _tensors(run / "checkpoints" / "step_00000006")
+
+    same, same_t = resume("dp2", "dp2-again", 2)
+    assert [r["loss"] for r in same] == [r["loss"] for r in runs["dp2"][3:]]  # the same layout: bitwise
+    dp2_final = _tensors(runs["root"] / "dp2" / "checkpoints" / "step_00000006")
+    assert all(torch.equal(same_t[k], dp2_final[k]) for k in dp2_final)
+    other, other_t = resume("dp2", "dp2-to-tp2", 2, "parallel.tp=2")
+    _close(other, runs["one"][3:])
+    _same(other_t, _tensors(runs["root"] / "one" / "checkpoints" / "step_00000006"))
+
+
+def test_lr_multiplier_and_ema_follow_their_formulas(tmp_path):
+    """One step: the cond_embed update with multiplier 0.5 is half the update without it (Adam's
+    step and decoupled weight decay both scale with the learning rate), and the EMA is
+    ``0.9 * initial + 0.1 * updated``."""
+    init = _initial().state_dict()
+    final = {}
+    for name, extra in (("half", ()), ("whole", ("optimizer.lr_mult={}",))):
+        _train(tmp_path / name, 1, "train.steps=1", "train.eval_interval=0", *extra)
+        final[name] = _tensors(tmp_path / name / "checkpoints" / "step_00000001")
+    key = "cond_embed.weight"
+    torch.testing.assert_close(final["half"][key] - init[key], 0.5 * (final["whole"][key] - init[key]), rtol=1e-4, atol=1e-8)
+    for name, t in init.items():
+        if not name.startswith("embed."):
+            torch.testing.assert_close(final["half"][f"ema/{name}"], torch.lerp(t, final["half"][name], 0.1))
