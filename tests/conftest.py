@@ -12,6 +12,9 @@ import pytest
 # product is split and so its last bits: tests that compare two runs in one process need the
 # same split every time. Set before the first matrix product; subprocesses inherit it.
 os.environ.setdefault("MKL_DYNAMIC", "FALSE")
+# Every collective of every distributed test (gloo processes, torchrun jobs) checks that its
+# tensors live on a device the group's backend serves (`zoo.parallel.distributed.check_collectives`).
+os.environ.setdefault("ZOO_CHECK_COLLECTIVES", "1")
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from zoo.errors import UsageError
 from zoo.parallel import distributed
@@ -128,3 +129,31 @@ def test_zoo_train_under_torchrun_data_parallel_equals_one_process(tmp_path):
     assert len(dp) == 4  # written once, by rank 0
     for a, b in zip(dp, single):
         assert abs(a - b) <= 1e-5 * abs(b), (dp, single)
+
+
+def _misplaced_collective() -> str:
+    import torch
+    import torch.distributed as dist
+
+    from zoo.parallel.distributed import CollectiveDeviceError
+
+    dist.all_reduce(torch.ones(3))  # a CPU tensor on gloo: served
+    try:
+        dist.all_reduce(torch.empty(3, device="meta"))
+    except CollectiveDeviceError as e:
+        return str(e)
+    return "not caught"
+
+
+def test_collectives_reject_tensors_on_a_device_their_backend_does_not_serve():
+    """Every distributed test runs with the check on; here a meta tensor handed to a gloo group is
+    caught at the call, naming it; and NCCL (which no test here can start) serves CUDA tensors only,
+    so the host-side bookkeeping a CPU tensor would be fails the same way there."""
+    from zoo.parallel.distributed import CollectiveDeviceError, check_tensors, pick_backend, served_devices
+
+    messages = run_distributed(_misplaced_collective, 2, timeout=60)
+    assert all("torch.distributed.all_reduce: a meta tensor (3,) float32 on a gloo process group" in m for m in messages)
+    assert served_devices("nccl") == {"cuda"} and served_devices("gloo") == {"cpu"}
+    assert served_devices(pick_backend("auto", "cuda:0")) == {"cpu", "cuda"}  # cpu:gloo,cuda:nccl
+    with pytest.raises(CollectiveDeviceError, match="a cpu tensor .* on a nccl process group"):
+        check_tensors("all_reduce", [torch.zeros(2)], "nccl")

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Every collective of every distributed test checks its tensors' devices against the backend.
+os.environ.setdefault("ZOO_CHECK_COLLECTIVES", "1")
 
 
 @pytest.fixture(scope="session")

@@ -131,12 +131,14 @@ def apply_sequence_parallel(model: nn.Module, layers: str, dim: int, group: Any)
 
 
 def grad_norm_squared(grads: Iterable[tuple[torch.Tensor, Placement | None]], *, tp_group: Any = None,
-                      pp_group: Any = None, dp_group: Any = None) -> torch.Tensor:
+                      pp_group: Any = None, dp_group: Any = None, device: Any = "cpu") -> torch.Tensor:
     """Sum of squared gradients of the whole (unsharded) model from this rank's ``(gradient, its
     parameter's placement)`` pairs: TP shards summed over TP, replicated ones counted once, the last
     stage's copy of a tied embedding skipped, stages summed over PP, and (for the distributed
-    optimizer, whose ranks hold disjoint pieces) pieces summed over ``dp_group``."""
-    sharded, replicated = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    optimizer, whose ranks hold disjoint pieces) pieces summed over ``dp_group``. A float64 scalar
+    on ``device`` (the gradients'), never read on the host here."""
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
     for g, placement in grads:
         if placement is not None and placement.duplicate:
             continue
@@ -149,17 +151,24 @@ def grad_norm_squared(grads: Iterable[tuple[torch.Tensor, Placement | None]], *,
     return comm.all_reduce(comm.all_reduce(total, dp_group), pp_group)
 
 
-def clip_grad_norm(model: nn.Module, placements: Placements, max_norm: float, tp_group: Any, pp_group: Any = None) -> float:
-    """Clip by the global gradient norm of the unsharded model (see `grad_norm_squared`)."""
+def clip_grad_norm(model: nn.Module, placements: Placements, max_norm: float, tp_group: Any, pp_group: Any = None,
+                   *, device: Any = "cpu") -> torch.Tensor:
+    """Clip by the global gradient norm of the unsharded model (see `grad_norm_squared`); returns
+    the norm before clipping. No host synchronisation: the factor ``min(1, max / (norm + 1e-6))``
+    is applied on the device (multiplying by exactly 1 when the norm is below the maximum)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     total = grad_norm_squared(((p.grad, placements.of(p)) for p in model.parameters() if p.grad is not None),
-                              tp_group=tp_group, pp_group=pp_group)
-    norm = float(total.sqrt())
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
+                              tp_group=tp_group, pp_group=pp_group, device=device)
+    norm = total.sqrt()
+    if max_norm > 0 and grads:
+        scale_grads(grads, norm, max_norm)
     return norm
+
+
+def scale_grads(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """``grads *= min(1, max_norm / (norm + 1e-6))`` computed in float64 on the device."""
+    factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, factor.to(grads[0].device))
 
 
 def parameters_per_rank(model: nn.Module, plan: Mapping[str, str], tp: int) -> int:

@@ -3,8 +3,15 @@
 World size 1 is not a special case for the code above this module: it gets a `DistEnv` like any
 rank, and no process group is created (collectives are skipped when there is no group).
 Under `torchrun` (or any launcher that sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
-``MASTER_PORT``) the default group is created with gloo on CPU or NCCL on CUDA, with a timeout so
-that a dead or stuck rank fails the job instead of hanging it.
+``MASTER_PORT``) the default group is created with gloo on CPU, and on CUDA with NCCL for device
+tensors beside gloo for the little host-side bookkeeping that is deliberate (``cpu:gloo,cuda:nccl``:
+each collective goes to the backend of its tensors' device), with a timeout so that a dead or
+stuck rank fails the job instead of hanging it.
+
+`check_collectives` (on when ``ZOO_CHECK_COLLECTIVES=1``, which every distributed test sets)
+wraps the `torch.distributed` collectives so that a tensor whose device type the group's backend
+does not serve (a CPU tensor on NCCL, a meta tensor anywhere) fails at the call that passes it,
+naming the collective, instead of failing later, or only on a GPU cluster.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import datetime
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from zoo.errors import UsageError
 
@@ -46,9 +54,10 @@ def world_size_from_env() -> int:
 
 
 def pick_backend(requested: str, device: str) -> str:
+    """``auto``: gloo on CPU; on CUDA, NCCL for CUDA tensors and gloo for host tensors."""
     if requested != "auto":
         return requested
-    return "nccl" if device.startswith("cuda") else "gloo"
+    return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
 
 
 def pick_device(requested: str = "auto", *, local_rank: int = 0) -> str:
@@ -82,14 +91,73 @@ def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 600.
         if not os.environ.get(name):
             raise UsageError(f"WORLD_SIZE={world} but {name} is not set; launch with torchrun")
     be = pick_backend(backend, dev)
-    if be == "nccl" and not dev.startswith("cuda"):
+    if "nccl" in be and not dev.startswith("cuda"):
         raise UsageError("parallel.backend=nccl needs CUDA devices; use gloo on CPU")
+    if os.environ.get("ZOO_CHECK_COLLECTIVES") == "1":
+        check_collectives()
     if not dist.is_initialized():
-        kwargs = {"device_id": torch.device(dev)} if be == "nccl" else {}
+        kwargs = {"device_id": torch.device(dev)} if "nccl" in be else {}
         dist.init_process_group(
             backend=be, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
         )
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, backend=be, device=dev)
+
+
+class CollectiveDeviceError(RuntimeError):
+    """A collective received a tensor on a device its process group's backend does not serve."""
+
+
+# The torch.distributed calls that take tensors; checked by `check_collectives`.
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv",
+                "isend", "irecv")
+
+
+def served_devices(backend: str) -> set[str]:
+    """Device types a backend serves: ``gloo`` CPU, ``nccl`` CUDA, ``cpu:gloo,cuda:nccl`` both."""
+    if ":" in backend:
+        return {pair.split(":")[0].strip() for pair in backend.split(",")}
+    return {"nccl": {"cuda"}, "gloo": {"cpu"}, "mpi": {"cpu", "cuda"}, "ucc": {"cpu", "cuda"}}.get(backend, {"cpu", "cuda"})
+
+
+def check_tensors(name: str, tensors: Any, backend: str) -> None:
+    """Fail when one of ``tensors`` (a tensor or nested lists of them) lives on a device type that
+    ``backend`` does not serve."""
+    import torch
+
+    served = served_devices(backend)
+    stack = [tensors]
+    while stack:
+        t = stack.pop()
+        if isinstance(t, (list, tuple)):
+            stack.extend(t)
+        elif isinstance(t, torch.Tensor) and t.device.type not in served:
+            raise CollectiveDeviceError(f"torch.distributed.{name}: a {t.device.type} tensor {tuple(t.shape)} "
+                                        f"{str(t.dtype).removeprefix('torch.')} on a {backend} process group, which "
+                                        f"serves {', '.join(sorted(served))} tensors")
+
+
+def check_collectives() -> None:
+    """Wrap the `torch.distributed` collectives with `check_tensors` (once per process)."""
+    import functools
+
+    import torch.distributed as dist
+
+    for name in _COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is None or getattr(fn, "_zoo_checked", False):
+            continue
+
+        def checked(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            backend = str(dist.get_backend(group)) if dist.is_initialized() else "gloo"
+            check_tensors(_name, [a for a in args if not isinstance(a, (int, str))] + [
+                v for k, v in kwargs.items() if k not in ("group", "op", "async_op", "src", "dst", "tag")], backend)
+            return _fn(*args, **kwargs)
+
+        functools.update_wrapper(checked, fn)
+        checked._zoo_checked = True  # type: ignore[attr-defined]
+        setattr(dist, name, checked)
 
 
 def shutdown() -> None:

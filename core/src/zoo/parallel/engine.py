@@ -90,6 +90,8 @@ class Parallel:
         self._needs_positions = (seq is not None and seq.positions is not None
                                  and (lay.cp > 1 or lay.pp > 1 or self.sequence_parallel))
         self.buckets: Any = None
+        # Where this rank's bookkeeping tensors (losses, metrics, norms) live: its parameters' device.
+        self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         self._metric_specs = [("loss", "mean")] + [(m.name, m.reduce) for m in family.metrics]
         self._aux = [m.name for m in family.metrics if m.aux_loss]
 
@@ -134,15 +136,17 @@ class Parallel:
         return context.split_batch(batch, seq.keys, cp=self.cp, rank=self.cp_rank, seq_len=seq_length, dim=1,
                                    positions_key=seq.positions if self._needs_positions else None)
 
-    def _loss_weight(self, batch: Mapping[str, Any]) -> float:
+    def _loss_weight(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """Under CP each rank's loss is a mean over its own tokens; weight it so the average over
-        CP ranks is the mean over all tokens (1.0 when every rank holds as many loss tokens)."""
+        CP ranks is the mean over all tokens (1 when every rank holds as many loss tokens). A
+        float32 scalar on the batch's device: reading it on the host would synchronise per
+        micro-batch."""
         seq = self.family.sequence
         if self.cp == 1 or seq is None or seq.loss_mask is None or seq.loss_mask not in batch:
-            return 1.0
+            return torch.ones((), dtype=torch.float32, device=self.device)
         n = batch[seq.loss_mask].detach().float().sum().reshape(1)
         total = comm.all_reduce(n.clone(), self.cp_group)
-        return float(n * self.cp / total.clamp(min=1))
+        return (n * self.cp / total.clamp(min=1)).reshape(())
 
     def _objective(self, step_fn: StepFn) -> StepFn:
         """The family's loss with its auxiliary terms added (on the stage that computes the loss);
@@ -177,13 +181,15 @@ class Parallel:
         extra = sorted(set(per_mb[0]) - {"total"} - {n for n, _ in self._metric_specs}) if per_mb else []
         specs = [*([("total", "mean")] if self._aux else []), *self._metric_specs, *[(name, "mean") for name in extra]]
         m = len(weights)
-        sums = torch.zeros(len(specs), dtype=torch.float32)
-        maxes = torch.full((len(specs),), -math.inf, dtype=torch.float32)
+        # Everything stays on the device (a collective of the device's backend reduces it); the
+        # trainer reads the results once per logging interval.
+        sums = torch.zeros(len(specs), dtype=torch.float32, device=self.device)
+        maxes = torch.full((len(specs),), -math.inf, dtype=torch.float32, device=self.device)
         for i, (name, kind) in enumerate(specs):
             for metrics, w in zip(per_mb, weights):
-                v = torch.as_tensor(metrics[name]).detach().float().cpu()
+                v = torch.as_tensor(metrics[name], device=self.device).detach().float()
                 if kind == "mean":
-                    sums[i] += v * w / m if w != 1.0 else v / m
+                    sums[i] += v * w / m  # (w is 1 unless context parallelism weighs the ranks)
                 elif kind == "sum":
                     sums[i] += v
                 else:
@@ -218,8 +224,7 @@ class Parallel:
                 sync = buckets.no_sync() if (buckets is not None and i < m - 1) else contextlib.nullcontext()
                 with sync:
                     loss, metrics = objective(self.model, batch)
-                    weighted = loss * weights[i] if weights[i] != 1.0 else loss
-                    scale(weighted / m).backward()
+                    scale(loss * weights[i] / m).backward()
                 results.append((loss.detach(), metrics))
         else:
             def scale_last(loss: torch.Tensor, mb: int) -> torch.Tensor:
@@ -244,7 +249,7 @@ class Parallel:
         """Loss and metrics over ``batches`` without gradients (forward-only pipeline), averaged
         over data and context ranks like a training step's."""
         if not batches:
-            nan = torch.tensor(float("nan"))
+            nan = torch.tensor(float("nan"), device=self.device)
             return StepOutput(nan, {name: nan for name, _ in self._metric_specs})
         prepared = [self.prepare(b, seq_length) for b in batches]
         weights = [self._loss_weight(b) for b in prepared]
@@ -269,14 +274,16 @@ class Parallel:
                                            self.tp_group)
         sync_tied_grads([params[n] for n, pl in self.placements.items() if pl.tied], self.embedding_group)
 
-    def clip(self, max_norm: float) -> float:
-        return tp_apply.clip_grad_norm(self.model, self.placements, max_norm, self.tp_group, self.pp_group)
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Clip to ``max_norm`` by the whole model's gradient norm, which is returned (on the device)."""
+        return tp_apply.clip_grad_norm(self.model, self.placements, max_norm, self.tp_group, self.pp_group,
+                                       device=self.device)
 
     def grad_norm_squared(self, pairs: Any, dp_group: Any = None) -> torch.Tensor:
         """`zoo.parallel.apply.grad_norm_squared` over this layout's groups, for ``(gradient,
         parameter)`` pairs (the distributed optimizer's pieces)."""
         return tp_apply.grad_norm_squared(((g, self.placements.of(p)) for g, p in pairs), tp_group=self.tp_group,
-                                          pp_group=self.pp_group, dp_group=dp_group)
+                                          pp_group=self.pp_group, dp_group=dp_group, device=self.device)
 
     # --------------------------------------------------------------- full-tensor state (tests, checkpoints)
 

@@ -257,9 +257,9 @@ class Pipeline:
 
     def _send_activations(self, outs: list[torch.Tensor], to: int, key: tuple[Any, ...]) -> None:
         if (to, key) not in self._headers_sent:  # first time for this input shape: say the shapes
-            for out in outs:
+            for out in outs:  # (on the activations' device: a CUDA-only backend takes no host tensor)
                 header = torch.tensor([_DTYPES.index(out.dtype), out.dim(), *out.shape, *[0] * (8 - out.dim()),
-                                       int(out.requires_grad)], dtype=torch.int64)
+                                       int(out.requires_grad)], dtype=torch.int64, device=out.device)
                 self._send(header, to, 2 * to)
             self._headers_sent.add((to, key))
         for out in outs:
@@ -267,7 +267,7 @@ class Pipeline:
 
     def _recv_activations(self, stage: int, key: tuple[Any, ...], device: torch.device) -> dict[str, torch.Tensor]:
         if (stage, key) not in self._headers:
-            heads = [self._recv((_HEADER,), torch.int64, stage - 1, 2 * stage, torch.device("cpu")).tolist()
+            heads = [self._recv((_HEADER,), torch.int64, stage - 1, 2 * stage, device).tolist()  # once per shape
                      for _ in self.keys]
             self._headers[(stage, key)] = [(tuple(h[2:2 + h[1]]), _DTYPES[h[0]], bool(h[10])) for h in heads]
         received = {}
@@ -356,11 +356,12 @@ def gather_state(state: dict[str, torch.Tensor], group: Any) -> dict[str, torch.
     ranks = dist.get_process_group_ranks(group)
     out: dict[str, torch.Tensor] = {}
     me = dist.get_rank(group)
+    device = next(iter(state.values())).device if state else torch.device("cpu")
     for r, entries in enumerate(everyone):
         for name, shape, dtype in entries:
             if name in out:
                 continue
-            t = state[name].contiguous() if r == me else torch.empty(shape, dtype=getattr(torch, dtype))
+            t = state[name].contiguous() if r == me else torch.empty(shape, dtype=getattr(torch, dtype), device=device)
             dist.broadcast(t, src=ranks[r], group=group)
             out[name] = t
     return out

@@ -66,7 +66,7 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self, *, max_norm: float = 0.0, norm_squared: NormSquared | None = None,
-             loss_scale: DynamicLossScale | None = None) -> float:
+             loss_scale: DynamicLossScale | None = None) -> torch.Tensor:
         """Update this rank's shard and all-gather the parameters; returns the global gradient norm
         (clipping to ``max_norm`` when positive). ``norm_squared(pairs, dp_group)`` sums squared
         ``(gradient piece, its parameter)`` pairs over the whole model (the layout's rule:
@@ -81,19 +81,21 @@ class DistributedOptimizer:
         if norm_squared is None:
             from zoo.parallel.apply import grad_norm_squared
 
-            total = grad_norm_squared(((g, None) for g, _ in pairs), dp_group=self.group)
+            device = self.buckets.buckets[0].buffer.device if self.buckets.buckets else "cpu"
+            total = grad_norm_squared(((g, None) for g, _ in pairs), dp_group=self.group, device=device)
         else:
             total = norm_squared(pairs, self.group)
-        norm = float(total.sqrt())
-        if loss_scale is not None:
-            loss_scale.update(found_inf=not math.isfinite(norm))
-            if not math.isfinite(norm):  # skip this step everywhere; the parameters stay as they are
+        norm = total.sqrt()
+        if loss_scale is not None:  # fp16: whether to skip is a host decision (one read per step)
+            finite = math.isfinite(float(norm))
+            loss_scale.update(found_inf=not finite)
+            if not finite:  # skip this step everywhere; the parameters stay as they are
                 self.buckets.zero_grad()
                 return norm
-        if max_norm > 0 and norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for piece in self.pieces:
-                piece[3].grad.mul_(scale)
+        if max_norm > 0 and self.pieces:
+            from zoo.parallel.apply import scale_grads
+
+            scale_grads([piece[3].grad for piece in self.pieces], norm, max_norm)
         self.optimizer.step()
         for b, a, n, master, _, _ in self.pieces:
             b.buffer[a:a + n].copy_(master.to(b.buffer.dtype))  # reuse the grad buffer to gather params
@@ -123,7 +125,7 @@ class DistributedOptimizer:
         step = next((st["step"] for st in self.optimizer.state.values() if "step" in st), None)
         for b in self.buckets.buckets:
             for f in fields:
-                flat = torch.zeros(b.buffer.numel(), dtype=torch.float32)
+                flat = torch.zeros(b.buffer.numel(), dtype=torch.float32, device=b.buffer.device)
                 for pb, a, n, master, _, _ in self.pieces:
                     if pb is b and master in self.optimizer.state:
                         flat[a:a + n] = self.optimizer.state[master][f]
@@ -136,7 +138,7 @@ class DistributedOptimizer:
                 for p in b.params:
                     out[f"{names[id(p)]}::step"] = torch.as_tensor(step).clone()
             if b.buffer.dtype != torch.float32:  # low-precision parameters: the fp32 masters are the truth
-                flat = torch.zeros(b.buffer.numel(), dtype=torch.float32)
+                flat = torch.zeros(b.buffer.numel(), dtype=torch.float32, device=b.buffer.device)
                 for pb, a, n, master, _, _ in self.pieces:
                     if pb is b:
                         flat[a:a + n] = master.detach()

@@ -5,7 +5,8 @@ conformance checks every model family must pass (`zoo.testing.conformance`).
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so the code under test goes through
 `zoo.parallel.distributed.init` like a real job. The rendezvous store is hosted by the calling process on a
 port the OS picks, and ranks join it as clients (torchrun's agent-store mode): no fixed port and no
-window in which another test can take the port. The first rank that raises is reported with its
+window in which another test can take the port. Collectives are checked for tensors on a device
+their backend does not serve (`zoo.parallel.distributed.check_collectives`). The first rank that raises is reported with its
 traceback; ranks that are still running after ``timeout`` are killed and the call fails, so a hung
 collective fails the test instead of hanging CI.
 """
@@ -54,6 +55,9 @@ def _worker(
         LOCAL_WORLD_SIZE=str(world_size),
         TORCHELASTIC_USE_AGENT_STORE="True",
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        # Every collective checks its tensors' devices against the group's backend (gloo here:
+        # CPU only), so a tensor left on the wrong device fails here rather than on a GPU cluster.
+        ZOO_CHECK_COLLECTIVES=os.environ.get("ZOO_CHECK_COLLECTIVES", "1"),
         **env,
     )
     import torch

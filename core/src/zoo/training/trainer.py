@@ -208,25 +208,25 @@ class Trainer:
     # ------------------------------------------------------------------------------- a step
 
     def forward(self, model: torch.nn.Module, batch: Mapping[str, Any]) -> tuple[Any, Any]:
-        """The family's loss on one micro-batch under the run's precision and recomputation."""
+        """The family's loss on one micro-batch (already on the device) under the run's precision
+        and recomputation."""
         from zoo.nn import recompute
 
         with torch.autocast(self.dev_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None), \
                 recompute.scope(self.run.train.recompute):
-            return self._loss(model, _to(batch, self.env.device))
+            return self._loss(model, batch)
 
-    def train_step(self, batches: list[Mapping[str, Any]], lr: float) -> tuple[StepOutput, float]:
+    def train_step(self, batches: list[Mapping[str, Any]], lr: float) -> tuple[StepOutput, torch.Tensor]:
         """Forward and backward of the step's micro-batches, then clipping and the update;
-        returns the step's output and the gradient norm."""
+        returns the step's output and the gradient norm, both on the device: nothing here waits
+        for the device (the loss is checked for NaN at the next log line or save, `check_losses`)."""
         run = self.run
         optim.set_lr(self.opt, lr)
         # All micro-batches (through the pipeline schedule when pp > 1); gradient reductions
         # overlap backward, the last ones are awaited in finish_grads.
         out = self.par.forward_backward(batches, self.forward, seq_length=run.train.seq_length, scale=self.scaler.scale)
         self.par.finish_grads()
-        total = out.loss.item()
-        if not math.isfinite(total):
-            raise ZooError(f"loss is {total} at step {self.state.step + 1} (lr {lr:.3g}); lower optimizer.lr or check the data")
+        self.unchecked.append((self.state.step + 1, lr, out.loss.detach()))
         self.saver.wait()  # a save in flight still reads the parameters and optimizer state
         if self.zero is not None:  # clips over the shards, updates them, gathers the parameters
             grad_norm = self.zero.step(max_norm=run.optimizer.grad_clip, norm_squared=self.par.grad_norm_squared,
@@ -246,6 +246,18 @@ class Trainer:
         self.state.consumed_samples += self.layout.global_batch_size
         return out, grad_norm
 
+    def check_losses(self) -> None:
+        """Fail on the first non-finite loss since the last check (one read of the device)."""
+        if not self.unchecked:
+            return
+        losses = torch.stack([loss.float() for _, _, loss in self.unchecked]).cpu()
+        bad = (~torch.isfinite(losses)).nonzero()
+        if len(bad):
+            step, lr, _ = self.unchecked[int(bad[0])]
+            raise ZooError(f"loss is {float(losses[int(bad[0])])} at step {step} (lr {lr:.3g}); lower optimizer.lr "
+                           "or check the data")
+        self.unchecked.clear()
+
     # ------------------------------------------------------------------------------ evaluation
 
     def evaluate(self) -> StepOutput:
@@ -263,6 +275,7 @@ class Trainer:
         for m in modules:
             m.eval()
         try:
+            batches = [_to(b, self.env.device) for b in batches]
             out = self.par.evaluate(batches, self.forward, seq_length=self.run.train.seq_length)
             if self._preview is not None and batches:
                 self.preview(batches[0])
@@ -288,7 +301,7 @@ class Trainer:
         with torch.random.fork_rng(devices=[self.env.device] if self.dev_type == "cuda" else []), torch.no_grad():
             ema = self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
             with ema, torch.autocast(self.dev_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                artifact = self._preview(self.model, self.run.model, _to(batch, self.env.device), generator=generator)
+                artifact = self._preview(self.model, self.run.model, batch, generator=generator)
         if self.env.is_main:
             assert self.log is not None
             path = self.log.preview(artifact, self.state.step)
@@ -318,6 +331,7 @@ class Trainer:
         self.token = run_token(env.world_size)  # names this run's partial checkpoint directories
         self.preempt = Preemption(run.checkpoint.save_on_sigterm)
         self.saved_step, self.saved_at = -1, time.monotonic()
+        self.unchecked: list[tuple[int, float, torch.Tensor]] = []  # (step, lr, loss) not yet checked for NaN
 
     def close_outputs(self) -> None:
         self.preempt.restore()
@@ -331,6 +345,7 @@ class Trainer:
     def save(self) -> None:
         from zoo.checkpoint.state import save
 
+        self.check_losses()  # never a checkpoint of weights a non-finite loss updated
         # Each rank snapshots what it holds (ZeRO shards gathered over DP first: a collective);
         # the files are written now or in the background, one save in flight at most.
         self.saved_step, self.saved_at = self.state.step, time.monotonic()
@@ -342,13 +357,14 @@ class Trainer:
         if env.is_main and run.logging.progress:
             print(f"{'saving' if self.saver.asynchronous else 'saved'} checkpoint {path}", flush=True)
 
-    def record(self, out: StepOutput, *, lr: float, grad_norm: float, units: int, seconds: float,
+    def record(self, out: StepOutput, *, lr: float, grad_norm: torch.Tensor, units: int, seconds: float,
                val: StepOutput | None) -> dict[str, Any]:
         """The metrics line of a step (global rank 0)."""
         unit = self.family.throughput.unit
         rate = units / max(seconds, 1e-9)
         metrics = {k: float(v) for k, v in out.metrics.items()}
-        record: dict[str, Any] = {"step": self.state.step, "loss": metrics.pop("loss"), "lr": lr, "grad_norm": grad_norm,
+        record: dict[str, Any] = {"step": self.state.step, "loss": metrics.pop("loss"), "lr": lr,
+                                  "grad_norm": float(grad_norm),
                                   f"{unit}_per_s": rate,
                                   "mfu": rate * self.flops_per_unit / self.env.world_size / self.peak, **metrics}
         if val is not None:
@@ -370,17 +386,19 @@ class Trainer:
     def loop(self) -> None:
         run, env, lay = self.run, self.env, self.layout
         train_iter = self.data("train", self.state.consumed_samples)
-        t_last, units, last_loss = time.perf_counter(), 0, float("nan")
+        t_last, units, out = time.perf_counter(), 0, None
         while self.state.step < run.train.steps:
             lr = optim.lr_at(self.state.step, peak=run.optimizer.lr, warmup=run.schedule.warmup_steps,
                              total=run.train.steps, decay=run.schedule.decay, min_ratio=run.schedule.min_lr_ratio)
-            batches = [next(train_iter) for _ in range(lay.grad_accum)]
+            batches = [_to(next(train_iter), env.device) for _ in range(lay.grad_accum)]
             units += sum(self._count(b) for b in batches) * lay.dp
             out, grad_norm = self.train_step(batches, lr)
             step = self.state.step
             log_now = step % run.logging.interval == 0 or step == run.train.steps
             eval_now = bool(run.train.eval_interval) and log_now and (
                 step % run.train.eval_interval == 0 or step == run.train.steps)
+            if log_now:
+                self.check_losses()  # every rank: each raises the same error
             val = self.evaluate() if eval_now else None
             if env.is_main and log_now:
                 now = time.perf_counter()
@@ -389,16 +407,16 @@ class Trainer:
                 assert self.log is not None
                 self.log.log(record)
                 self.show(record)
-            elif env.is_main:
+            elif env.is_main and self.progress.tty:  # a live bar reads the loss every step; a log file does not
                 self.progress.update(step, {"loss": f"{float(out.metrics['loss']):.4f}"}, log_line=False)
-            last_loss = float(out.metrics["loss"])
             if self.checkpoint_due():
                 break
         if run.train.steps > 0 and self.state.step == run.train.steps and self.saved_step != self.state.step:
             self.save()
         self.saver.wait()  # the last checkpoint is complete before the run ends
+        self.check_losses()
         if env.is_main:
-            self.finished(last_loss)
+            self.finished(float(out.metrics["loss"]) if out is not None else math.nan)
 
     def checkpoint_due(self) -> bool:
         """Save when the interval says so; on SIGTERM save and return True (stop)."""
@@ -409,7 +427,7 @@ class Trainer:
             # Every rank must take the same decision: rank 0's clock, anyone's SIGTERM.
             late = (run.checkpoint.interval_minutes > 0
                     and time.monotonic() - self.saved_at >= 60 * run.checkpoint.interval_minutes)
-            flags = torch.tensor([float(self.preempt.requested), float(late and env.is_main)])
+            flags = torch.tensor([float(self.preempt.requested), float(late and env.is_main)], device=self.par.device)
             if env.world_size > 1:
                 torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
             stop, due = bool(flags[0]), due or bool(flags[1])
