@@ -28,6 +28,7 @@ from zoo.parallel import apply as tp_apply
 from zoo.parallel import comm, context
 from zoo.parallel.grid import ProcessGrid
 from zoo.parallel.layout import Layout
+from zoo.parallel.materialize import InitRecord, allocate, replay, tensor_refs
 from zoo.parallel.pipeline import Pipeline, Stages, _tied, build_stages, gather_objects, gather_state, sync_tied_grads
 from zoo.parallel.sharding import Placement, Placements
 
@@ -44,8 +45,14 @@ class StepOutput(NamedTuple):
 
 
 class Parallel:
-    def __init__(self, model: nn.Module, family: Family, layout: Layout, *, rank: int = 0, seed: int = 1234) -> None:
+    """``model``: the plain model every rank built in full from one seed, or (``init`` given) the
+    model built on the meta device by `zoo.parallel.materialize.record_build`, of which this rank
+    then materialises only its own parameters on ``device``, bitwise those of the full build."""
+
+    def __init__(self, model: nn.Module, family: Family, layout: Layout, *, rank: int = 0, seed: int = 1234,
+                 init: InitRecord | None = None, device: Any = "cpu") -> None:
         self.family, self.layout = family, layout
+        refs = tensor_refs(model) if init is not None else {}
         lay = layout
         self.tp, self.cp, self.pp, self.dp, self.vpp = lay.tp, lay.cp, lay.pp, lay.dp, lay.vpp
         self.grid = ProcessGrid({"tp": lay.tp, "cp": lay.cp, "dp": lay.dp, "pp": lay.pp},
@@ -61,7 +68,8 @@ class Parallel:
         self.tp_rng = TensorParallelRNG(seed, self.tp_rank)
         seq, pipe = family.sequence, family.pipeline
         if lay.tp > 1:
-            tp_apply.apply_tensor_parallel(model, family.tp_plan, family.tp_local, self.tp_group)
+            with torch.device("meta") if init is not None else contextlib.nullcontext():
+                tp_apply.apply_tensor_parallel(model, family.tp_plan, family.tp_local, self.tp_group)
         shards = tp_apply.tensor_parallel_shards(model)
         self.sequence_parallel = lay.sequence_parallel and lay.tp > 1
         on_shards: set[str] = set()
@@ -84,6 +92,9 @@ class Parallel:
         else:
             self.model, self.chunks = model, [model]
         self.placements = self._placements(shards, on_shards)
+        if init is not None:
+            self._materialize(init, refs, device)
+            self.placements = self._placements(shards, on_shards)  # (by the new parameters' identity)
         # The chunk whose output is the loss (the family's metrics are only known there).
         self._last_chunk = self.chunks[-1] if self.pp_rank == lay.pp - 1 else None
         # Whether positions must be supplied: the model cannot count them from a sequence slice.
@@ -104,6 +115,18 @@ class Parallel:
                               "so its attention cannot run as ring attention")
         for core in cores:
             core.cp_group = self.cp_group
+
+    def _materialize(self, init: InitRecord, refs: Mapping[str, Any], device: Any) -> None:
+        """This rank's parameters and buffers on ``device``, each cut from the full tensor the
+        replayed build makes (on the CPU, whose random stream the single-process build uses)."""
+        allocate([self.model, *self.chunks], device)
+        targets = []
+        for name, p in self.model.named_parameters():
+            placement = self.placements[name]
+            targets.append((refs[placement.name], _keeper(p, placement.shard)))
+        for name, b in self.model.named_buffers():
+            targets.append((refs[name], _keeper(b, None)))
+        replay(init, targets, "cpu")
 
     def _placements(self, shards: Mapping[str, Any], on_shards: set[str]) -> Placements:
         st = self.stages
@@ -321,6 +344,13 @@ class Parallel:
             names = {n for g in per_stage for n in g["params"] if n in order}
             merged.append({**per_stage[0], "params": sorted(names, key=order.__getitem__)})
         return merged
+
+
+def _keeper(local: torch.Tensor, shard: Any) -> Callable[[torch.Tensor], None]:
+    def keep(full: torch.Tensor) -> None:
+        local.copy_(shard.cut(full) if shard is not None else full)
+
+    return keep
 
 
 __all__ = ["Parallel", "StepOutput"]

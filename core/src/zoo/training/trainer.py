@@ -124,20 +124,33 @@ class Trainer:
         torch.manual_seed(run.train.seed)
         self.dev_type = "cuda" if env.device.startswith("cuda") else "cpu"
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.train.precision)
-        # Every rank builds the same full model from one seed; the core then keeps this rank's
-        # part, so every layout trains the same model.
-        full = self._build_model(run.model, fam.spec_for(run.model)).to(env.device)
+        full, record = self._model_on_meta()
         self.n_params = sum(p.numel() for p in full.parameters())
         self.flops_per_unit = float(self._flops(full, run))
         self.rules = optim.ParamRules(run.optimizer.weight_decay, run.optimizer.lr_mult, run.train.freeze)
         self.rules.check([n for n, _ in full.named_parameters()])
         recompute.apply(full, run.train.recompute)
         self.ties = aliases(full)
-        self.par = Parallel(full, fam, self.layout, rank=env.rank, seed=run.train.seed)
+        # Each rank materialises only its part (its stages, its tensor-parallel pieces), bitwise
+        # what one process building the whole model from the seed would have.
+        self.par = Parallel(full, fam, self.layout, rank=env.rank, seed=run.train.seed, init=record, device=env.device)
         del full
         self.model = self.par.model  # this rank's parameters (its tensor-parallel pieces of its stages)
         self.model_state = ModelState(self.model, self.par.placements)
         self.frozen = optim.freeze(self.model, self.par.placements, self.rules)
+
+    def _model_on_meta(self) -> tuple[torch.nn.Module, Any]:
+        """The model built on the meta device with its recorded initialisation; a build that
+        cannot run there (it reads tensor values) is built in full, as every rank used to."""
+        from zoo.parallel.materialize import DeferredInitError, record_build
+
+        spec = self.family.spec_for(self.run.model)
+        try:
+            return record_build(self._build_model, self.run.model, spec)
+        except DeferredInitError as e:
+            if self.env.is_main:
+                print(f"note: {self.owner} builds the whole model on every rank ({e})", flush=True)
+            return self._build_model(self.run.model, spec).to(self.env.device), None
 
     def build_optimizer(self) -> None:
         """After the weights are in place: ZeRO-1 copies them into its fp32 masters."""
