@@ -1,12 +1,13 @@
-"""A model too large for every rank to build whole, built shard by shard on 4 gloo ranks.
+"""A model too large for every rank to build whole, built shard by shard on 4 gloo ranks, under
+tp2 x pp2 and under fsdp4.
 
 LLaMA 3.2 3B's architecture (the ``3-3B`` flavor) with ``num_layers=20``: 2.41B parameters, 9.6 GB
 in fp32. Four ranks each building the whole model (what zoo did before) need 4 x 9.6 = 38.5 GB,
-more than this 24 GiB machine has. Under tp2 x pp2 each rank records the build on the meta device
-and materialises only its own part (`zoo.parallel.materialize`); this measures, per rank, the peak
-resident memory during construction against the rank's share plus the largest full tensor (the
-vocabulary embedding, 1.58 GB), then casts to bf16 and runs a forward and backward step of one
-micro-batch through the pipeline.
+more than this 24 GiB machine has. Under tp2 x pp2 (and under fsdp4) each rank records the build
+on the meta device and materialises only its own part (`zoo.parallel.materialize`); this
+measures, per rank, the peak resident memory during construction against the rank's share plus
+the largest full tensor (the vocabulary embedding, 1.58 GB), then casts to bf16 and runs a forward
+and backward step of one micro-batch (through the pipeline; with FSDP gathering one block at a time).
 
 Run: ``python benchmarks/sharded_construction.py`` (about 5 minutes on 2 cores).
 """
@@ -75,7 +76,9 @@ def _rank(layout: dict[str, Any]) -> dict[str, Any]:
     del meta, record
     build_s = time.perf_counter() - t0
     peak = sampler.stop()
-    share = sum(p.numel() * p.element_size() for p in par.model.parameters())
+    from zoo.parallel.sharding import local
+
+    share = sum(local(p).numel() * p.element_size() for p in par.model.parameters())
     # The step: bf16 parameters and gradients (fp32 ones of this share would exceed the machine
     # with four ranks at once), one micro-batch through the 1F1B schedule.
     par.model.to(torch.bfloat16)
@@ -85,27 +88,34 @@ def _rank(layout: dict[str, Any]) -> dict[str, Any]:
     out = par.forward_backward([batch], resolve(fam.loss, owner="bench"), seq_length=SEQ)
     par.finish_grads()
     step_s = time.perf_counter() - t1
-    grads = sum(1 for p in par.model.parameters() if p.grad is not None)
+    grads = sum(1 for p in par.model.parameters() if p.grad is not None and torch.isfinite(local(p.grad)).all())
     return {"rank": dist.get_rank(), "full_params": full_params, "share": share, "largest": largest,
             "rss_before": before, "peak": peak, "build_s": build_s, "step_s": step_s, "loss": float(out.loss),
             "grads": grads, "params": sum(1 for _ in par.model.parameters())}
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layout", choices=["tp2pp2", "fsdp4", "both"], default="both")
+    args = ap.parse_args()
     gb = 1e9
-    print(f"# {time.strftime('%Y-%m-%d')} LLaMA 3-3B architecture, num_layers={LAYERS}, 4 gloo ranks, tp2 x pp2")
-    results = run_distributed(_rank, 4, {"tp": 2, "pp": 2}, timeout=1800, collective_timeout=1700)
-    full = results[0]["full_params"]
-    print(f"full model: {full / 1e9:.2f}B parameters = {full * 4 / gb:.1f} GB fp32; x4 ranks = {4 * full * 4 / gb:.1f} GB")
-    print("| rank | share (GB) | largest tensor (GB) | construction peak RSS - RSS before (GB) | ratio to share + largest "
-          "| build s | fwd+bwd s | loss | params with grads |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in results:
-        delta = r["peak"] - r["rss_before"]
-        ratio = delta / (r["share"] + r["largest"])
-        print(f"| {r['rank']} | {r['share'] / gb:.2f} | {r['largest'] / gb:.2f} | {delta / gb:.2f} (absolute "
-              f"{r['peak'] / gb:.2f}) | {ratio:.2f} | {r['build_s']:.0f} | {r['step_s']:.1f} | {r['loss']:.3f} | "
-              f"{r['grads']}/{r['params']} |")
+    layouts = {"tp2pp2": {"tp": 2, "pp": 2}, "fsdp4": {"fsdp": 4}}
+    for name in (["tp2pp2", "fsdp4"] if args.layout == "both" else [args.layout]):
+        print(f"# {time.strftime('%Y-%m-%d')} LLaMA 3-3B architecture, num_layers={LAYERS}, 4 gloo ranks, {name}")
+        results = run_distributed(_rank, 4, layouts[name], timeout=1800, collective_timeout=1700)
+        full = results[0]["full_params"]
+        print(f"full model: {full / 1e9:.2f}B parameters = {full * 4 / gb:.1f} GB fp32; x4 ranks = {4 * full * 4 / gb:.1f} GB")
+        print("| rank | share (GB) | largest tensor (GB) | construction peak RSS - RSS before (GB) | ratio to share + "
+              "largest | build s | fwd+bwd s | loss | params with grads |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in results:
+            delta = r["peak"] - r["rss_before"]
+            ratio = delta / (r["share"] + r["largest"])
+            print(f"| {r['rank']} | {r['share'] / gb:.2f} | {r['largest'] / gb:.2f} | {delta / gb:.2f} (absolute "
+                  f"{r['peak'] / gb:.2f}) | {ratio:.2f} | {r['build_s']:.0f} | {r['step_s']:.1f} | {r['loss']:.3f} | "
+                  f"{r['grads']}/{r['params']} |")
 
 
 if __name__ == "__main__":

@@ -386,3 +386,24 @@ def test_tensor_parallel_rng_streams_are_saved_per_rank(tmp_path, corpus_cache):
     streams = [load_file(shards / f"rank{r:05d}.rng.safetensors")["tp_stream"] for r in range(2)]
     for rank, state in enumerate(streams):  # Megatron's rule: seed + 2718 + TP rank (no dropout drew yet)
         assert torch.equal(state, torch.Generator().manual_seed(1234 + 2718 + rank).get_state())
+
+
+def test_fsdp_trains_like_one_process_and_its_checkpoints_reshard_both_ways(tmp_path, corpus_cache, uninterrupted):
+    """`parallel.fsdp=2` (torch's fully_shard: parameters, gradients and Adam state sharded over
+    the data-parallel ranks, each rank writing its own pieces) follows the single-process curve,
+    and its step-3 checkpoint continues under tp2 x pp2 and in one process, each exactly as one
+    process continues; a single-process checkpoint continues under FSDP the same way."""
+    out = torchrun(2, *small_run(tmp_path / "fsdp", corpus_cache, *ARGS, "parallel.fsdp=2"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert _close(curve(tmp_path / "fsdp"), uninterrupted)
+    index = json.loads((tmp_path / "fsdp" / "checkpoints" / "step_00000003" / "index.json").read_text())
+    pieces = index["tensors"]["layers.0.mlp.fc.weight::exp_avg"]["pieces"]  # Adam state: one piece per rank
+    assert sorted(p["offset"][0] for p in pieces) == [0, index["tensors"]["layers.0.mlp.fc.weight"]["shape"][0] // 2]
+    assert _close(_continue(tmp_path, corpus_cache, tmp_path / "fsdp", "tp2pp2", 4, "parallel.tp=2", "parallel.pp=2"),
+                  uninterrupted[3:])
+    assert _close(_continue(tmp_path, corpus_cache, tmp_path / "fsdp", "one", 1), uninterrupted[3:])
+    single = tmp_path / "single"
+    (single / "checkpoints").mkdir(parents=True)
+    # (3 steps of the same run: the first 30 are linear warm-up, so the schedule does not depend on train.steps)
+    assert zoo(*small_run(single, corpus_cache, *ARGS, "train.steps=3")).returncode == 0
+    assert _close(_continue(tmp_path, corpus_cache, single, "to-fsdp", 2, "parallel.fsdp=2"), uninterrupted[3:])

@@ -18,7 +18,7 @@ import torch
 from zoo.checkpoint.model_dir import ModelDir, is_model_tensor
 from zoo.checkpoint.sharded import ShardedCheckpoint
 from zoo.checkpoint.tensorio import CheckpointError
-from zoo.parallel.sharding import TPShard
+from zoo.parallel.sharding import Split, TPShard
 
 
 class Reader(Protocol):
@@ -26,7 +26,7 @@ class Reader(Protocol):
 
     def shape(self, name: str) -> tuple[int, ...]: ...
 
-    def read_local(self, name: str, local_shape: Sequence[int], shard: TPShard | None, *, what: str = "") -> torch.Tensor: ...
+    def read_local(self, name: str, local_shape: Sequence[int], shard: TPShard | Split | None, *, what: str = "") -> torch.Tensor: ...
 
     def full(self, name: str) -> torch.Tensor: ...
 
@@ -65,7 +65,7 @@ class FullReader:
             raise CheckpointError(f"{self.path}: no tensor {name!r}")
         return self._handles[name].get_tensor(name)
 
-    def read_local(self, name: str, local_shape: Sequence[int], shard: TPShard | None, *, what: str = "") -> torch.Tensor:
+    def read_local(self, name: str, local_shape: Sequence[int], shard: TPShard | Split | None, *, what: str = "") -> torch.Tensor:
         if name not in self._handles:
             raise CheckpointError(f"{self.path}: the checkpoint lacks {name!r}{what}")
         full = self.full(name)

@@ -45,7 +45,7 @@ from zoo.checkpoint import rng as rng_mod
 from zoo.checkpoint.model_dir import META, SHARDED_FORMAT_VERSION, _fsync_dir, complete_and_move
 from zoo.checkpoint.tensorio import CheckpointError, read_json
 from zoo.io import atomic_write_text
-from zoo.parallel.sharding import TPShard, regions
+from zoo.parallel.sharding import Split, TPShard, regions
 
 FORMAT_VERSION = SHARDED_FORMAT_VERSION
 INDEX = "index.json"
@@ -59,7 +59,7 @@ class Entry:
 
     name: str
     tensor: torch.Tensor
-    shard: TPShard | None
+    shard: TPShard | Split | None
     write: bool
 
 
@@ -408,7 +408,7 @@ class ShardedCheckpoint:
             raise CheckpointError(f"{self.path}: {name!r} box {list(offset)}+{list(shape)} is not fully covered")
         return out
 
-    def read_local(self, name: str, local_shape: Sequence[int], shard: TPShard | None, *, what: str = "") -> torch.Tensor:
+    def read_local(self, name: str, local_shape: Sequence[int], shard: TPShard | Split | None, *, what: str = "") -> torch.Tensor:
         """This rank's piece of ``name`` for a tensor of ``local_shape`` split as ``shard`` says."""
         shape, regs = regions(local_shape, shard)
         if name in self.tensors and self.shape(name) != shape:

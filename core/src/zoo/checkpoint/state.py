@@ -38,7 +38,7 @@ from zoo.checkpoint.tensorio import CheckpointError, load_file, read_json
 from zoo.config import RunConfig, plain
 from zoo.errors import ConfigError
 from zoo.parallel.engine import Parallel
-from zoo.parallel.sharding import TPShard
+from zoo.parallel.sharding import Split, TPShard
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Stateful(Protocol):
 
     key: str  # its entry in state.json
 
-    def state_tensors(self) -> list[tuple[str, torch.Tensor, TPShard | None]]:
+    def state_tensors(self) -> list[tuple[str, torch.Tensor, TPShard | Split | None]]:
         """(single-process name, this rank's tensor, its split) for every tensor this rank holds
         (second copies of tied parameters left out). Called on every rank at the same step: it
         may communicate."""
@@ -93,7 +93,7 @@ class Checkpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.reader.shape(name)
 
-    def read(self, name: str, local_shape: Sequence[int], shard: TPShard | None) -> torch.Tensor:
+    def read(self, name: str, local_shape: Sequence[int], shard: TPShard | Split | None) -> torch.Tensor:
         """This rank's piece of ``name`` for a tensor of ``local_shape`` split as ``shard`` says."""
         return self.reader.read_local(name, local_shape, shard, what=f" (loading {self.path})")
 
@@ -139,9 +139,7 @@ def save(root: Path, *, state: TrainState, run: RunConfig, par: Parallel, items:
     """Every rank calls this at the same step; the snapshot is taken now, the writing is done by
     ``saver`` (now, or in the background). Returns the directory the checkpoint will have."""
     saver.wait()  # at most one save in flight, and its snapshot buffers are free again
-    replica_0 = par.dp_rank == 0 and par.cp_rank == 0  # data/context replicas write nothing
-    entries = [Entry(name, t, shard, replica_0 and (shard is not None or par.tp_rank == 0))
-               for item in items for name, t, shard in item.state_tensors()]
+    entries = [Entry(name, t, split, _writes(par, split)) for item in items for name, t, split in item.state_tensors()]
     snap = snapshot(entries, copy=saver.asynchronous and saver.copy, pool=saver.pool,
                     rng={"tp_stream": par.tp_rng.state()})
     dst = step_dir(root, state.step)
@@ -168,6 +166,15 @@ def save(root: Path, *, state: TrainState, run: RunConfig, par: Parallel, items:
 
     saver.submit(work)
     return dst
+
+
+def _writes(par: Parallel, split: TPShard | Split | None) -> bool:
+    """Whether this rank writes a tensor: one replica of every piece. Context-parallel ranks
+    replicate everything; data-parallel ranks too, except FSDP's pieces (each rank's own); TP
+    ranks hold their own pieces of split tensors and replicas of the rest."""
+    fsdp = isinstance(split, Split)
+    tp = split.tp if isinstance(split, Split) else split
+    return par.cp_rank == 0 and (fsdp or par.dp_rank == 0) and (tp is not None or par.tp_rank == 0)
 
 
 __all__ = ["Checkpoint", "ModelDir", "Stateful", "TrainState", "complete_checkpoints", "latest", "resolve_checkpoint",

@@ -15,11 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from zoo.checkpoint.model_dir import load_into, read_meta
+from zoo.checkpoint.mapping import MappingError, check_shapes
+from zoo.checkpoint.model_dir import read_meta
 from zoo.checkpoint.reader import open_reader, weight_source
 from zoo.checkpoint.state import Checkpoint
 from zoo.checkpoint.tensorio import CheckpointError
-from zoo.parallel.sharding import Placements, TPShard, aliases
+from zoo.parallel.sharding import Placements, Split, TPShard, aliases, local
 
 
 class ModelState:
@@ -32,33 +33,44 @@ class ModelState:
         self._aliases = aliases(model)
 
     def _own(self) -> dict[str, torch.Tensor]:
-        """The tensors this rank stores: not an alias, not the second copy of a tied parameter."""
+        """The tensors this rank stores: not an alias, not the second copy of a tied parameter
+        (their local data: an FSDP parameter's shard)."""
         out = {}
-        for name, t in self.model.state_dict().items():
+        for name, t in self._tensors().items():
             placement = self.placements.get(name)
             if name not in self._aliases and not (placement is not None and placement.duplicate):
-                out[name] = t
+                out[name] = local(t)
         return out
 
-    def state_tensors(self) -> list[tuple[str, torch.Tensor, TPShard | None]]:
-        return [(self.placements.canonical(n), t, self.placements.shard(n)) for n, t in self._own().items()]
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        """Parameters and persistent buffers by state-dict name (the live tensors, not copies)."""
+        named = dict(self.model.named_parameters(remove_duplicate=False))
+        persistent = self.model.state_dict(keep_vars=True).keys()
+        named.update({n: b for n, b in self.model.named_buffers(remove_duplicate=False) if n in persistent})
+        return named
+
+    def state_tensors(self) -> list[tuple[str, torch.Tensor, TPShard | Split | None]]:
+        return [(self.placements.canonical(n), t, self.placements.split(n)) for n, t in self._own().items()]
 
     def state_json(self) -> None:
         return None
 
     def load_state(self, ckpt: Checkpoint, saved: Any) -> None:
-        self.load(lambda name, t: ckpt.read(self.placements.canonical(name), t.shape, self.placements.shard(name)),
+        self.load(lambda name, t: ckpt.read(self.placements.canonical(name), t.shape, self.placements.split(name)),
                   what=str(ckpt.path))
 
+    @torch.no_grad()
     def load(self, read: Any, *, what: str) -> None:
-        """Fill the model from ``read(local name, local tensor) -> this rank's piece``."""
-        state = {}
-        for name, t in self.model.state_dict().items():
-            if name not in self._aliases:
-                state[name] = read(name, t)
-        for alias, original in self._aliases.items():
-            state[alias] = state[original]
-        load_into(self.model, state, what=what)
+        """Fill the model from ``read(local name, local data) -> this rank's piece``, copied into
+        the local data in place (an FSDP parameter's shard, a tensor-parallel piece)."""
+        tensors = {n: local(t) for n, t in self._tensors().items() if n not in self._aliases}
+        state = {name: read(name, t) for name, t in tensors.items()}
+        try:
+            check_shapes(tensors, state, what=what)
+        except MappingError as e:
+            raise CheckpointError(str(e)) from None
+        for name, t in tensors.items():
+            t.copy_(state[name])
 
 
 def load_initial_weights(source: str, *, model: nn.Module, placements: Placements, family: str,
@@ -66,7 +78,7 @@ def load_initial_weights(source: str, *, model: nn.Module, placements: Placement
     """This rank's tensors for ``checkpoint.load``, under its local names: from a Hugging Face
     directory (``hf:DIR``, read lazily, keeping only this rank's pieces) or a zoo checkpoint (a
     training checkpoint's moving average when it has one and ``weights`` allows). The result
-    still has to pass `zoo.checkpoint.model_dir.load_into`'s shape check."""
+    is what `ModelState.load` copies in (after its shape check)."""
     path = Path(source.removeprefix("hf:"))
     if source.startswith("hf:") or (path / "config.json").is_file() and not (path / "zoo.json").is_file():
         return _from_hf(path, model=model, placements=placements, family=family)
@@ -78,9 +90,9 @@ def load_initial_weights(source: str, *, model: nn.Module, placements: Placement
         source_of = weight_source(list(reader.names()), weights, where=path)
         ties = md.meta.get("ties", {})
         out = {}
-        for name, t in model.state_dict().items():
+        for name, t in _local_state(model).items():
             canon = placements.canonical(name)
-            out[name] = reader.read_local(source_of(ties.get(canon, canon)), t.shape, placements.shard(name),
+            out[name] = reader.read_local(source_of(ties.get(canon, canon)), t.shape, placements.split(name),
                                           what=f" (loading {path})")
         return out
     finally:
@@ -97,25 +109,30 @@ def _from_hf(path: Path, *, model: nn.Module, placements: Placements, family: st
     if entry.family.name != family:
         raise CheckpointError(f"{path}: a {entry.family.name!r} model, not {family!r}")
     lazy = LazyTensors(path)
-    local = model.state_dict()
+    state = _local_state(model)
     try:
-        if any(placements.shard(n) is not None for n in local):  # read only the boxes this rank's pieces come from
+        if any(placements.split(n) is not None for n in state):  # read only the boxes this rank's pieces come from
             wanted: dict[str, tuple[tuple[int, ...], Any]] = {}
-            for name, t in local.items():
-                shard = placements.shard(name)
+            for name, t in state.items():
+                shard = placements.split(name)
                 shape = shard.global_shape(t.shape) if shard is not None else tuple(t.shape)
                 wanted[placements.canonical(name)] = (shape, shard.cut if shard is not None else (lambda x: x))
             got = read_sliced(fmt.table(config), lazy, config, wanted)
-            return {name: got[placements.canonical(name)] for name in local}
-        keep = {n for name in local for n in (name, placements.canonical(name))}
+            return {name: got[placements.canonical(name)] for name in state}
+        keep = {n for name in state for n in (name, placements.canonical(name))}
         full = from_external(fmt.table(config), lazy, config, keep=keep)
     except MappingError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    missing = [placements.canonical(n) for n in local if placements.canonical(n) not in full]
+    missing = [placements.canonical(n) for n in state if placements.canonical(n) not in full]
     if missing:
         raise CheckpointError(f"{path}: the checkpoint lacks {missing[0]!r}"
                               + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    return {name: full[placements.canonical(name)] for name in local}
+    return {name: placements.split(name).cut(full[placements.canonical(name)]) if placements.split(name) is not None
+            else full[placements.canonical(name)] for name in state}
+
+
+def _local_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: local(t) for name, t in model.state_dict().items()}
 
 
 __all__ = ["ModelState", "load_initial_weights"]

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from zoo.parallel import comm
-from zoo.parallel.sharding import Placement, Placements, TPShard
+from zoo.parallel.sharding import Placement, Placements, TPShard, local
 from zoo.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
@@ -152,13 +152,14 @@ def grad_norm_squared(grads: Iterable[tuple[torch.Tensor, Placement | None]], *,
 
 
 def clip_grad_norm(model: nn.Module, placements: Placements, max_norm: float, tp_group: Any, pp_group: Any = None,
-                   *, device: Any = "cpu") -> torch.Tensor:
+                   *, device: Any = "cpu", dp_group: Any = None) -> torch.Tensor:
     """Clip by the global gradient norm of the unsharded model (see `grad_norm_squared`); returns
     the norm before clipping. No host synchronisation: the factor ``min(1, max / (norm + 1e-6))``
-    is applied on the device (multiplying by exactly 1 when the norm is below the maximum)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    total = grad_norm_squared(((p.grad, placements.of(p)) for p in model.parameters() if p.grad is not None),
-                              tp_group=tp_group, pp_group=pp_group, device=device)
+    is applied on the device (multiplying by exactly 1 when the norm is below the maximum).
+    ``dp_group``: FSDP's, whose ranks hold disjoint pieces of every gradient."""
+    grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+    total = grad_norm_squared(((local(p.grad), placements.of(p)) for p in model.parameters() if p.grad is not None),
+                              tp_group=tp_group, pp_group=pp_group, dp_group=dp_group, device=device)
     norm = total.sqrt()
     if max_norm > 0 and grads:
         scale_grads(grads, norm, max_norm)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zoo.errors import PluginError
@@ -30,7 +31,7 @@ from zoo.parallel.grid import ProcessGrid
 from zoo.parallel.layout import Layout
 from zoo.parallel.materialize import InitRecord, allocate, replay, tensor_refs
 from zoo.parallel.pipeline import Pipeline, Stages, _tied, build_stages, gather_objects, gather_state, sync_tied_grads
-from zoo.parallel.sharding import Placement, Placements
+from zoo.parallel.sharding import FSDPChunk, Placement, Placements, local
 
 StepFn = Callable[[nn.Module, dict[str, Any]], tuple[Any, Any]]
 
@@ -91,6 +92,9 @@ class Parallel:
                                      kind=lay.pp_schedule)
         else:
             self.model, self.chunks = model, [model]
+        self.fsdp_roots: list[nn.Module] = []
+        if lay.fsdp > 1:
+            self._fully_shard(device)
         self.placements = self._placements(shards, on_shards)
         if init is not None:
             self._materialize(init, refs, device)
@@ -116,33 +120,65 @@ class Parallel:
         for core in cores:
             core.cp_group = self.cp_group
 
+    def _fully_shard(self, device: Any) -> None:
+        """FSDP (torch's ``fully_shard``) over the data-parallel group: every block of every chunk
+        its own unit (gathered just before it runs, freed after), then each chunk's remaining
+        parameters (embeddings, final norm, head); bf16 compute with fp32 gradient reduction under
+        ``train.precision=bf16``."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = DeviceMesh.from_group(self.dp_cp_group, torch.device(device).type)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if self.layout.fsdp_dtype == "bf16" else MixedPrecisionPolicy()
+        pipe = self.family.pipeline
+        for chunk in self.chunks:
+            for block in getattr(chunk, pipe.layers) if pipe is not None else ():
+                fully_shard(block, mesh=mesh, mp_policy=mp)
+            fully_shard(chunk, mesh=mesh, mp_policy=mp)
+            self.fsdp_roots.append(chunk)
+
+    def _gradient_sync(self, roots: Sequence[nn.Module], sync: bool) -> None:
+        for root in roots:
+            root.set_requires_gradient_sync(sync)  # type: ignore[operator]  (an FSDP module)
+
     def _materialize(self, init: InitRecord, refs: Mapping[str, Any], device: Any) -> None:
         """This rank's parameters and buffers on ``device``, each cut from the full tensor the
         replayed build makes (on the CPU, whose random stream the single-process build uses)."""
-        allocate([self.model, *self.chunks], device)
+        if self.fsdp_roots:  # FSDP's own allocation of its shards, tied parameters kept (swapped, not replaced)
+            torch.__future__.set_swap_module_params_on_conversion(True)
+            try:
+                for root in [self.model, *self.chunks]:
+                    root.to_empty(device=device)
+            finally:
+                torch.__future__.set_swap_module_params_on_conversion(False)
+        else:
+            allocate([self.model, *self.chunks], device)
         targets = []
         for name, p in self.model.named_parameters():
             placement = self.placements[name]
-            targets.append((refs[placement.name], _keeper(p, placement.shard)))
+            targets.append((refs[placement.name], _keeper(local(p), placement.split)))
         for name, b in self.model.named_buffers():
             targets.append((refs[name], _keeper(b, None)))
         replay(init, targets, "cpu")
 
     def _placements(self, shards: Mapping[str, Any], on_shards: set[str]) -> Placements:
         st = self.stages
+        fsdp_rank = dist.get_rank(self.dp_cp_group) if self.fsdp_roots else 0
         out = {}
-        for name, _ in self.model.named_parameters():
+        for name, p in self.model.named_parameters():
             canon = st.canonical.get(name, name) if st is not None else name
+            chunk = FSDPChunk(self.layout.fsdp, fsdp_rank, p.shape[0]) if self.fsdp_roots else None
             out[name] = Placement(canon, shard=shards.get(canon), sequence_parallel=canon in on_shards,
                                   tied=st is not None and name in st.tied,
-                                  duplicate=st is not None and name in st.duplicates)
+                                  duplicate=st is not None and name in st.duplicates, fsdp=chunk)
         return Placements(self.model, out)
 
     def make_buckets(self, bucket_size: int, *, shard: bool) -> Any:
         """Gradient buckets over the data x context group; with ``shard`` (the distributed
         optimizer) also for a single data-parallel rank, where they hold the fp32-master
         optimizer's gradients without reducing anything."""
-        if self.dp_cp_group is None and not shard:
+        if self.dp_cp_group is None and not shard or self.fsdp_roots:  # (FSDP reduces its own gradients)
             return None
         from zoo.parallel.data_parallel import GradBuckets
 
@@ -245,6 +281,8 @@ class Parallel:
         if self.pp == 1:
             for i, batch in enumerate(prepared):
                 sync = buckets.no_sync() if (buckets is not None and i < m - 1) else contextlib.nullcontext()
+                if self.fsdp_roots:  # reduce-scatter on the last micro-batch only
+                    self._gradient_sync(self.fsdp_roots, i == m - 1)
                 with sync:
                     loss, metrics = objective(self.model, batch)
                     scale(loss * weights[i] / m).backward()
@@ -256,6 +294,8 @@ class Parallel:
             def before_backward(chunk: int, last: bool) -> None:
                 if buckets is not None:  # reduce on each chunk's final backward only
                     buckets.sync = last
+                if self.fsdp_roots:
+                    self._gradient_sync([self.fsdp_roots[chunk]], last)
 
             results = self.pipeline.run(prepared, objective, scale_loss=scale_last, before_backward=before_backward)
             if buckets is not None:
@@ -282,7 +322,14 @@ class Parallel:
             results = [(loss.detach(), metrics) for loss, metrics in results]
         else:
             results = self.pipeline.run(prepared, objective, scale_loss=lambda x, _: x, forward_only=True)
+        self.reshard()
         return self._step_output(results, weights)
+
+    def reshard(self) -> None:
+        """After forwards without backward (evaluation, previews): an FSDP root keeps its gathered
+        parameters registered until then; put its shards back (what the optimizer and checkpoints hold)."""
+        for root in self.fsdp_roots:
+            root.reshard()  # type: ignore[operator]
 
     def finish_grads(self) -> None:
         """After the last backward of a step: wait for the data-parallel reductions, sum the
@@ -300,7 +347,7 @@ class Parallel:
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip to ``max_norm`` by the whole model's gradient norm, which is returned (on the device)."""
         return tp_apply.clip_grad_norm(self.model, self.placements, max_norm, self.tp_group, self.pp_group,
-                                       device=self.device)
+                                       device=self.device, dp_group=self.dp_cp_group if self.fsdp_roots else None)
 
     def grad_norm_squared(self, pairs: Any, dp_group: Any = None) -> torch.Tensor:
         """`zoo.parallel.apply.grad_norm_squared` over this layout's groups, for ``(gradient,
@@ -320,7 +367,7 @@ class Parallel:
             placement = self.placements[name]
             if p.grad is None or placement.duplicate:
                 continue
-            out[placement.name] = placement.shard.gather(p.grad) if placement.shard else p.grad.detach().clone()
+            out[placement.name] = _full(p.grad, placement)
         return gather_state(out, self.pp_group) if self.stages is not None else out
 
     def full_state(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -331,7 +378,7 @@ class Parallel:
             placement = self.placements.get(name)
             if placement is None or placement.duplicate:
                 continue
-            out[placement.name] = placement.shard.gather(t) if placement.shard else t.detach().clone()
+            out[placement.name] = _full(t, placement)
         return gather_state(out, self.pp_group) if self.stages is not None else out
 
     def global_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -346,11 +393,20 @@ class Parallel:
         return merged
 
 
-def _keeper(local: torch.Tensor, shard: Any) -> Callable[[torch.Tensor], None]:
+def _keeper(data: torch.Tensor, split: Any) -> Callable[[torch.Tensor], None]:
     def keep(full: torch.Tensor) -> None:
-        local.copy_(shard.cut(full) if shard is not None else full)
+        data.copy_(split.cut(full) if split is not None else full)
 
     return keep
+
+
+def _full(t: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """A tensor shaped like a parameter at its single-process shape (collective: FSDP's gather
+    over data-parallel ranks, then tensor parallelism's)."""
+    t = t.detach()
+    full_tensor = getattr(t, "full_tensor", None)
+    t = full_tensor() if callable(full_tensor) else t.clone()
+    return placement.shard.gather(t) if placement.shard else t
 
 
 __all__ = ["Parallel", "StepOutput"]

@@ -39,6 +39,8 @@ class Layout:
     order: str = "tp-cp-ep-dp-pp"
     pp_layers: tuple[int, ...] | None = None
     pp_schedule: str = "1f1b"
+    fsdp: int = 0  # ranks FSDP shards over (the data-parallel size), 0: off
+    fsdp_dtype: str = "fp32"  # FSDP's compute dtype (train.precision): bf16 parameters, fp32 reductions
 
     def describe(self) -> str:
         axes = " x ".join(f"{a}={getattr(self, a)}" for a in ("tp", "cp", "dp", "pp"))
@@ -116,6 +118,17 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
         raise ConfigError(
             f"train: global_batch_size={gbs} is not a multiple of micro_batch_size*dp = {train.micro_batch_size}*{dp}"
         )
+    if p.fsdp > 1 and p.fsdp != dp:
+        raise ConfigError(f"parallel: fsdp={p.fsdp} must equal the data-parallel size dp={dp} (world {world_size} "
+                          f"/ tp*cp*pp = {model_parallel}); FSDP shards over every data-parallel rank")
+    if p.fsdp > 1 and p.zero:
+        raise ConfigError("parallel: fsdp and zero=1 both shard the optimizer state over DP; choose one "
+                          "(FSDP also shards parameters and gradients)")
+    if p.fsdp > 1 and p.cp > 1:
+        raise ConfigError("parallel: fsdp with cp > 1 is not supported yet (use zero=1 with context parallelism)")
+    if p.fsdp > 1 and train.precision == "fp16":
+        raise ConfigError("parallel: fsdp with train.precision=fp16 is not supported (use bf16: FSDP computes in "
+                          "bf16 and reduces gradients in fp32)")
     accum = gbs // per_step
     if p.vpp > 1 and accum % p.pp:
         raise ConfigError(f"parallel: vpp={p.vpp} (interleaved 1F1B) needs the micro-batches per step ({accum}) to be a "
@@ -125,6 +138,7 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
         etp=etp, expert_dp=expert_dp, grad_accum=accum, global_batch_size=gbs,
         sequence_parallel=p.sequence_parallel, zero=p.zero, order=p.order,
         pp_layers=tuple(p.pp_layers) if p.pp_layers is not None else None, pp_schedule=p.pp_schedule,
+        fsdp=p.fsdp if p.fsdp > 1 else 0, fsdp_dtype=train.precision,
     )
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zoo.family import PipelineSpec
-from zoo.parallel.sharding import aliases
+from zoo.parallel.sharding import aliases, local
 
 
 def split_layers(num_layers: int, stages: int, sizes: Sequence[int] | None = None) -> list[range]:
@@ -149,7 +149,7 @@ def sync_tied_grads(params: Sequence[nn.Parameter], group: Any) -> None:
         return
     for p in params:
         if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+            dist.all_reduce(local(p.grad), group=group)  # (an FSDP gradient: this rank's shard)
 
 
 # ------------------------------------------------------------------------------------ schedules

@@ -102,6 +102,72 @@ class TPShard:
         return full
 
 
+@dataclass(frozen=True)
+class FSDPChunk:
+    """FSDP's split of a (tensor-parallel local) parameter over ``size`` data-parallel ranks:
+    ``torch.chunk`` along dim 0 of its ``rows`` rows, this rank holding chunk ``rank`` (possibly
+    shorter, or empty, at the end), as torch's ``fully_shard`` lays it out."""
+
+    size: int
+    rank: int
+    rows: int
+
+    def bounds(self) -> tuple[int, int]:
+        per = -(-self.rows // self.size) if self.rows else 0
+        start = min(self.rank * per, self.rows)
+        return start, min(start + per, self.rows)
+
+
+@dataclass(frozen=True)
+class Split:
+    """A parameter split by tensor parallelism (``tp``, optional) and then by FSDP (``fsdp``):
+    the same geometry interface as `TPShard`, for checkpoints and loading."""
+
+    tp: TPShard | None
+    fsdp: FSDPChunk
+
+    def _tp_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
+        return (self.fsdp.rows, *tuple(local_shape)[1:])
+
+    def global_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
+        shape = self._tp_shape(local_shape)
+        return self.tp.global_shape(shape) if self.tp is not None else shape
+
+    def regions(self, local_shape: Sequence[int]) -> list[Region]:
+        shape = self._tp_shape(local_shape)
+        _, tp_regions = regions(shape, self.tp)
+        start, stop = self.fsdp.bounds()
+        out = []
+        for sl, offset in tp_regions:
+            s0, s1, _ = sl[0].indices(shape[0])
+            lo, hi = max(start, s0), min(stop, s1)
+            if lo < hi:
+                out.append(((slice(lo - start, hi - start), *sl[1:]), (offset[0] + lo - s0, *offset[1:])))
+        return out
+
+    def cut(self, full: torch.Tensor) -> torch.Tensor:
+        piece = self.tp.cut(full) if self.tp is not None else full
+        start, stop = self.fsdp.bounds()
+        return piece[start:stop].contiguous()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's, gradient's or state's local data: an FSDP (DTensor) one's shard, else itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (local data) shaped as ``param`` is: wrapped as a DTensor with its mesh and
+    placements when ``param`` is an FSDP parameter (optimizer state must match its parameter)."""
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None:
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(value, mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False)
+
+
 def aliases(model: torch.nn.Module) -> dict[str, str]:
     """Tied parameter names of a model: alias -> the first name of the same parameter (tied
     tensors are stored once and their gradients summed once)."""
@@ -115,11 +181,11 @@ def aliases(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def regions(local_shape: Sequence[int], shard: TPShard | None) -> tuple[tuple[int, ...], list[Region]]:
+def regions(local_shape: Sequence[int], shard: TPShard | Split | None) -> tuple[tuple[int, ...], list[Region]]:
     """The global shape of a tensor and where this rank's local tensor sits in it (``None``:
     replicated, the whole tensor)."""
     shape = tuple(local_shape)
-    if shard is None or shard.size == 1:
+    if shard is None or isinstance(shard, TPShard) and shard.size == 1:
         return shape, [(tuple(slice(None) for _ in shape), (0,) * len(shape))]
     return shard.global_shape(shape), shard.regions(shape)
 
@@ -133,6 +199,12 @@ class Placement:
     sequence_parallel: bool = False  # applied to sequence shards: its gradient is summed over TP
     tied: bool = False  # shared by the first and last pipeline stage: gradients summed over both
     duplicate: bool = False  # the last stage's copy of a tied parameter: counted in norms and written once
+    fsdp: FSDPChunk | None = None  # FSDP's split over the data-parallel ranks, after tensor parallelism's
+
+    @property
+    def split(self) -> TPShard | Split | None:
+        """The whole geometry of this rank's local data (what checkpoints read and write)."""
+        return Split(self.shard, self.fsdp) if self.fsdp is not None else self.shard
 
 
 class Placements(Mapping[str, Placement]):
@@ -155,9 +227,14 @@ class Placements(Mapping[str, Placement]):
         return self._by_id.get(id(p))
 
     def shard(self, name: str) -> TPShard | None:
-        """The split of a local parameter (or of a buffer, which is never split)."""
+        """The tensor-parallel split of a local parameter (or of a buffer, which is never split)."""
         placement = self._by_name.get(name)
         return placement.shard if placement is not None else None
+
+    def split(self, name: str) -> TPShard | Split | None:
+        """The whole split of a local parameter's data (tensor parallel, then FSDP)."""
+        placement = self._by_name.get(name)
+        return placement.split if placement is not None else None
 
     def canonical(self, name: str) -> str:
         placement = self._by_name.get(name)
@@ -169,4 +246,5 @@ class Placements(Mapping[str, Placement]):
         return Placements(model, {n: Placement(n) for n, _ in model.named_parameters()})
 
 
-__all__ = ["STYLES", "Placement", "Placements", "Region", "Style", "TPShard", "aliases", "regions"]
+__all__ = ["STYLES", "FSDPChunk", "Placement", "Placements", "Region", "Split", "Style", "TPShard", "aliases", "like", "local",
+           "regions"]

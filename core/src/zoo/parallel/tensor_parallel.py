@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.parallel import comm
-from zoo.parallel.sharding import TPShard
+from zoo.parallel.sharding import TPShard, local
 
 
 def _tp(group: Any) -> tuple[int, int]:
@@ -161,7 +161,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 def reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], group: Any) -> None:
     """Sum over TP the gradients of parameters applied to sequence shards (norm weights, row
     biases), all in one all-reduce of their concatenation."""
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [local(p.grad) for p in params if p.grad is not None]  # (an FSDP gradient: this rank's shard)
     if not grads or comm._size(group) == 1:
         return
     flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)

@@ -19,7 +19,7 @@ from torch import nn
 
 from zoo.checkpoint.reader import EMA as PREFIX
 from zoo.checkpoint.state import Checkpoint
-from zoo.parallel.sharding import Placements, TPShard
+from zoo.parallel.sharding import Placements, Split, TPShard, local
 
 
 class EMA:
@@ -29,7 +29,8 @@ class EMA:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"EMA decay {decay} must lie in (0, 1)")
         self.decay, self.placements = decay, placements
-        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # This rank's local data of each trainable parameter (an FSDP parameter's shard).
+        self.params = [(n, local(p)) for n, p in model.named_parameters() if p.requires_grad]
         self.shadow = [p.detach().float().clone() for _, p in self.params]
 
     @torch.no_grad()
@@ -51,12 +52,12 @@ class EMA:
                 for (_, p), r in zip(self.params, raw):
                     p.copy_(r)
 
-    def state_tensors(self) -> list[tuple[str, torch.Tensor, TPShard | None]]:
+    def state_tensors(self) -> list[tuple[str, torch.Tensor, TPShard | Split | None]]:
         out = []
         for (name, _), s in zip(self.params, self.shadow):
             placement = self.placements[name]
             if not placement.duplicate:
-                out.append((PREFIX + placement.name, s, placement.shard))
+                out.append((PREFIX + placement.name, s, placement.split))
         return out
 
     def state_json(self) -> dict[str, Any]:
@@ -68,7 +69,7 @@ class EMA:
         for (name, p), s in zip(self.params, self.shadow):
             placement = self.placements[name]
             key = PREFIX + placement.name
-            s.copy_(ckpt.read(key, p.shape, placement.shard) if ckpt.has(key) else p.detach())
+            s.copy_(ckpt.read(key, p.shape, placement.split) if ckpt.has(key) else p.detach())
 
 
 __all__ = ["EMA"]

@@ -23,7 +23,7 @@ from zoo.checkpoint.state import Checkpoint
 from zoo.checkpoint.tensorio import CheckpointError
 from zoo.errors import ConfigError
 from zoo.parallel.engine import Parallel
-from zoo.parallel.sharding import Placements, TPShard
+from zoo.parallel.sharding import Placements, Split, TPShard, like, local
 
 
 def lr_at(step: int, *, peak: float, warmup: int, total: int, decay: str, min_ratio: float) -> float:
@@ -111,16 +111,18 @@ class OptimizerState:
     def _local(self) -> dict[str, torch.Tensor]:
         if self.distributed:  # gathered over DP (a collective), as full per-parameter tensors
             return self.optimizer.full_state(self.names)
-        return {f"{self.names[id(p)]}::{k}": (v if torch.is_tensor(v) else torch.tensor(v))
+        # (under FSDP the state is split like the parameters: this rank's shard of each)
+        return {f"{self.names[id(p)]}::{k}": (local(v) if torch.is_tensor(v) else torch.tensor(v))
                 for p, st in self.optimizer.state.items() for k, v in st.items()}
 
-    def state_tensors(self) -> list[tuple[str, torch.Tensor, TPShard | None]]:
+    def state_tensors(self) -> list[tuple[str, torch.Tensor, TPShard | Split | None]]:
         out = []
         for key, t in self._local().items():
-            local, _, fieldname = key.partition("::")
-            placement = self.par.placements[local]
+            name, _, fieldname = key.partition("::")
+            placement = self.par.placements[name]
             if not placement.duplicate:
-                out.append((f"{placement.name}::{fieldname}", t, placement.shard if t.dim() else None))
+                split = placement.shard if self.distributed else placement.split  # (ZeRO gathered its pieces)
+                out.append((f"{placement.name}::{fieldname}", t, split if t.dim() else None))
         return out
 
     def state_json(self) -> list[dict[str, Any]]:
@@ -145,7 +147,8 @@ class OptimizerState:
             for fieldname in fields.get(placement.name, []):
                 key = f"{placement.name}::{fieldname}"
                 scalar = len(ckpt.shape(key)) == 0
-                tensors[f"{name}::{fieldname}"] = ckpt.full(key) if scalar else ckpt.read(key, p.shape, placement.shard)
+                split = placement.shard if self.distributed else placement.split
+                tensors[f"{name}::{fieldname}"] = ckpt.full(key) if scalar else ckpt.read(key, local(p).shape, split)
         if self.distributed:
             self.optimizer.load_full_state(tensors, self.names)
             return
@@ -155,9 +158,11 @@ class OptimizerState:
             if fieldname == "master":  # fp32 masters a bf16-parameter run saved: not a plain optimizer's state
                 continue
             p = params[name]
-            # As torch's own load_state_dict: state follows the parameter's dtype and device, the step count stays.
-            state = self.optimizer.state[p]
-            state[fieldname] = value if fieldname == "step" else value.to(dtype=p.dtype, device=p.device)
+            # As torch's own load_state_dict: state follows the parameter's dtype and device (and an
+            # FSDP parameter's sharding), the step count stays.
+            if fieldname != "step":
+                value = like(p, value.to(dtype=p.dtype, device=local(p).device))
+            self.optimizer.state[p][fieldname] = value
 
 
 class ScalerState:

@@ -195,15 +195,15 @@ class Trainer:
         """Weights from the checkpoint resumed (or ``checkpoint.load``), then the optimizer,
         scaler, EMA, loop position and RNG states; each rank reads only its pieces."""
         from zoo.checkpoint import rng as rng_mod
-        from zoo.checkpoint.model_dir import load_into
         from zoo.checkpoint.state import Checkpoint
         from zoo.checkpoint.weights import load_initial_weights
 
         run = self.run
         if path is None:
             if run.checkpoint.load:
-                load_into(self.model, load_initial_weights(run.checkpoint.load, model=self.model, family=run.family,
-                                                           placements=self.par.placements), what=run.checkpoint.load)
+                weights = load_initial_weights(run.checkpoint.load, model=self.model, family=run.family,
+                                               placements=self.par.placements)
+                self.model_state.load(lambda name, t: weights[name], what=run.checkpoint.load)
             self.build_optimizer()
             return
         with Checkpoint(path, family=run.family, rank=self.env.rank, world_size=self.env.world_size) as ckpt:
@@ -308,13 +308,14 @@ class Trainer:
                       flush=True)
                 self._preview_note = True
             return
-        if self.par.dp_rank != 0:
+        if self.par.dp_rank != 0 and not lay.fsdp:  # (FSDP's forward gathers over every data-parallel rank)
             return
         generator = torch.Generator(self.env.device).manual_seed(self.run.train.seed + self.state.step)
         with torch.random.fork_rng(devices=[self.env.device] if self.dev_type == "cuda" else []), torch.no_grad():
             ema = self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
             with ema, torch.autocast(self.dev_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 artifact = self._preview(self.model, self.run.model, batch, generator=generator)
+            self.par.reshard()
         if self.env.is_main:
             assert self.log is not None
             path = self.log.preview(artifact, self.state.step)
