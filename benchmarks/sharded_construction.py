@@ -1,19 +1,26 @@
 """A model too large for every rank to build whole, built shard by shard on 4 gloo ranks, under
 tp2 x pp2 and under fsdp4.
 
-LLaMA 3.2 3B's architecture (the ``3-3B`` flavor) with ``num_layers=20``: 2.41B parameters, 9.6 GB
-in fp32. Four ranks each building the whole model (what zoo did before) need 4 x 9.6 = 38.5 GB,
-more than this 24 GiB machine has. Under tp2 x pp2 (and under fsdp4) each rank records the build
-on the meta device and materialises only its own part (`zoo.parallel.materialize`); this
-measures, per rank, the peak resident memory during construction against the rank's share plus
-the largest full tensor (the vocabulary embedding, 1.58 GB), then casts to bf16 and runs a forward
+LLaMA 3.2 3B's architecture (the ``3-3B`` flavor) with ``num_layers=20`` under tp2 x pp2: 2.41B
+parameters, 9.6 GB in fp32; four ranks each building the whole model (what zoo did before) need
+4 x 9.6 = 38.5 GB, more than this 24 GiB (25.8 GB) machine has. Under fsdp4 the same architecture
+with ``num_layers=16`` and a 32000-token vocabulary (1.71B parameters, 6.8 GB; 4 x 6.8 = 27.4 GB,
+still more than the machine): FSDP gathers the tied embedding whole on every rank for the step, and
+with LLaMA 3's 128256 x 3072 one (0.8 GB in bf16, its fp32 gradient in the fused loss 1.6 GB, its
+gradient and reduce-scatter buffer) four ranks' steps do not fit beside each other on 24 GiB.
+Each rank records the build on the meta device and materialises only its own part
+(`zoo.parallel.materialize`); this measures, per rank, the peak resident memory during construction
+against the rank's share plus the largest full tensor (a vocabulary embedding, or a block's MLP
+weight), then casts to bf16 and runs a forward
 and backward step of one micro-batch (through the pipeline; with FSDP gathering one block at a time).
 
-Run: ``python benchmarks/sharded_construction.py`` (about 5 minutes on 2 cores).
+Run: ``python benchmarks/sharded_construction.py [--layout tp2pp2|fsdp4]`` (about 15 minutes on 2
+cores: bf16 GEMMs on a CPU without native bf16 run at a small fraction of fp32 speed).
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from typing import Any
@@ -22,7 +29,8 @@ import torch
 
 from zoo.testing import run_distributed
 
-LAYERS, SEQ = 20, 32
+MODELS = {"tp2pp2": {"num_layers": 20}, "fsdp4": {"num_layers": 16, "vocab_size": 32000}}
+SEQ = 32
 
 
 def _rss() -> int:
@@ -52,7 +60,7 @@ class _Peak:
         return max(self.peak, _rss())
 
 
-def _rank(layout: dict[str, Any]) -> dict[str, Any]:
+def _rank(layout: dict[str, Any], model: dict[str, int]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from zoo.family import resolve
@@ -63,7 +71,8 @@ def _rank(layout: dict[str, Any]) -> dict[str, Any]:
 
     fam = get_registry().get("llama").family
     cfg = fam.flavors["3-3B"]()
-    cfg.num_layers = LAYERS
+    for key, value in model.items():
+        setattr(cfg, key, value)
     torch.manual_seed(0)
     before = _rss()
     sampler = _Peak()
@@ -82,6 +91,9 @@ def _rank(layout: dict[str, Any]) -> dict[str, Any]:
     # The step: bf16 parameters and gradients (fp32 ones of this share would exceed the machine
     # with four ranks at once), one micro-batch through the 1F1B schedule.
     par.model.to(torch.bfloat16)
+    # Hand the freed fp32 shards back to the OS: glibc keeps freed heap blocks of this size in the
+    # process, and four ranks' worth would be counted against the step.
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     batch = resolve(fam.example_batch, owner="bench")(cfg, batch_size=1, seq_length=SEQ,
                                                       generator=torch.Generator().manual_seed(1))
     t1 = time.perf_counter()
@@ -103,8 +115,9 @@ def main() -> None:
     gb = 1e9
     layouts = {"tp2pp2": {"tp": 2, "pp": 2}, "fsdp4": {"fsdp": 4}}
     for name in (["tp2pp2", "fsdp4"] if args.layout == "both" else [args.layout]):
-        print(f"# {time.strftime('%Y-%m-%d')} LLaMA 3-3B architecture, num_layers={LAYERS}, 4 gloo ranks, {name}")
-        results = run_distributed(_rank, 4, layouts[name], timeout=1800, collective_timeout=1700)
+        model = " ".join(f"{k}={v}" for k, v in MODELS[name].items())
+        print(f"# {time.strftime('%Y-%m-%d')} LLaMA 3-3B architecture, {model}, 4 gloo ranks, {name}")
+        results = run_distributed(_rank, 4, layouts[name], MODELS[name], timeout=1800, collective_timeout=1700)
         full = results[0]["full_params"]
         print(f"full model: {full / 1e9:.2f}B parameters = {full * 4 / gb:.1f} GB fp32; x4 ranks = {4 * full * 4 / gb:.1f} GB")
         print("| rank | share (GB) | largest tensor (GB) | construction peak RSS - RSS before (GB) | ratio to share + "

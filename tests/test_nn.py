@@ -82,6 +82,17 @@ def test_linear_cross_entropy_scales_with_upstream_gradient_and_autocast():
         assert torch.allclose(linear_cross_entropy(h, w, labels), F.cross_entropy(h @ w.t(), labels), atol=1e-6)
 
 
+def test_linear_cross_entropy_refuses_a_second_backward_instead_of_scaling_twice():
+    # The saved weight gradient is scaled in place; a retained graph must not reuse it silently
+    # (autograd's version counter on the saved tensor refuses it).
+    h = torch.randn(6, 4, requires_grad=True)
+    w = torch.randn(5, 4, requires_grad=True)
+    loss = linear_cross_entropy(h, w, torch.randint(0, 5, (6,)))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_is_the_textbook_formula_bit_for_bit(dtype):
     """The fused rotary (no concatenation, saves only the tables) against x*cos + rotate_half(x)*sin
