@@ -337,7 +337,10 @@ class Trainer:
             atomic_write_text(self.run_dir / "config.yaml", run.to_yaml())
         self.log = MetricsLog(self.run_dir, resume_step=self.state.step, tensorboard=run.logging.tensorboard) \
             if env.is_main else None
-        self.peak = measured_peak_flops(env.device, self.amp_dtype or torch.float32) if env.is_main else 1.0
+        # The better of the compute dtype's GEMM rate and fp32's: a CPU without native bf16 runs a
+        # large bf16 GEMM far below its fp32 rate, which made MFU read several hundred percent.
+        dtypes = {self.amp_dtype or torch.float32, torch.float32}
+        self.peak = max(measured_peak_flops(env.device, d) for d in dtypes) if env.is_main else 1.0
         self.progress = Progress(run.train.steps, enabled=env.is_main and run.logging.progress, start=self.state.step)
         # An async save writes from the live tensors while the next forward and backward run; the
         # optimizer update (the only thing that changes them) waits for it.
