@@ -1,5 +1,5 @@
 """Models built shard by shard: each rank builds the model on the meta device and materialises only
-its own parameters (its pipeline stages, its tensor-parallel pieces), which must be bitwise the
+its own parameters (its pipeline stages, its tensor-parallel pieces, its FSDP shards), which must be bitwise the
 single-process model's, random stream included."""
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ def _build(family: str, layers: int, layout: dict) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
     par = Parallel(meta, fam, layout_for(fam, world, model=cfg, **layout), rank=dist.get_rank() if world > 1 else 0,
                    init=record)
-    local = {n: p.numel() for n, p in par.model.named_parameters()}
+    from zoo.parallel.sharding import local as local_data
+
+    local = {n: local_data(p).numel() for n, p in par.model.named_parameters()}  # (an FSDP parameter's shard)
     full = par.full_state(dict(par.model.named_parameters()))
     full.update({n: b.clone() for n, b in par.model.named_buffers()})  # buffers are whole on every rank
     return {"full": full, "rng": torch.get_rng_state(), "local": sum(local.values()),
@@ -52,7 +54,8 @@ def _reference(family: str, layers: int) -> tuple[dict, torch.Tensor, int]:
     (1, "gpt2", 2, {}),
     (2, "gpt2", 4, {"pp": 2, "vpp": 2}),  # tied embeddings across the first and last stage
     (4, "llama", 2, {"tp": 2, "pp": 2}),  # gated MLP and GQA pieces
-], ids=["one-process", "gpt2-pp2-vpp2", "llama-tp2-pp2"])
+    (2, "gpt2", 2, {"fsdp": 2}),  # FSDP's own shards (tied embedding and head in one unit)
+], ids=["one-process", "gpt2-pp2-vpp2", "llama-tp2-pp2", "gpt2-fsdp2"])
 def test_each_rank_materialises_exactly_its_part_of_the_single_process_model(world, family, layers, layout):
     ref, rng, total = _reference(family, layers)
     results = run_distributed(_build, world, family, layers, layout, timeout=180)

@@ -127,8 +127,7 @@ def _from_hf(path: Path, *, model: nn.Module, placements: Placements, family: st
     if missing:
         raise CheckpointError(f"{path}: the checkpoint lacks {missing[0]!r}"
                               + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    return {name: placements.split(name).cut(full[placements.canonical(name)]) if placements.split(name) is not None
-            else full[placements.canonical(name)] for name in state}
+    return {name: full[placements.canonical(name)] for name in state}  # (nothing split: whole tensors)
 
 
 def _local_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -157,12 +157,11 @@ def clip_grad_norm(model: nn.Module, placements: Placements, max_norm: float, tp
     the norm before clipping. No host synchronisation: the factor ``min(1, max / (norm + 1e-6))``
     is applied on the device (multiplying by exactly 1 when the norm is below the maximum).
     ``dp_group``: FSDP's, whose ranks hold disjoint pieces of every gradient."""
-    grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
-    total = grad_norm_squared(((local(p.grad), placements.of(p)) for p in model.parameters() if p.grad is not None),
-                              tp_group=tp_group, pp_group=pp_group, dp_group=dp_group, device=device)
+    pairs = [(local(p.grad), placements.of(p)) for p in model.parameters() if p.grad is not None]
+    total = grad_norm_squared(pairs, tp_group=tp_group, pp_group=pp_group, dp_group=dp_group, device=device)
     norm = total.sqrt()
-    if max_norm > 0 and grads:
-        scale_grads(grads, norm, max_norm)
+    if max_norm > 0 and pairs:
+        scale_grads([g for g, _ in pairs], norm, max_norm)
     return norm
 
 

@@ -178,7 +178,7 @@ class Parallel:
         """Gradient buckets over the data x context group; with ``shard`` (the distributed
         optimizer) also for a single data-parallel rank, where they hold the fp32-master
         optimizer's gradients without reducing anything."""
-        if self.dp_cp_group is None and not shard or self.fsdp_roots:  # (FSDP reduces its own gradients)
+        if (self.dp_cp_group is None and not shard) or self.fsdp_roots:  # (FSDP reduces its own gradients)
             return None
         from zoo.parallel.data_parallel import GradBuckets
 

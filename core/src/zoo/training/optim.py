@@ -121,8 +121,7 @@ class OptimizerState:
             name, _, fieldname = key.partition("::")
             placement = self.par.placements[name]
             if not placement.duplicate:
-                split = placement.shard if self.distributed else placement.split  # (ZeRO gathered its pieces)
-                out.append((f"{placement.name}::{fieldname}", t, split if t.dim() else None))
+                out.append((f"{placement.name}::{fieldname}", t, placement.split if t.dim() else None))
         return out
 
     def state_json(self) -> list[dict[str, Any]]:
@@ -147,8 +146,8 @@ class OptimizerState:
             for fieldname in fields.get(placement.name, []):
                 key = f"{placement.name}::{fieldname}"
                 scalar = len(ckpt.shape(key)) == 0
-                split = placement.shard if self.distributed else placement.split
-                tensors[f"{name}::{fieldname}"] = ckpt.full(key) if scalar else ckpt.read(key, local(p).shape, split)
+                tensors[f"{name}::{fieldname}"] = ckpt.full(key) if scalar else ckpt.read(key, local(p).shape,
+                                                                                          placement.split)
         if self.distributed:
             self.optimizer.load_full_state(tensors, self.names)
             return
