@@ -149,6 +149,7 @@ SURFACE = {
     "train": ["--config", "--dry-run", "--flavor", "--model", "--run-dir", "--world-size", "overrides"],
     "convert": ["--dtype", "--from", "--max-shard-size", "--to", "--weights", "dst", "src"],
     "prepare": ["what"],
+    "data": ["what"],
     "generate": ["--checkpoint", "--greedy", "--max-new-tokens", "--no-cache", "--prompt", "--seed", "--temperature",
                  "--tokenizer", "--top-k", "--top-p", "--weights"],
 }

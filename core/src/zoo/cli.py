@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # the CLI imports no torch until a command needs it
     from zoo.parallel.layout import Layout
     from zoo.registry import FamilyEntry
 
-CORE_COMMANDS = ("list", "info", "version", "train", "convert", "generate", "prepare")
+CORE_COMMANDS = ("list", "info", "version", "train", "convert", "generate", "prepare", "data")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -366,7 +366,7 @@ def build_parser(registry: Any | None) -> _Parser:
                    help="sample with the moving average of the weights (train.ema) or the raw ones; auto: the average if kept")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("prepare", help="prepare datasets (Megatron .bin/.idx)")
+    p = sub.add_parser("prepare", help="prepare datasets (Megatron .bin/.idx, Energon WebDataset)")
     prep = p.add_subparsers(dest="what", metavar="KIND", parser_class=_Parser, required=True)
     t = prep.add_parser("text", help="tokenize JSONL/text into <prefix>_<key>_document.{bin,idx}")
     t.add_argument("--input", nargs="+", required=True, help="JSONL (.gz), .txt files or directories of them")
@@ -379,6 +379,10 @@ def build_parser(registry: Any | None) -> _Parser:
     t.add_argument("--on-error", default="fail", help="fail (default) or skip malformed lines")
     t.add_argument("--quiet", action="store_true", help="no progress line")
     t.set_defaults(func=cmd_prepare_text)
+    from zoo.data.energon.cli import add_data_parser, add_prepare_parsers
+
+    add_prepare_parsers(prep)
+    add_data_parser(sub)
 
     if registry is not None:
         from zoo.family import resolve

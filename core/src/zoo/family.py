@@ -150,6 +150,9 @@ class Family:
     metrics: tuple[MetricSpec, ...] = ()
     throughput: Throughput = field(default_factory=Throughput)
     preview: Ref | None = None
+    # ``task_encoder(run_config) -> zoo.data.energon.TaskEncoder``: how Energon samples become this
+    # family's batches when data.path names an Energon dataset.
+    task_encoder: Ref | None = None
     recipe: Mapping[str, Any] = field(default_factory=dict)  # "section.key" -> default for all flavors
     flavor_recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
@@ -183,6 +186,10 @@ class DatasetSpec:
     # ``tokenizer(run_config) -> Path | None``: a directory with the dataset's tokenizer.json, stored
     # with checkpoints so `zoo generate` can encode prompts.
     tokenizer: Ref | None = None
+    # A stateful dataset's ``build`` also takes ``state`` (what its iterator's ``state_dict()``
+    # returned on every data-parallel rank at the checkpoint, as ``{"ranks": [...]}``, or None)
+    # and ``family``; the trainer saves that position in every checkpoint.
+    stateful: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

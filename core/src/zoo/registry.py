@@ -187,6 +187,14 @@ BUILTIN_DATASETS = (
         description="Megatron indexed data named by data.path (zoo prepare or Megatron-LM preprocess_data.py output)",
         build="zoo.data.megatron:build",
     ),
+    DatasetSpec(
+        name="energon",
+        description="an Energon WebDataset named by data.path (zoo prepare webdataset / images, or energon prepare), "
+        "or a metadataset .yaml; batches from the family's task encoder",
+        build="zoo.data.energon.training:build",
+        modality="multimodal",
+        stateful=True,
+    ),
 )
 
 

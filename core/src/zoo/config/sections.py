@@ -71,6 +71,14 @@ class DataConfig:
     eod_id: int | None = None
     num_workers: int = 0
     cache_dir: str | None = None  # where built indices and prepared corpora are cached
+    # Energon datasets (data.path a prepared WebDataset directory, URL or metadataset .yaml):
+    shuffle_buffer_size: int | None = 100  # samples mixed across slices before encoding
+    max_samples_per_sequence: int | None = 100  # slice length: smaller reads more randomly, seeks more
+    packing_buffer_size: int | None = None  # samples the task encoder's select_samples_to_pack sees at once
+    prefetch_factor: int = 2  # batches each worker makes ahead
+    watchdog_timeout: float = 60.0  # seconds a worker may take for one batch before the run stops, naming it
+    allow_pickle: bool = False  # .pickle/.pyd parts run code when loaded: refused unless set
+    allow_code: bool = False  # a dataset.yaml's sample_loader.py: refused unless set
 
 
 @dataclass(kw_only=True)

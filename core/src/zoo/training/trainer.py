@@ -54,6 +54,7 @@ class Trainer:
                        else lm_flops_per_token)
         self._preview = resolve(family.preview, owner=self.owner) if family.preview and run.train.preview else None
         self.dataset, self._dataset_owner = self._dataset(dataset)
+        self.data_position: Any = None  # a stateful dataset's loader position (`DataPosition`)
         self.ckpt_root = Path(run.checkpoint.dir) if run.checkpoint.dir else run_dir / "checkpoints"
         self.state = TrainState()
         self.log: MetricsLog | None = None  # global rank 0's, once the loop starts
@@ -64,7 +65,7 @@ class Trainer:
         run = self.run
         # data.path names Megatron indexed data; otherwise the family's own default dataset.
         has_paths = run.data.path or run.data.train_path
-        name = run.data.dataset or ("megatron" if has_paths else self.family.default_dataset)
+        name = run.data.dataset or (_path_kind(run.data.path) if has_paths else self.family.default_dataset)
         if not name:
             raise ConfigError(f"family {self.family.name!r} declares no default dataset; set data.dataset=NAME")
         from zoo.registry import get_registry
@@ -137,6 +138,10 @@ class Trainer:
         del full
         self.model = self.par.model  # this rank's parameters (its tensor-parallel pieces of its stages)
         self.model_state = ModelState(self.model, self.par.placements)
+        if self.dataset.stateful:
+            from zoo.data.energon.training import DataPosition
+
+            self.data_position = DataPosition(self.par)
         self.frozen = optim.freeze(self.model, self.par.placements, self.rules)
 
     def _model_on_meta(self) -> tuple[torch.nn.Module, Any]:
@@ -187,7 +192,8 @@ class Trainer:
         items: list[Stateful] = [self.model_state, optim.OptimizerState(self.opt, self.model, self.par,
                                                                         distributed=self.zero is not None),
                                  optim.ScalerState(self.scaler)]
-        return items + ([self.ema] if self.ema is not None else [])
+        return items + ([self.ema] if self.ema is not None else []) + \
+            ([self.data_position] if self.data_position is not None else [])
 
     # ------------------------------------------------------------------------------ restoring
 
@@ -326,7 +332,14 @@ class Trainer:
 
     def data(self, split: str, start: int) -> Iterator[Any]:
         build = resolve(self.dataset.build, owner=self._dataset_owner)
-        return iter(build(self.run, split=split, dp_rank=self.par.dp_rank, dp_size=self.layout.dp, consumed_samples=start))
+        kw = {}
+        if self.dataset.stateful:
+            kw = {"family": self.family, "state": self.data_position.saved if split == "train" else None}
+        it = iter(build(self.run, split=split, dp_rank=self.par.dp_rank, dp_size=self.layout.dp, consumed_samples=start,
+                        **kw))
+        if self.dataset.stateful and split == "train":
+            self.data_position.batches = it
+        return it
 
     def open_outputs(self) -> None:
         run, env = self.run, self.env
@@ -460,6 +473,17 @@ class Trainer:
               f"final loss {loss:.4f}; run directory {self.run_dir}", flush=True)
         if self.log is not None and self.log.tb_dir is not None:
             print(f"TensorBoard event files in {self.log.tb_dir} (tensorboard --logdir {self.log.tb_dir})", flush=True)
+
+
+def _path_kind(path: Any) -> str:
+    """``energon`` for a prepared WebDataset directory (or URL) or a metadataset YAML, else Megatron data."""
+    if isinstance(path, str):
+        from zoo.data.energon import is_dataset
+        from zoo.data.energon.metadataset import is_metadataset
+
+        if is_metadataset(path) or ("://" in path or Path(path).is_dir()) and is_dataset(path):
+            return "energon"
+    return "megatron"
 
 
 def _to(batch: Any, device: str) -> Any:

@@ -1,0 +1,212 @@
+"""The `zoo prepare webdataset|images|convert-pickle` and `zoo data info|lint|preview` commands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from zoo.errors import UsageError
+
+
+def _ratio(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.replace(" ", "").split(",")]
+    except ValueError:
+        raise UsageError(f"--split {text!r}: expected three numbers like 8,1,1") from None
+
+
+def _ask(question: str, parts: list[str]) -> str:
+    print(f"parts found: {', '.join(parts)}", file=sys.stderr)
+    return input(f"{question}: ")
+
+
+def cmd_webdataset(args: argparse.Namespace) -> int:
+    from zoo.data.energon.prepare import parse_field_map, prepare_webdataset
+
+    split_parts = []
+    for item in args.split_parts or []:
+        name, sep, regex = item.partition(":")
+        if not sep:
+            raise UsageError(f"--split-parts {item!r}: expected NAME:REGEX, e.g. 'train:shards/train_.*'")
+        split_parts.append((name, regex))
+    t0 = time.perf_counter()
+    tty = sys.stdin.isatty() and sys.stdout.isatty()
+    res = prepare_webdataset(
+        args.path, split=_ratio(args.split) if args.split else None, split_parts=split_parts or None,
+        exclude=args.exclude, sample_type=args.sample_type,
+        field_map=parse_field_map(args.field_map) if args.field_map else None, crude=args.crude,
+        shuffle_tars=args.shuffle_tars, num_workers=args.num_workers, tar_index_only=args.tar_index_only,
+        force_overwrite=args.force_overwrite, progress=not args.no_progress and sys.stderr.isatty(),
+        ask=_ask if tty and not args.non_interactive else None)
+    _summary(res, time.perf_counter() - t0)
+    return 0
+
+
+def _summary(res: Any, seconds: float) -> None:
+    print(f"prepared {res.root}: {res.total:,} samples in {len(res.shard_counts)} shards ({seconds:.1f}s); "
+          f"parts: {', '.join(res.parts)}")
+    for name, shards in res.splits.items():
+        n = sum(res.shard_counts[s] for s in shards)
+        print(f"  {name:<6} {len(shards):>5} shards {n:>10,} samples")
+
+
+def cmd_images(args: argparse.Namespace) -> int:
+    from zoo.data.energon.prepare import prepare_images
+
+    t0 = time.perf_counter()
+    res = prepare_images(args.output, dataset=args.dataset, folder=args.folder, captions=args.captions,
+                         shard_size=args.shard_size, split=_ratio(args.split), size=args.size, repeat=args.repeat,
+                         force_overwrite=args.force_overwrite, progress=sys.stderr.isatty())
+    _summary(res, time.perf_counter() - t0)
+    print(f"next: zoo data info {res.root}")
+    return 0
+
+
+def cmd_convert_pickle(args: argparse.Namespace) -> int:
+    from zoo.data.energon.convert import convert_pickle
+
+    n = convert_pickle(args.path, to=args.to)
+    print(f"converted {n:,} pickled parts under {args.path} to .{args.to} (read without running their code)")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from zoo.data.energon.dataset import META, WebDataset
+
+    ds = WebDataset(args.path, split_part=next(iter(_splits(args.path))), load_config=False)
+    total = sum(ds.shard_counts.values())
+    size = sum(ds.storage.size(s) for s in ds.shards)
+    info = ds.storage.text(f"{META}/.info.json") if ds.storage.exists(f"{META}/.info.json") else "{}"
+    import json
+
+    version = json.loads(info).get("energon_version", "?")
+    from zoo.data.energon.dataset import read_dataset_config
+
+    try:
+        cfg = read_dataset_config(ds.storage)
+        kind = "crude (CrudeWebdataset)" if cfg.sample_class is None else cfg.sample_class.__name__
+        fmap = f" field_map {cfg.field_map}" if cfg.field_map else ""
+    except Exception as e:  # info must work on half-prepared datasets too
+        kind, fmap = f"unknown ({e})", ""
+    print(f"dataset {ds.storage.display}")
+    print(f"  samples {total:,} in {len(ds.shards)} shards, {size / 1e6:,.1f} MB; prepared as energon {version}")
+    print(f"  sample type {kind}{fmap}")
+    for part in _splits(args.path):
+        d = WebDataset(args.path, split_part=part, load_config=False)
+        n = len(d)
+        print(f"  {part:<6} {n:>10,} samples ({n / max(total, 1):6.1%}) in {len({s for s, _, _ in d.segments})} shards")
+    return 0
+
+
+def _splits(path: str) -> list[str]:
+    import yaml
+
+    from zoo.data.energon.dataset import META
+    from zoo.data.energon.storage import Storage
+
+    st = Storage(path)
+    doc = yaml.safe_load(st.text(f"{META}/split.yaml")) if st.exists(f"{META}/split.yaml") else {}
+    return list((doc or {}).get("split_parts") or {"train": []})
+
+
+def cmd_lint(args: argparse.Namespace) -> int:
+    """Every `.tar.idx` against its tar and `.info.json`, then every sample of every split decoded."""
+    from zoo.data.energon.dataset import WebDataset, make_sample
+
+    bad: list[str] = []
+    checked = 0
+    for part in (args.split_parts.split(",") if args.split_parts else _splits(args.path)):
+        ds = WebDataset(args.path, split_part=part, allow_pickle=args.allow_pickle)
+        for sid in sorted({s for s, _, _ in ds.segments}):
+            try:
+                ds.index(sid)
+            except Exception as e:
+                bad.append(str(e))
+        for i in range(len(ds)):
+            try:
+                make_sample(ds, i, restore_key=("s", 0, i), subflavors=None)
+            except Exception as e:
+                bad.append(str(e).splitlines()[0])
+            checked += 1
+    for line in bad[:50]:
+        print(line)
+    print(f"{checked:,} samples checked, {len(bad)} problem(s)" + (" (first 50 shown)" if len(bad) > 50 else ""))
+    return 1 if bad else 0
+
+
+def cmd_preview(args: argparse.Namespace) -> int:
+    from zoo.data.energon.dataset import WebDataset, make_sample
+
+    ds = WebDataset(args.path, split_part=args.split_part, allow_pickle=args.allow_pickle)
+    for i in range(min(args.n, len(ds))):
+        s = make_sample(ds, i, restore_key=("s", 0, i), subflavors=None)
+        fields = s.items() if isinstance(s, dict) else ((k, getattr(s, k)) for k in s.__dataclass_fields__)
+        print(f"--- sample {i}")
+        for k, v in fields:
+            if k in ("__restore_key__", "__sources__"):
+                continue
+            if hasattr(v, "shape"):
+                v = f"{type(v).__name__} {tuple(v.shape)} {getattr(v, 'dtype', '')} min {float(v.min()):.3g} max {float(v.max()):.3g}"
+            elif isinstance(v, bytes):
+                v = f"{len(v)} bytes"
+            print(f"  {k}: {v}")
+    return 0
+
+
+def add_prepare_parsers(prep: Any) -> None:
+    w = prep.add_parser("webdataset", help="index WebDataset tar shards as Energon does (.tar.idx, .nv-meta/)")
+    w.add_argument("path")
+    w.add_argument("--split", help="train,val,test ratio over whole shards, e.g. 8,1,1")
+    w.add_argument("--split-parts", action="append", metavar="NAME:REGEX", help="a split by shard-path regex (repeatable)")
+    w.add_argument("--exclude", metavar="REGEX", help="leave out shards whose path matches")
+    w.add_argument("--sample-type", help="CaptioningSample, ImageSample, VQASample, ... (dataset.yaml)")
+    w.add_argument("--field-map", help="field=part pairs, e.g. image=png,caption=txt (or energon's JSON)")
+    w.add_argument("--crude", action="store_true", help="a CrudeWebdataset (plain dicts, cooked by your task encoder)")
+    w.add_argument("--shuffle-tars", action="store_true", help="shuffle shards before splitting (seed 42, as energon)")
+    w.add_argument("--num-workers", type=int, help="indexing processes (default: cores, at most 16)")
+    w.add_argument("--tar-index-only", action="store_true", help="only rebuild the .tar.idx files")
+    w.add_argument("--force-overwrite", action="store_true", help="redo an already prepared dataset")
+    w.add_argument("--non-interactive", action="store_true", help="never prompt (the default off a terminal)")
+    w.add_argument("--no-progress", action="store_true")
+    w.set_defaults(func=cmd_webdataset)
+
+    i = prep.add_parser("images", help="images with captions (or the built-in digits) -> a prepared Energon dataset")
+    i.add_argument("output")
+    i.add_argument("--dataset", choices=["digits"], help="scikit-learn's handwritten digits (no download)")
+    i.add_argument("--folder", help="a folder of images; captions from NAME.txt or --captions")
+    i.add_argument("--captions", help="CSV (file,caption) or JSONL ({file, caption})")
+    i.add_argument("--shard-size", type=int, default=100, help="samples per shard")
+    i.add_argument("--split", default="8,1,1")
+    i.add_argument("--size", type=int, default=8, help="digits: side in pixels (nearest upscaling)")
+    i.add_argument("--repeat", type=int, default=1, help="digits: write the 1797 images this many times")
+    i.add_argument("--force-overwrite", action="store_true")
+    i.set_defaults(func=cmd_images)
+
+    c = prep.add_parser("convert-pickle", help="rewrite .pickle/.pyd parts as .npy (or .pth), safely")
+    c.add_argument("path")
+    c.add_argument("--to", choices=["npy", "pth"], default="npy")
+    c.set_defaults(func=cmd_convert_pickle)
+
+
+def add_data_parser(sub: Any) -> None:
+    p = sub.add_parser("data", help="inspect Energon datasets: info, lint, preview")
+    what = p.add_subparsers(dest="what", metavar="ACTION", required=True)
+    i = what.add_parser("info", help="samples, shards, splits and sample type")
+    i.add_argument("path")
+    i.set_defaults(func=cmd_info)
+    lint = what.add_parser("lint", help="check every index and decode every sample")
+    lint.add_argument("path")
+    lint.add_argument("--split-parts", help="comma-separated (default: all)")
+    lint.add_argument("--allow-pickle", action="store_true")
+    lint.set_defaults(func=cmd_lint)
+    pv = what.add_parser("preview", help="print the first samples decoded")
+    pv.add_argument("path")
+    pv.add_argument("--split-part", default="train")
+    pv.add_argument("-n", type=int, default=3)
+    pv.add_argument("--allow-pickle", action="store_true")
+    pv.set_defaults(func=cmd_preview)
+
+
+__all__ = ["add_data_parser", "add_prepare_parsers"]

@@ -1,0 +1,449 @@
+"""One global worker's sample pipeline, every stage savable between two batches.
+
+Stages, in Energon's order: read (the worker's share of every dataset, cut into slices read
+a few at a time in a shuffled order) -> blend -> shuffle buffer -> ``encode_sample`` -> packing
+-> batch or group-batch -> ``encode_batch``. Every sample carries a restore key (which dataset
+and sample index, which output of which hook), so a stage's state is its random generator and
+the *keys* of what it buffers, never the data: `Pipeline.state()` is a small JSON-able dict, and
+`Pipeline(state=...)` rebuilds the buffers by re-reading those samples through `.tar.idx`.
+
+Randomness comes from NumPy generators seeded by (run seed, number of global workers, global
+worker id, dataset, purpose), so a run's order follows from its seed, and a layout with the same
+number of global workers (data-parallel ranks x workers per rank) reproduces it exactly.
+
+Where this differs from Energon on purpose: an open slice is drawn with probability proportional
+to what it has *left* (all open slices end together, so no slice lingers into a tail); samples
+that ``select_samples_to_pack`` leaves out stay buffered for the next round instead of being
+dropped; a dataset with fewer samples than global workers is read whole by every worker in
+training (Energon crashes, upstream PR #145) and leaves workers idle in validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from zoo.data.energon.dataset import WebDataset, make_sample
+from zoo.data.energon.task_encoder import SkipSample, TaskEncoder, call_hook
+
+Key = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One dataset of a (meta)dataset, after subset ranges are resolved against its length."""
+
+    path: str
+    split_part: str = "train"
+    weight: float = 1.0
+    repetitions: float = 1.0
+    subflavors: dict[str, Any] = field(default_factory=dict)
+    subset: tuple[tuple[Any, Any], ...] = ()  # ranges applied innermost first (percent strings or indices)
+    dataset_config: str = "dataset.yaml"
+    split_config: str = "split.yaml"
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    leaves: tuple[Leaf, ...]
+    task_encoder: TaskEncoder
+    training: bool
+    blend: str = "single"  # "single", "blend" (weights) or "epochized" (repetitions)
+    repeat: bool = True
+    batch_size: int | None = None
+    batch_drop_last: bool = False
+    shuffle_buffer_size: int | None = None
+    max_samples_per_sequence: int | None = None
+    packing_buffer_size: int | None = None
+    parallel_slices: int = 16
+    seed: int = 0
+    allow_pickle: bool = False
+    allow_code: bool = False
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What must not change across a restore for the saved state to mean the same data."""
+        return json.loads(json.dumps({"leaves": [dataclasses.asdict(leaf) for leaf in self.leaves], "blend": self.blend,
+                "repeat": self.repeat, "batch_size": self.batch_size, "batch_drop_last": self.batch_drop_last,
+                "shuffle_buffer_size": self.shuffle_buffer_size,
+                "max_samples_per_sequence": self.max_samples_per_sequence,
+                "packing_buffer_size": self.packing_buffer_size, "parallel_slices": self.parallel_slices,
+                "seed": self.seed, "task_encoder": type(self.task_encoder).__qualname__}))
+
+
+def tuplify(x: Any) -> Any:
+    return tuple(tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _rng(*words: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(w) & 0xFFFFFFFF for w in words])))
+
+
+def _rng_state(rng: np.random.Generator) -> dict[str, Any]:
+    return rng.bit_generator.state
+
+
+def _set_rng(rng: np.random.Generator, state: dict[str, Any]) -> None:
+    rng.bit_generator.state = state
+
+
+def resolve_subset(subset: tuple[tuple[Any, Any], ...], n: int, where: str) -> tuple[int, int]:
+    """Energon's nested ``subset: {range: [a, b]}``: the inner range first, the outer scaled inside it."""
+    def bound(v: Any, default: int, length: int) -> int:
+        if v == "end" or v is None:
+            return default
+        if isinstance(v, str) and v.strip().endswith("%"):
+            return int(round(float(v.strip()[:-1]) / 100 * length))
+        return int(v)
+
+    lo, hi = 0, n
+    for a, b in subset:
+        length = hi - lo
+        new_lo, new_hi = lo + bound(a, 0, length), lo + bound(b, length, length)
+        if not lo <= new_lo <= new_hi <= hi:
+            raise ValueError(f"{where}: subset range [{a}, {b}] is outside the {length} samples it applies to")
+        lo, hi = new_lo, new_hi
+    return lo, hi
+
+
+def worker_range(n: int, g: int, G: int, rotation: int) -> tuple[int, int]:
+    """Global worker ``g``'s contiguous share of ``n`` samples: ``n // G`` each, the ``n % G``
+    extra samples to the workers after ``rotation`` (so remainders of several datasets spread)."""
+    base, extra = divmod(n, G)
+    gets = [base + (1 if (w - rotation) % G < extra else 0) for w in range(G)]
+    start = sum(gets[:g])
+    return start, start + gets[g]
+
+
+class LeafReader:
+    """Sample indices of one dataset for one worker, slice by slice."""
+
+    def __init__(self, ds: WebDataset, lo: int, hi: int, *, training: bool, msps: int | None, parallel: int,
+                 limit: int | None, seed_words: tuple[int, ...]) -> None:
+        bounds = [b for b in ds._starts if lo < b < hi]  # shard boundaries inside the range
+        pieces = list(zip([lo, *bounds], [*bounds, hi])) if hi > lo else []
+        self.slices: list[tuple[int, int]] = []
+        for a, b in pieces:
+            k = round((b - a) / msps) if msps and (b - a) > 1.5 * msps else 1
+            cuts = [a + (b - a) * i // k for i in range(k + 1)]
+            self.slices += list(zip(cuts[:-1], cuts[1:]))
+        self.n = hi - lo
+        self.training, self.parallel = training, parallel if training else 1
+        self.limit = limit  # samples in all (None: epochs without end)
+        self.seed_words = seed_words
+        self.rng = _rng(*seed_words, 1)
+        self.epoch, self.next_slice, self.taken = 0, 0, 0
+        self.active: list[list[int]] = []
+        self.order = self._order()
+
+    def _order(self) -> list[int]:
+        if not self.training:
+            return list(range(len(self.slices)))
+        return _rng(*self.seed_words, 2, self.epoch).permutation(len(self.slices)).tolist()
+
+    def next(self) -> int:
+        if self.limit is not None and self.taken >= self.limit:
+            raise StopIteration
+        while len(self.active) < self.parallel and self.next_slice < len(self.order):
+            a, b = self.slices[self.order[self.next_slice]]
+            self.active.append([self.order[self.next_slice], a])
+            self.next_slice += 1
+        if not self.active:
+            if not self.training or not self.slices:
+                raise StopIteration
+            self.epoch, self.next_slice = self.epoch + 1, 0
+            self.order = self._order()
+            return self.next()
+        if len(self.active) == 1:
+            k = 0
+        else:
+            left = np.array([self.slices[s][1] - p for s, p in self.active])
+            k = int(np.searchsorted(np.cumsum(left), self.rng.integers(int(left.sum())), side="right"))
+        entry = self.active[k]
+        idx = entry[1]
+        entry[1] += 1
+        if entry[1] >= self.slices[entry[0]][1]:
+            self.active.pop(k)
+        self.taken += 1
+        return idx
+
+    def state(self) -> dict[str, Any]:
+        return {"rng": _rng_state(self.rng), "epoch": self.epoch, "next": self.next_slice, "taken": self.taken,
+                "active": [list(a) for a in self.active]}
+
+    def restore(self, st: dict[str, Any]) -> None:
+        _set_rng(self.rng, st["rng"])
+        self.epoch, self.next_slice, self.taken = st["epoch"], st["next"], st["taken"]
+        self.active = [list(a) for a in st["active"]]
+        self.order = self._order()
+
+
+class Pipeline:
+    """Batches of global worker ``g`` of ``G``; ``state`` (from `state()`) resumes after the
+    batch it was taken at. ``status(text)`` is told what is being read (for the watchdog)."""
+
+    def __init__(self, cfg: PipelineConfig, g: int, G: int, *, state: dict[str, Any] | None = None,
+                 status: Callable[[str], None] | None = None) -> None:
+        self.cfg, self.g, self.G = cfg, g, G
+        self.te = cfg.task_encoder
+        self.status = status or (lambda _: None)
+        self.datasets = [WebDataset(leaf.path, split_part=leaf.split_part, dataset_config=leaf.dataset_config,
+                                    split_config=leaf.split_config, allow_pickle=cfg.allow_pickle,
+                                    allow_code=cfg.allow_code) for leaf in cfg.leaves]
+        self.readers: list[LeafReader] = []
+        rotation = 0
+        for k, (leaf, ds) in enumerate(zip(cfg.leaves, self.datasets)):
+            lo, hi = resolve_subset(leaf.subset, len(ds), ds.path)
+            n = hi - lo
+            if cfg.training and 0 < n < G:
+                a, b = lo, hi  # too few samples to share: every worker reads them all, in its own order
+            else:
+                a, b = worker_range(n, g, G, rotation)
+                a, b = lo + a, lo + b
+            rotation += n
+            limit = None if cfg.training else b - a
+            self.readers.append(LeafReader(ds, a, b, training=cfg.training, msps=cfg.max_samples_per_sequence,
+                                           parallel=cfg.parallel_slices, limit=limit,
+                                           seed_words=(cfg.seed, G, g, k)))
+        self.blend_rng = _rng(cfg.seed, G, g, 1 << 20)
+        self.quota = self._quotas()
+        self.current = 0  # validation: the dataset being read
+        self.shuffle_rng = _rng(cfg.seed, G, g, 1 << 21)
+        self.shuffle: list[tuple[Key, Any]] = []
+        self.pending: list[tuple[Key, Any]] = []  # encode_sample outputs not yet passed on
+        self.pack_buffer: list[tuple[Key, Any]] = []
+        self.pack_queue: list[list[tuple[Key, Any]]] = []
+        self.buckets: dict[Any, list[tuple[Key, Any]]] = {}
+        self.batches = 0
+        self.exhausted = False
+        if state is not None:
+            self.restore(state)
+
+    # --------------------------------------------------------------------------- reading
+
+    def _quotas(self) -> list[int]:
+        if self.cfg.blend != "epochized":
+            return []
+        return [int(round(leaf.repetitions * r.n)) for leaf, r in zip(self.cfg.leaves, self.readers)]
+
+    def _pick(self) -> tuple[int, int]:
+        cfg, readers = self.cfg, self.readers
+        if not cfg.training:
+            while self.current < len(readers):
+                try:
+                    return self.current, readers[self.current].next()
+                except StopIteration:
+                    self.current += 1
+            raise StopIteration
+        if cfg.blend == "epochized":
+            if not any(self.quota):
+                if not cfg.repeat:
+                    raise StopIteration
+                self.quota = self._quotas()
+                if not any(self.quota):
+                    raise StopIteration
+            q = np.array(self.quota, dtype=np.float64)
+            k = int(self.blend_rng.choice(len(q), p=q / q.sum()))
+            self.quota[k] -= 1
+        elif len(readers) > 1:
+            w = np.array([leaf.weight if r.n else 0.0 for leaf, r in zip(cfg.leaves, readers)])
+            if w.sum() <= 0:
+                raise StopIteration
+            k = int(self.blend_rng.choice(len(w), p=w / w.sum()))
+        else:
+            k = 0
+        return k, readers[k].next()
+
+    def make(self, k: int, idx: int) -> Any:
+        ds, leaf = self.datasets[k], self.cfg.leaves[k]
+        sid, j = ds.locate(idx)
+        self.status(f"{ds.storage.where(ds.shards[sid])} sample {j}")
+        key: Key = ("s", k, idx)
+        sample = make_sample(ds, idx, restore_key=key, subflavors=leaf.subflavors, decode=self.te.decoder)
+        crude = isinstance(sample, dict) and "__shard__" in sample
+        where = ds.where(ds.shards[sid], sample["__key__"] if crude else sample.__key__)
+        self.status(where)  # what the hooks that follow work on
+        if crude:
+            sample = self.te.cook_crude_sample(sample, sample["__subflavors__"], where)
+        return sample
+
+    def _read(self) -> tuple[Key, Any]:
+        k, idx = self._pick()
+        return ("s", k, idx), self.make(k, idx)
+
+    # --------------------------------------------------------------------------- stages
+
+    def _shuffled(self) -> tuple[Key, Any]:
+        size = self.cfg.shuffle_buffer_size
+        if not size or size <= 1:
+            return self._read()
+        while len(self.shuffle) < size and not self.exhausted:
+            try:
+                self.shuffle.append(self._read())
+            except StopIteration:
+                self.exhausted = True
+        if not self.shuffle:
+            raise StopIteration
+        i = int(self.shuffle_rng.integers(len(self.shuffle)))
+        item = self.shuffle[i]
+        self.shuffle[i] = self.shuffle[-1]
+        self.shuffle.pop()
+        return item
+
+    def _encode(self, key: Key, sample: Any) -> list[tuple[Key, Any]]:
+        if not self.te.overrides("encode_sample"):
+            return [(key, sample)]
+        try:
+            out = call_hook(self.te.encode_sample, sample, seed=self.cfg.seed, key=key)
+        except SkipSample:
+            return []
+        outs = list(out) if _is_gen(self.te.encode_sample) or inspect.isgenerator(out) else [out]
+        return [(("e", key, i), o) for i, o in enumerate(outs)]
+
+    def _encoded(self) -> tuple[Key, Any]:
+        while not self.pending:
+            self.pending = self._encode(*self._shuffled())
+        return self.pending.pop(0)
+
+    def _pack(self, group: list[tuple[Key, Any]]) -> tuple[Key, Any]:
+        key: Key = ("p", tuple(k for k, _ in group))
+        members = [call_hook(self.te.postencode_sample, s, seed=self.cfg.seed, key=k) for k, s in group] \
+            if self.te.overrides("postencode_sample") else [s for _, s in group]
+        return key, call_hook(self.te.pack_selected_samples, members, seed=self.cfg.seed, key=key)
+
+    def _packed(self) -> tuple[Key, Any]:
+        size = self.cfg.packing_buffer_size
+        if not size:
+            return self._encoded()
+        while not self.pack_queue:
+            ended = False
+            while len(self.pack_buffer) < size:
+                try:
+                    self.pack_buffer.append(self._encoded())
+                except StopIteration:
+                    ended = True
+                    break
+            if not self.pack_buffer:
+                raise StopIteration
+            by_id = {id(s): (k, s) for k, s in self.pack_buffer}
+            groups = self.te.select_samples_to_pack([s for _, s in self.pack_buffer])
+            queue, used = [], set()
+            for group in groups:
+                entries = []
+                for s in group:
+                    if id(s) not in by_id or id(s) in used:
+                        raise ValueError("select_samples_to_pack must return groups of the samples it was given, "
+                                         "each at most once")
+                    used.add(id(s))
+                    entries.append(by_id[id(s)])
+                if entries:
+                    queue.append(entries)
+            if not queue:
+                if ended:
+                    self.pack_buffer = []
+                    raise StopIteration
+                raise ValueError(f"select_samples_to_pack chose nothing from a full buffer of {len(self.pack_buffer)} "
+                                 "samples (raise packing_buffer_size, or skip samples that never fit in encode_sample)")
+            self.pack_buffer = [(k, s) for k, s in self.pack_buffer if id(s) not in used]
+            self.pack_queue = queue
+        return self._pack(self.pack_queue.pop(0))
+
+    def next(self) -> Any:
+        """The next batch (or sample when batch_size is None); StopIteration at the end."""
+        cfg, te = self.cfg, self.te
+        if cfg.batch_size is None and not te.overrides("batch_group_criterion"):
+            out = self._packed()[1]
+        elif te.overrides("batch_group_criterion"):
+            out = self._group_batch()
+        else:
+            items = []
+            while len(items) < cfg.batch_size:  # type: ignore[operator]
+                try:
+                    items.append(self._packed()[1])
+                except StopIteration:
+                    break
+            if not items or (len(items) < cfg.batch_size and cfg.batch_drop_last):  # type: ignore[operator]
+                raise StopIteration
+            out = te.batch(items)
+        if te.overrides("encode_batch"):
+            out = te.encode_batch(out)
+        self.batches += 1
+        return out
+
+    def _group_batch(self) -> Any:
+        te, cfg = self.te, self.cfg
+        while True:
+            try:
+                key, s = self._packed()
+            except StopIteration:
+                for gkey in list(self.buckets):
+                    items = self.buckets.pop(gkey)
+                    if not cfg.batch_drop_last:
+                        return te.batch([x for _, x in items])
+                raise
+            gkey, size = te.batch_group_criterion(s)
+            if size is None:
+                size = cfg.batch_size
+            if size is None:
+                raise ValueError("batch_group_criterion returned no batch size and none was given (batch_size)")
+            bucket = self.buckets.setdefault(gkey, [])
+            bucket.append((key, s))
+            if len(bucket) >= size:
+                del self.buckets[gkey]
+                return te.batch([x for _, x in bucket])
+
+    # --------------------------------------------------------------------------- state
+
+    def rebuild(self, key: Key) -> Any:
+        """The sample (encoded, packed) a restore key names, rebuilt from the dataset."""
+        kind = key[0]
+        if kind == "s":
+            return self.make(key[1], key[2])
+        if kind == "e":
+            outs = self._encode(key[1], self.rebuild(key[1]))
+            for k, o in outs:
+                if k == key:
+                    return o
+            raise ValueError(f"restore: encode_sample no longer yields output {key[2]} for {key[1]} (not stateless?)")
+        if kind == "p":
+            return self._pack([(k, self.rebuild(k)) for k in key[1]])[1]
+        raise ValueError(f"restore: unknown key {key!r}")
+
+    def state(self) -> dict[str, Any]:
+        keys = lambda items: [list(k) for k, _ in items]  # noqa: E731
+        return {"readers": [r.state() for r in self.readers], "blend_rng": _rng_state(self.blend_rng),
+                "quota": list(self.quota), "current": self.current, "shuffle_rng": _rng_state(self.shuffle_rng),
+                "shuffle": keys(self.shuffle), "pending": keys(self.pending), "pack_buffer": keys(self.pack_buffer),
+                "pack_queue": [keys(g) for g in self.pack_queue],
+                "buckets": [keys(b) for b in self.buckets.values()], "batches": self.batches,
+                "exhausted": self.exhausted}
+
+    def restore(self, st: dict[str, Any]) -> None:
+        for r, rs in zip(self.readers, st["readers"]):
+            r.restore(rs)
+        _set_rng(self.blend_rng, st["blend_rng"])
+        _set_rng(self.shuffle_rng, st["shuffle_rng"])
+        self.quota, self.current = list(st["quota"]), st["current"]
+        self.batches, self.exhausted = st["batches"], st["exhausted"]
+        items = lambda ks: [(tuplify(k), self.rebuild(tuplify(k))) for k in ks]  # noqa: E731
+        self.shuffle = items(st["shuffle"])
+        self.pending = items(st["pending"])
+        self.pack_buffer = items(st["pack_buffer"])
+        self.pack_queue = [items(g) for g in st["pack_queue"]]
+        self.buckets = {}
+        for bucket in st["buckets"]:
+            entries = items(bucket)
+            gkey, _ = self.te.batch_group_criterion(entries[0][1])
+            self.buckets[gkey] = entries
+
+
+def _is_gen(fn: Any) -> bool:
+    return inspect.isgeneratorfunction(getattr(fn, "__func__", fn))
+
+
+__all__ = ["Leaf", "Pipeline", "PipelineConfig", "resolve_subset", "tuplify", "worker_range"]

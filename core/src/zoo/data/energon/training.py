@@ -1,0 +1,116 @@
+"""The trainer's Energon dataset: ``zoo train --model X data.path=DATASET_DIR_OR_METADATASET.yaml``.
+
+Each data-parallel rank loads its own global workers' batches (micro-batches of
+``train.micro_batch_size``), made by the family's task encoder (``Family.task_encoder``), seeded
+by ``train.seed``. The loader's position is saved in every checkpoint (`DataPosition`, a few
+kilobytes of JSON per rank: generator states, slice offsets, buffered sample keys) and restored
+from it, so a resumed run reads exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from zoo.errors import ConfigError
+
+
+def task_encoder_for(family: Any, run: Any) -> Any:
+    from zoo.data.energon.task_encoder import DefaultTaskEncoder
+    from zoo.family import resolve
+
+    ref = getattr(family, "task_encoder", None) if family is not None else None
+    return resolve(ref, owner=f"family {family.name!r}")(run) if ref else DefaultTaskEncoder()
+
+
+class _Batches:
+    """The loader as the trainer's iterator, with the position of what was consumed."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self._it = iter(loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._it)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.save_state_rank()
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+def build(run: Any, *, split: str, dp_rank: int, dp_size: int, consumed_samples: int = 0,
+          state: dict[str, Any] | None = None, family: Any = None) -> _Batches:
+    from zoo.data.energon.loader import Loader, WorkerConfig, get_train_dataset, get_val_dataset, redistribute
+
+    d = run.data
+    path = d.path
+    if not isinstance(path, str):
+        raise ConfigError(f"data.path={path!r}: an Energon dataset is one directory, URL or metadataset .yaml")
+    te = task_encoder_for(family, run)
+    mbs = run.train.micro_batch_size
+    if split == "train":
+        wc = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=d.num_workers)
+        ds = get_train_dataset(path, worker_config=wc, batch_size=mbs, shuffle_buffer_size=d.shuffle_buffer_size,
+                               max_samples_per_sequence=d.max_samples_per_sequence,
+                               packing_buffer_size=d.packing_buffer_size, task_encoder=te, seed=run.train.seed,
+                               allow_pickle=d.allow_pickle, allow_code=d.allow_code)
+    else:  # validation: every sample once, in order, in this process (it is short and restarts each time)
+        wc = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=0)
+        ds = get_val_dataset(path, worker_config=wc, batch_size=mbs, split_part="val" if split == "valid" else split,
+                             packing_buffer_size=d.packing_buffer_size, task_encoder=te,
+                             allow_pickle=d.allow_pickle, allow_code=d.allow_code)
+    loader = Loader(ds, prefetch_factor=d.prefetch_factor, watchdog_timeout_seconds=d.watchdog_timeout)
+    if split == "train":
+        if state is not None:
+            ranks = state["ranks"]
+            changed = len(ranks) != dp_size or ranks[0]["G"] != wc.global_workers
+            gbs = run.train.global_batch_size or mbs * dp_size
+            if changed and (gbs // (mbs * dp_size)) % wc.per_rank:
+                raise ConfigError(f"resuming with {dp_size} data-parallel rank(s) x {wc.per_rank} worker(s): each rank "
+                                  f"takes {gbs // (mbs * dp_size)} micro-batches per step, not a multiple of its "
+                                  "workers, so the global batches would differ from the saved run's; choose "
+                                  "data.num_workers dividing the micro-batches per step")
+            loader.restore_state_rank(redistribute(ranks, wc))
+        elif consumed_samples:
+            raise ConfigError(f"the checkpoint resumed (after {consumed_samples:,} samples) holds no Energon data "
+                              f"position for data.path={path}; it was trained on other data")
+    return _Batches(loader)
+
+
+class DataPosition:
+    """The `Stateful` checkpoint item holding every data-parallel rank's loader position."""
+
+    key = "data"
+
+    def __init__(self, par: Any) -> None:
+        self.par = par
+        self.batches: _Batches | None = None
+        self.saved: dict[str, Any] | None = None
+
+    def state_tensors(self) -> list[Any]:
+        return []
+
+    def state_json(self) -> dict[str, Any] | None:
+        import torch.distributed as dist
+
+        if self.batches is None:
+            return self.saved
+        mine = (self.par.dp_rank, self.batches.state_dict())
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+        else:
+            every = [mine]
+        by_rank = dict(every)  # the ranks of one data-parallel replica read the same data
+        return {"ranks": [by_rank[r] for r in sorted(by_rank)]}
+
+    def load_state(self, ckpt: Any, saved: Any) -> None:
+        self.saved = saved
+
+
+__all__ = ["DataPosition", "build", "task_encoder_for"]
