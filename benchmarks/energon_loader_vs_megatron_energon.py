@@ -79,9 +79,8 @@ def build(root: Path, n: int) -> Path:
     raw = root / f"raw{n}"
     if not raw.exists():
         repeat = -(-n // 1797)
-        samples = (s for i, s in zip(range(n), digit_samples(repeat=repeat)))
-        write_shards(raw, ({"png": p["png"], "txt": p["txt"]} and (k, {"png": p["png"], "txt": p["txt"]})
-                           for k, p in samples), shard_size=-(-n // SHARDS))
+        samples = (s for _, s in zip(range(n), digit_samples(repeat=repeat)))
+        write_shards(raw, ((k, {"png": p["png"], "txt": p["txt"]}) for k, p in samples), shard_size=-(-n // SHARDS))
     return raw
 
 

@@ -110,10 +110,10 @@ class WebDataset:
         if self.config is not None and (self.config.sample_loader or self.config.part_filter) and not allow_code:
             raise DatasetError(f"{self.storage.where(META + '/' + dataset_config)}: sample_loader/part_filter run "
                                "Python code shipped with the dataset; set data.allow_code=true if you trust it")
+        self._idx: dict[int, np.ndarray] = {}  # before _segments: excluded keys of a remote shard read it
         selected, excluded_keys = self._split(split_config)
         self.segments = self._segments(selected, excluded_keys)
         self._starts = np.cumsum([0] + [e - b for _, b, e in self.segments]).tolist()
-        self._idx: dict[int, np.ndarray] = {}
 
     # ----------------------------------------------------------------------------- metadata
 

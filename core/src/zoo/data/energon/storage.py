@@ -63,6 +63,8 @@ class Storage:
             return bytes(self.fs.cat_file(self.join(rel), start=start, end=end))
         fd = self._fds.get(rel)
         if fd is None:
+            if len(self._fds) >= 64:  # thousands of shards must not exhaust the descriptor limit
+                self.close()
             fd = self._fds[rel] = os.open(self.join(rel), os.O_RDONLY)
         return os.pread(fd, end - start, start)
 

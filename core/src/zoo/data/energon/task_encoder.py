@@ -29,7 +29,8 @@ class SkipSample(Exception):  # noqa: N818 (Energon's name)
 def stateless(fn: Callable[..., Any] | None = None, *, restore_seeds: bool = False,
               failure_tolerance: int | None = None) -> Any:
     """Mark a hook as a pure function of its input (so its outputs can be rebuilt by key);
-    ``restore_seeds`` reseeds the global RNGs per sample around each call."""
+    ``restore_seeds`` reseeds the global RNGs per sample around each call. ``failure_tolerance``
+    is accepted for Energon's signature; zoo stops at the first failing sample, naming it."""
     def mark(f: Callable[..., Any]) -> Callable[..., Any]:
         f.__zoo_stateless__ = True  # type: ignore[attr-defined]
         f.__zoo_restore_seeds__ = restore_seeds  # type: ignore[attr-defined]
@@ -65,7 +66,7 @@ def _collate(items: list[Any]) -> Any:
         for i, t in enumerate(items):
             out[(i, *[slice(0, n) for n in t.shape])] = t
         return out
-    if isinstance(first, (int, float, bool)) and not isinstance(first, bool):
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
         return torch.tensor(items)
     return list(items)
 
