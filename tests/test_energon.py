@@ -387,6 +387,7 @@ def test_reads_s3_through_a_local_s3_server(digits, monkeypatch):
     import socket
 
     boto3 = pytest.importorskip("boto3")
+    import fsspec.config
     from moto.server import ThreadedMotoServer
 
     with socket.socket() as s:
@@ -399,6 +400,9 @@ def test_reads_s3_through_a_local_s3_server(digits, monkeypatch):
         for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
                      "FSSPEC_S3_ENDPOINT_URL": url}.items():
             monkeypatch.setenv(k, v)
+        # fsspec reads FSSPEC_* variables once, when it is first imported (in a full run, long before this
+        # test); spawned loader workers import it afresh and read the variable above.
+        monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": url})
         client = boto3.client("s3", endpoint_url=url)
         client.create_bucket(Bucket="data")
         for p in digits.rglob("*"):

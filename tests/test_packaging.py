@@ -74,8 +74,9 @@ def test_no_core_source_names_a_plugin_package():
 
 def test_every_in_repo_plugin_is_packaged_and_installed_by_the_one_command():
     reqs = (REPO / "requirements-dev.txt").read_text()
-    # The default install brings the plot, TensorBoard and media extras (zoo-core alone runs without them).
-    assert re.search(r"^-e \./core\[plot,tensorboard,media\]$", reqs, re.M)
+    # The default install brings the plot, TensorBoard, media and Energon extras (zoo-core alone runs without them).
+    [extras] = re.findall(r"^-e \./core\[([a-z,]+)\]$", reqs, re.M)
+    assert set(extras.split(",")) == {"plot", "tensorboard", "media", "energon"}
     assert re.search(r"^-e \./examples/third_party_plugin$", reqs, re.M)
     for pyproject in sorted((REPO / "plugins").glob("*/pyproject.toml")):
         family = pyproject.parent.name
