@@ -134,17 +134,17 @@ def test_eight_processes_tp_pp_dp_with_sequence_parallel_and_zero():
             assert _rel(got["grads"][name], g) <= 1e-5, name
 
 
-def test_zoo_train_20_step_curves_match_one_process_and_resume_across_layouts(tmp_path, corpus_cache):
+def test_zoo_train_curves_match_one_process_and_resume_across_layouts(tmp_path, corpus_cache):
     """`zoo train` under torchrun: TP x PP (interleaved) with sequence parallelism, and CP x PP with
-    ZeRO-1, each follow the single-process curve for 20 steps; each resumes the other's step-10
+    ZeRO-1, each follow the single-process curve for 12 steps; each resumes the other's step-6
     checkpoint and continues the same curve."""
     import shutil
 
     from _gpt_helpers import curve as _curve
     from _gpt_helpers import small_run, torchrun, zoo
 
-    args = ("train.steps=20", "checkpoint.interval=10", "optimizer.grad_clip=0.5", "train.global_batch_size=16",
-            "train.micro_batch_size=4", "model.num_layers=4", "train.eval_interval=10")
+    args = ("train.steps=12", "checkpoint.interval=6", "optimizer.grad_clip=0.5", "train.global_batch_size=16",
+            "train.micro_batch_size=4", "model.num_layers=4", "train.eval_interval=6")
     one = zoo(*small_run(tmp_path / "one", corpus_cache, *args))
     assert one.returncode == 0, one.stderr
     ref = _curve(tmp_path / "one")
@@ -154,19 +154,19 @@ def test_zoo_train_20_step_curves_match_one_process_and_resume_across_layouts(tm
         out = torchrun(4, *small_run(tmp_path / name, corpus_cache, *args, *layout))
         assert out.returncode == 0, out.stdout + out.stderr
         got = _curve(tmp_path / name)
-        assert len(got) == 20
+        assert len(got) == 12
         for a, b in zip(got, ref):
             assert abs(a - b) <= 1e-5 * abs(b), (name, got, ref)
     for src, dst in (("a", "b"), ("b", "a")):
         cont = tmp_path / f"{src}-then-{dst}"
         (cont / "checkpoints").mkdir(parents=True)
-        shutil.copytree(tmp_path / src / "checkpoints" / "step_00000010", cont / "checkpoints" / "step_00000010")
+        shutil.copytree(tmp_path / src / "checkpoints" / "step_00000006", cont / "checkpoints" / "step_00000006")
         out = torchrun(4, *small_run(cont, corpus_cache, *args, *layouts[dst]))
         assert out.returncode == 0, out.stdout + out.stderr
         got = _curve(cont)
-        assert len(got) == 10
-        for a, b in zip(got, ref[10:]):
-            assert abs(a - b) <= 1e-5 * abs(b), (src, dst, got, ref[10:])
+        assert len(got) == 6
+        for a, b in zip(got, ref[6:]):
+            assert abs(a - b) <= 1e-5 * abs(b), (src, dst, got, ref[6:])
 
 
 def test_a_rank_that_raises_stops_every_rank_with_its_error(tmp_path, corpus_cache):
@@ -240,5 +240,6 @@ def test_low_precision_parameters_with_fp32_masters_train_and_resume_exactly(tmp
     out = zoo(*small_run(cont, corpus_cache, *args))
     assert out.returncode == 0, out.stderr
     assert _curve(cont) == got[3:]  # bitwise: the fp32 masters were saved, not re-read from bf16
-    bad = zoo(*small_run(tmp_path / "bad", corpus_cache, f"train.param_dtype={dtype}"))
-    assert bad.returncode == 2 and "needs parallel.zero=1" in bad.stderr
+    if dtype == "bf16":  # (the check is the same for both)
+        bad = zoo(*small_run(tmp_path / "bad", corpus_cache, f"train.param_dtype={dtype}"))
+        assert bad.returncode == 2 and "needs parallel.zero=1" in bad.stderr

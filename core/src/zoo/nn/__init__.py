@@ -239,14 +239,15 @@ class KVCache:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, offset: int = 0,
-              segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+              segment_ids: torch.Tensor | None = None, kv_segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads, on one process's whole sequence.
 
     q: (B, H, T, hd), k/v: (B, KV, S, hd) with H a multiple of KV. ``offset`` is the number of
     cached positions before q's first one (S = offset + T), so causal masking stays right when
     decoding with a KV cache. ``segment_ids`` (B, T) keeps attention inside documents packed into
-    one sample (Megatron's reset_attention_mask). Models call it through `AttentionCore`, which
-    the core can switch to ring attention or recomputation.
+    one sample (Megatron's reset_attention_mask, or samples packed for a DiT); ``kv_segment_ids``
+    (B, S) are the keys' when they are not the queries' (cross-attention to packed text). Models call
+    it through `AttentionCore`, which the core can switch to ring attention or recomputation.
     """
     if torch.is_grad_enabled() and q._base is None:
         # K or V still a slice of the fused qkv projection (no rotary applied to it) would keep the
@@ -254,7 +255,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         # copy costs less than what that frees.
         k = k.contiguous() if k._base is not None else k
         v = v.clone(memory_format=torch.contiguous_format) if v._base is not None else v
-    return _attention(q, k, v, causal, offset, segment_ids)
+    return _attention(q, k, v, causal, offset, segment_ids, kv_segment_ids)
 
 
 class AttentionCore(SelectiveCore, ContextParallelSite):
@@ -269,9 +270,9 @@ class AttentionCore(SelectiveCore, ContextParallelSite):
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, offset: int = 0,
-                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+                segment_ids: torch.Tensor | None = None, kv_segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         if self.cp_group is not None:  # context parallel: this rank holds 2 of the 2*cp sequence chunks
-            if not causal or offset or segment_ids is not None:
+            if not causal or offset or segment_ids is not None or kv_segment_ids is not None:
                 raise ValueError("context-parallel attention is causal self-attention without a KV cache or "
                                  "document masking (data.reset_attention_mask)")
             from zoo.parallel.context import ring_attention
@@ -284,18 +285,20 @@ class AttentionCore(SelectiveCore, ContextParallelSite):
             from torch.utils.checkpoint import checkpoint
 
             return checkpoint(attention, q, k, v, use_reentrant=False, causal=causal, offset=offset,
-                              segment_ids=segment_ids)
-        return attention(q, k, v, causal=causal, offset=offset, segment_ids=segment_ids)
+                              segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+        return attention(q, k, v, causal=causal, offset=offset, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
-               segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+               segment_ids: torch.Tensor | None = None, kv_segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     # enable_gqa: query head i attends with KV head i // (H // KV) (HF's grouping) without copying K/V.
     gqa = q.shape[1] != k.shape[1]
     t, s = q.shape[2], k.shape[2]
-    if segment_ids is not None:  # block-diagonal causal mask: (B, 1, T, T)
-        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-        mask = same & torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+    if segment_ids is not None:  # block-diagonal (causal) mask: (B, 1, T, S)
+        keys = segment_ids if kv_segment_ids is None else kv_segment_ids
+        mask = segment_ids[:, None, :, None] == keys[:, None, None, :]
+        if causal:
+            mask = mask & torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=offset)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     if not causal or t == 1:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)

@@ -259,11 +259,10 @@ class Pipeline:
             k = 0
         return k, readers[k].next()
 
-    def make(self, k: int, idx: int) -> Any:
+    def make(self, k: int, idx: int, key: Key) -> Any:
         ds, leaf = self.datasets[k], self.cfg.leaves[k]
         sid, j = ds.locate(idx)
         self.status(f"{ds.storage.where(ds.shards[sid])} sample {j}")
-        key: Key = ("s", k, idx)
         sample = make_sample(ds, idx, restore_key=key, subflavors=leaf.subflavors, decode=self.te.decoder)
         crude = isinstance(sample, dict) and "__shard__" in sample
         where = ds.where(ds.shards[sid], sample["__key__"] if crude else sample.__key__)
@@ -274,7 +273,10 @@ class Pipeline:
 
     def _read(self) -> tuple[Key, Any]:
         k, idx = self._pick()
-        return ("s", k, idx), self.make(k, idx)
+        # The epoch is part of the key: a hook seeded by key (random crops, a diffusion model's
+        # noise) draws afresh each time the sample comes round again.
+        key: Key = ("s", k, idx, self.readers[k].epoch)
+        return key, self.make(k, idx, key)
 
     # --------------------------------------------------------------------------- stages
 
@@ -403,7 +405,7 @@ class Pipeline:
         """The sample (encoded, packed) a restore key names, rebuilt from the dataset."""
         kind = key[0]
         if kind == "s":
-            return self.make(key[1], key[2])
+            return self.make(key[1], key[2], key)
         if kind == "e":
             outs = self._encode(key[1], self.rebuild(key[1]))
             for k, o in outs:

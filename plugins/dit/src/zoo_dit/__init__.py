@@ -1,0 +1,1 @@
+"""DiT with EDM for zoo."""

@@ -1,0 +1,218 @@
+"""DiT data: Energon samples -> token sequences with their noise, through the core's loader.
+
+The task encoder (`DiTTaskEncoder`) turns a sample (an image, a latent, a video clip; a class
+or text embeddings) into tokens (`zoo_dit.model.patchify`) and draws, per sample and seeded by
+the run seed and the sample's key, its EDM noise level, its noise and its condition dropout. So
+every sample of a pack has its own sigma (DFM shares one per pack), a restored run redraws
+exactly what it drew before, and a sample seen again in a later epoch draws afresh.
+
+With ``data.packing_buffer_size`` set, samples are packed first-fit-decreasing into rows of
+``train.seq_length`` tokens (`select_samples_to_pack` / `pack_selected_samples`); the model keeps
+attention inside each sample through ``segment_ids`` and the loss ignores padding.
+
+Built-in datasets (no download): ``digits`` (scikit-learn's handwritten digits with their class)
+prepared as an Energon dataset in the cache on first use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zoo.data.energon.task_encoder import SkipSample, TaskEncoder, stateless
+from zoo.errors import ConfigError
+from zoo_dit.model import patchify
+from zoo_dit.plugin import DiTConfig
+
+
+def to_latent(sample: Any, cfg: DiTConfig, where: str) -> torch.Tensor:
+    """The sample's image, video or stored latent as (C, T, H, W) in the model's value range."""
+    x = getattr(sample, "image", None) if not isinstance(sample, dict) else None
+    if x is not None:  # decoded pixels in [0, 1], (C, H, W): EDM trains on [-1, 1]
+        x = x.float()
+        if x.shape[0] != cfg.in_channels and cfg.in_channels == 1:
+            x = x[:1]  # grey stored as RGB
+        x = (x * 2 - 1)[:, None]
+    elif isinstance(sample, dict) and any(k in sample for k in ("pth", "npy", "latent", "safetensors")):
+        x = next(sample[k] for k in ("latent", "npy", "pth", "safetensors") if k in sample)
+        x = torch.as_tensor(x).float()
+        if x.dim() == 5:  # DFM stores [1, C, T, H, W]
+            x = x[0]
+        if x.dim() == 3:
+            x = x[:, None]
+    else:
+        raise ValueError(f"{where}: a DiT sample needs an image or a latent (.pth/.npy part)")
+    c, _, h, w = x.shape
+    if c != cfg.in_channels:
+        raise ValueError(f"{where}: the sample has {c} latent channels, the model takes {cfg.in_channels} "
+                         "(model.in_channels)")
+    p = cfg.patch_size
+    if h % p or w % p or x.shape[1] % cfg.patch_t:
+        raise ValueError(f"{where}: a {h}x{w} latent is not divisible by patch_size={p} "
+                         f"(and {x.shape[1]} frames by patch_t={cfg.patch_t})")
+    return x
+
+
+class DiTTaskEncoder(TaskEncoder):
+    def __init__(self, cfg: DiTConfig, *, seq_length: int, packing: bool) -> None:
+        self.cfg, self.seq_length, self.packing = cfg, seq_length, packing
+
+    @stateless(restore_seeds=True)
+    def encode_sample(self, sample: Any) -> dict[str, Any]:
+        cfg = self.cfg
+        where = f"sample {getattr(sample, '__key__', None) or sample.get('__key__')}"
+        latent = to_latent(sample, cfg, where)
+        tokens, positions = patchify(latent, cfg.patch_t, cfg.patch_size, cfg.patch_size)
+        if self.packing and len(tokens) > self.seq_length:
+            raise SkipSample()  # longer than a whole row (train.seq_length)
+        # Seeded per sample (run seed, key and epoch): sigma, noise and dropout are the sample's own.
+        sigma = float(torch.exp(cfg.p_mean + cfg.p_std * torch.randn(())))
+        noise = torch.randn(tokens.shape)
+        out: dict[str, Any] = {"latents": tokens, "positions": positions, "noise": noise, "sigma": sigma,
+                               "grid": tuple(int(g) for g in positions.max(0).values + 1)}
+        if cfg.num_classes:
+            label = getattr(sample, "label", None) if not isinstance(sample, dict) else sample.get("cls")
+            if label is None:
+                raise ValueError(f"{where}: the model is class-conditional (model.num_classes={cfg.num_classes}) "
+                                 "and the sample has no class (label / .cls)")
+            label = int(label)
+            if not 0 <= label < cfg.num_classes:
+                raise ValueError(f"{where}: class {label} outside 0..{cfg.num_classes - 1}")
+            out["label"] = cfg.num_classes if float(torch.rand(())) < cfg.class_dropout else label
+        if cfg.text_dim:
+            text = sample.get("text") if isinstance(sample, dict) else getattr(sample, "text", None)
+            if text is None:
+                raise ValueError(f"{where}: the model is text-conditioned (model.text_dim={cfg.text_dim}) and the "
+                                 "sample has no text embeddings")
+            text = torch.as_tensor(text).float().reshape(-1, torch.as_tensor(text).shape[-1])
+            if text.shape[-1] != cfg.text_dim:
+                raise ValueError(f"{where}: text embeddings of width {text.shape[-1]}, the model takes "
+                                 f"{cfg.text_dim} (model.text_dim)")
+            out["text"] = torch.zeros_like(text) if float(torch.rand(())) < cfg.text_dropout else text
+        return out
+
+    def select_samples_to_pack(self, samples: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        """First-fit decreasing into rows of ``train.seq_length`` tokens."""
+        bins: list[tuple[int, list[dict[str, Any]]]] = []
+        for s in sorted(samples, key=lambda s: -len(s["latents"])):
+            n = len(s["latents"])
+            for i, (used, members) in enumerate(bins):
+                if used + n <= self.seq_length:
+                    bins[i] = (used + n, [*members, s])
+                    break
+            else:
+                bins.append((n, [s]))
+        return [members for _, members in bins]
+
+    def pack_selected_samples(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"members": samples}
+
+    def batch(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        rows = [it.get("members", [it]) for it in items]
+        return collate(rows, self.cfg)
+
+
+def collate(rows: list[list[dict[str, Any]]], cfg: DiTConfig) -> dict[str, Any]:
+    """Rows of samples -> the model's batch: tokens padded to the longest row (segment -1, loss
+    mask 0), per-sample values padded to the row with most samples."""
+    b = len(rows)
+    s = max(sum(len(m["latents"]) for m in row) for row in rows)
+    n = max(len(row) for row in rows)
+    f = rows[0][0]["latents"].shape[-1]
+    out: dict[str, Any] = {
+        "latents": torch.zeros(b, s, f), "noise": torch.zeros(b, s, f),
+        "positions": torch.zeros(b, s, 3, dtype=torch.long),
+        "segment_ids": torch.full((b, s), -1, dtype=torch.long), "loss_mask": torch.zeros(b, s),
+        "sigma": torch.ones(b, n), "sample_mask": torch.zeros(b, n),
+    }
+    if cfg.num_classes:
+        out["labels"] = torch.full((b, n), cfg.num_classes, dtype=torch.long)
+    if cfg.text_dim:
+        length = max(sum(len(m["text"]) for m in row) for row in rows)
+        out["context"] = torch.zeros(b, length, cfg.text_dim)
+        out["context_segment_ids"] = torch.full((b, length), -2, dtype=torch.long)
+    grids = []
+    for i, row in enumerate(rows):
+        at = ct = 0
+        for j, m in enumerate(row):
+            k = len(m["latents"])
+            out["latents"][i, at:at + k] = m["latents"]
+            out["noise"][i, at:at + k] = m["noise"]
+            out["positions"][i, at:at + k] = m["positions"]
+            out["segment_ids"][i, at:at + k] = j
+            out["loss_mask"][i, at:at + k] = 1
+            out["sigma"][i, j] = m["sigma"]
+            out["sample_mask"][i, j] = 1
+            if cfg.num_classes:
+                out["labels"][i, j] = m["label"]
+            if cfg.text_dim:
+                t = len(m["text"])
+                out["context"][i, ct:ct + t] = m["text"]
+                out["context_segment_ids"][i, ct:ct + t] = j
+                ct += t
+            at += k
+            grids.append(m["grid"])
+    if n == 1 and s == min(len(r[0]["latents"]) for r in rows):
+        del out["segment_ids"]  # one whole sample per row: plain attention, no mask to build
+    out["grids"] = torch.tensor(grids, dtype=torch.long)  # (samples, 3), row-major over rows
+    return out
+
+
+def task_encoder(run: Any) -> DiTTaskEncoder:
+    return DiTTaskEncoder(run.model, seq_length=run.train.seq_length, packing=bool(run.data.packing_buffer_size))
+
+
+# ------------------------------------------------------------------------------ built-in data
+
+
+def _prepared(root: Path, name: str, make: Any) -> Path:
+    """``root/name``, prepared once by ``make(tmpdir)`` (into a temporary sibling, renamed in place)."""
+    target = root / name
+    if (target / ".nv-meta" / "split.yaml").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}.partial-"))
+    try:
+        make(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another rank or run prepared it meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def prepare_digits(out: Path) -> None:
+    """scikit-learn's 1,797 digits as an Energon dataset of ImageClassificationSample (png + cls)."""
+    from zoo.data.energon.prepare import digit_samples, prepare_webdataset, write_shards
+
+    write_shards(out, ((k, {"png": p["png"], "cls": p["cls"], "txt": p["txt"]}) for k, p in digit_samples()),
+                 shard_size=100)
+    prepare_webdataset(out, split=(16, 1, 1), sample_type="ImageClassificationSample",
+                       field_map={"image": "png", "label": "cls"}, force_overwrite=True)
+
+
+def _build_on(run: Any, path: Path, **kw: Any) -> Any:
+    from zoo.data.energon.training import build
+
+    if run.data.path is not None:
+        raise ConfigError("data.path and a built-in dataset: give one (data.dataset names the built-in one)")
+    run = dataclasses.replace(run, data=dataclasses.replace(run.data, path=str(path)))
+    return build(run, **kw)
+
+
+def build_digits(run: Any, **kw: Any) -> Any:
+    from zoo.data.corpus import cache_root
+
+    return _build_on(run, _prepared(cache_root(run), "energon-digits-v1", prepare_digits), **kw)
+
+
+__all__ = ["DiTTaskEncoder", "build_digits", "collate", "prepare_digits", "task_encoder", "to_latent"]

@@ -1,0 +1,185 @@
+"""The EDM objective and sampler around the DiT network: the family's ``loss``, ``generate``,
+``preview``, ``example_batch`` and throughput hooks.
+
+The batch (`zoo_dit.data.collate`) carries clean tokens ``latents`` (B, S, F), their ``noise``,
+per-sample ``sigma`` (B, N) drawn by the task encoder, ``positions``, optional ``segment_ids``,
+``labels`` or ``context``, and ``loss_mask``. The loss is EDM's ``lambda(sigma) |D(x + sigma n) - x|^2``
+per token (mean over features), averaged per sample and then over the samples of the micro-batch
+(``loss_average=sample``), or over all tokens (``token``, DFM's weighting: big samples dominate).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from zoo_dit import edm
+from zoo_dit.model import DiT, patchify, per_token, unpatchify
+from zoo_dit.plugin import DiTConfig
+
+
+def _cfg(model: nn.Module) -> DiTConfig:
+    return model.cfg  # type: ignore[return-value]
+
+
+def loss(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+    cfg = _cfg(model)
+    seg = batch.get("segment_ids")
+    sigma = batch["sigma"]  # (B, N)
+    sig_tok = per_token(sigma[..., None], seg)  # (B, S or 1, 1)
+    x0 = batch["latents"]
+    noisy = x0 + sig_tok * batch["noise"]
+    c_skip, c_out, c_in, c_noise = edm.precondition(sig_tok, cfg.sigma_data)
+    kw = dict(positions=batch["positions"], labels=batch.get("labels"), segment_ids=seg,
+              context=batch.get("context"), context_segment_ids=batch.get("context_segment_ids"))
+    if "hidden" in batch:  # a later pipeline stage: the previous one's hidden state and conditioning
+        out = model(batch["hidden"], cond=batch["cond"], **kw)
+    else:
+        out = model((c_in * noisy).to(x0.dtype), noise_level=torch.log(sigma) / 4, **kw)
+    if isinstance(out, dict):  # not the last stage
+        return out, {}
+    denoised = c_skip * noisy + c_out * out.float()
+    per_tok = edm.loss_weight(sig_tok, cfg.sigma_data)[..., 0] * (denoised - x0).pow(2).mean(-1)  # (B, S)
+    mask = batch["loss_mask"]
+    sample_mask = batch["sample_mask"]
+    if cfg.loss_average == "token":
+        value = (per_tok * mask).sum() / mask.sum().clamp(min=1)
+    elif seg is None:  # one sample per row
+        value = (per_tok * mask).sum(1).div(mask.sum(1).clamp(min=1)).mean()
+    else:
+        n = sigma.shape[1]
+        idx = seg.clamp(min=0)
+        sums = torch.zeros_like(sigma).scatter_add(1, idx, per_tok * mask)
+        counts = torch.zeros_like(sigma).scatter_add(1, idx, mask)
+        per_sample = sums / counts.clamp(min=1)
+        value = (per_sample * sample_mask).sum() / sample_mask.sum().clamp(min=1)
+        del n
+    sigma_mean = (sigma * sample_mask).sum() / sample_mask.sum().clamp(min=1)
+    return value, {"sigma_mean": sigma_mean.detach()}
+
+
+def example_batch(cfg: DiTConfig, *, batch_size: int, seq_length: int, generator: torch.Generator) -> dict[str, Any]:
+    """Random equal-size samples (the flavor's default size), one per row."""
+    from zoo_dit.data import collate
+
+    rows = []
+    for _ in range(batch_size):
+        latent = torch.randn(cfg.in_channels, cfg.num_frames * cfg.patch_t // cfg.patch_t if cfg.text_dim else 1,
+                             cfg.sample_size, cfg.sample_size, generator=generator)
+        tokens, positions = patchify(latent, cfg.patch_t, cfg.patch_size, cfg.patch_size)
+        m: dict[str, Any] = {"latents": tokens, "positions": positions, "noise": torch.randn(tokens.shape, generator=generator),
+                             "sigma": float(torch.exp(cfg.p_mean + cfg.p_std * torch.randn((), generator=generator))),
+                             "grid": tuple(int(g) for g in positions.max(0).values + 1)}
+        if cfg.num_classes:
+            m["label"] = int(torch.randint(0, cfg.num_classes + 1, (), generator=generator))
+        if cfg.text_dim:
+            m["text"] = torch.randn(5, cfg.text_dim, generator=generator)
+        rows.append([m])
+    return collate(rows, cfg)
+
+
+def count_samples(batch: dict[str, Any]) -> int:
+    return int(batch["sample_mask"].sum())
+
+
+def flops_per_sample(model: nn.Module, run: Any) -> float:
+    """6 x matmul weights x tokens + attention, for a sample of the flavor's default size."""
+    cfg: DiTConfig = run.model
+    tokens = (cfg.num_frames // cfg.patch_t if cfg.text_dim else 1) * (cfg.sample_size // cfg.patch_size) ** 2
+    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return 6.0 * n * tokens + 12.0 * cfg.num_layers * cfg.hidden_size * tokens * tokens
+
+
+# --------------------------------------------------------------------------------- sampling
+
+
+@torch.no_grad()
+def generate(model: DiT, cfg: DiTConfig, *, labels: list[int] | None = None, context: torch.Tensor | None = None,
+             num_samples: int | None = None, height: int | None = None, width: int | None = None,
+             frames: int | None = None, num_steps: int = 18, guidance: float = 1.0, guidance_form: str = "standard",
+             solver: str = "heun", churn: float = 0.0, sigma_min: float = 0.002, sigma_max: float = 80.0,
+             rho: float = 7.0, seed: int = 0, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Samples (N, C, T, H, W) in the model's value range (latent units; pixels in [-1, 1]).
+
+    ``labels``: one class per sample (class-conditional), ``context`` (N, L, Dt) text embeddings
+    (text-conditional). With ``guidance`` != 1 the conditional and unconditional (null class, or
+    zeroed text) predictions come from one batched forward and are combined by ``guidance_form``.
+    """
+    h, w = height or cfg.sample_size, width or cfg.sample_size
+    t = frames or (cfg.num_frames if cfg.text_dim else 1)
+    p = cfg.patch_size
+    if h % p or w % p or t % cfg.patch_t:
+        raise ValueError(f"height={h}, width={w}: each must be divisible by the patch size {p} (in latent units)"
+                         + (f", frames={t} by patch_t={cfg.patch_t}" if t % cfg.patch_t else ""))
+    n = len(labels) if labels is not None else (len(context) if context is not None else (num_samples or 1))
+    if cfg.num_classes and labels is None:
+        raise ValueError("this DiT is class-conditional: give the classes to draw (labels)")
+    if cfg.text_dim and context is None:
+        raise ValueError("this DiT is text-conditional: give text embeddings (context)")
+    gen = generator or torch.Generator().manual_seed(seed)
+    dev = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    _, positions = patchify(torch.zeros(1, t, h, w), cfg.patch_t, p, p)
+    grid = (t // cfg.patch_t, h // p, w // p)
+    guided = guidance != 1.0 or guidance_form == "dfm"
+    pos = positions[None].expand(2 * n if guided else n, -1, -1).to(dev)
+    lab = None
+    if cfg.num_classes:
+        lab = torch.tensor(labels, dtype=torch.long)
+        lab = (torch.cat([lab, torch.full_like(lab, cfg.num_classes)]) if guided else lab)[:, None].to(dev)
+    ctx = None
+    if cfg.text_dim:
+        assert context is not None
+        ctx = context.to(dev, dtype)
+        ctx = torch.cat([ctx, torch.zeros_like(ctx)]) if guided else ctx
+
+    def denoise(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        xin = torch.cat([x, x]) if guided else x
+        s = sigma.reshape(1, 1).expand(len(xin), 1).to(dev, torch.float32)
+        c_skip, c_out, c_in, c_noise = edm.precondition(s, cfg.sigma_data)
+        out = model((c_in[..., None] * xin).to(dtype), positions=pos, noise_level=c_noise, labels=lab, context=ctx)
+        d = c_skip[..., None] * xin + c_out[..., None] * out.float()
+        if not guided:
+            return d
+        cond, uncond = d.chunk(2)
+        return edm.guide(cond, uncond, guidance, guidance_form)  # type: ignore[arg-type]
+
+    noise = torch.randn(n, len(positions), cfg.token_features, generator=gen).to(dev)
+    sigmas = edm.karras_sigmas(num_steps, sigma_min=sigma_min, sigma_max=sigma_max, rho=rho).to(dev)
+    was = model.training
+    model.eval()
+    try:
+        tokens = edm.sample(denoise, noise, sigmas, solver=solver, churn=churn, generator=gen)  # type: ignore[arg-type]
+    finally:
+        model.train(was)
+    return torch.stack([unpatchify(tok.cpu(), grid, cfg.patch_t, p, p) for tok in tokens])
+
+
+def to_pixels(x: torch.Tensor) -> torch.Tensor:
+    """Model-range samples ([-1, 1] pixels) -> [0, 1]."""
+    return ((x + 1) / 2).clamp(0, 1)
+
+
+def preview(model: DiT, cfg: DiTConfig, batch: dict[str, Any], *, generator: torch.Generator) -> Any:
+    """A grid of one sample per class (class-conditional), or of the batch's first texts."""
+    from zoo.media import Artifact, grid
+
+    if cfg.num_classes:
+        k = min(cfg.num_classes, 10)
+        out = generate(model, cfg, labels=[i % k for i in range(2 * k)], num_steps=18, guidance=1.5,
+                       generator=torch.Generator().manual_seed(int(torch.randint(0, 2**31, (), generator=generator))))
+    else:
+        ctx = batch["context"][:4] if batch["context"].dim() == 3 else None
+        out = generate(model, cfg, context=ctx, num_steps=18, guidance=1.5)
+    imgs = to_pixels(out[:, :, 0].float())  # first frame
+    if imgs.shape[1] == 1:
+        imgs = imgs.expand(-1, 3, -1, -1)
+    scale = max(1, math.ceil(64 / imgs.shape[-1]))
+    imgs = torch.nn.functional.interpolate(imgs, scale_factor=scale, mode="nearest")
+    return Artifact("image", grid(imgs, nrow=k if cfg.num_classes else 4))
+
+
+__all__ = ["count_samples", "example_batch", "flops_per_sample", "generate", "loss", "preview", "to_pixels"]

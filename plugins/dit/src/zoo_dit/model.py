@@ -1,0 +1,274 @@
+"""DiT (Peebles & Xie 2023) for images and, with the video spec, NeMo DFM's text-to-video variant.
+
+The network works on token sequences, so one forward serves a batch of equal-size images and a
+pack of variable-size images or videos alike. Shapes: B rows, S tokens per row, N samples per row
+(1 without packing), F features per token (``pt * ph * pw * C``, in that order of the token's
+``(T, H, W)`` cell), D hidden, L text tokens, Dt text width.
+
+- Tokens carry their ``(t, h, w)`` grid position; the fixed sin-cos embedding is computed for those
+  positions (no table that can alias or overflow).
+- ``segment_ids`` (B, S) says which sample of the row a token belongs to (-1: padding); attention
+  stays inside a sample, and each sample is conditioned on its own noise level, class or text.
+- Conditioning is one vector per sample, ``c = t_embed(noise_level) + y_embed(label)``; every block
+  regresses its shift/scale/gate chunks from it (adaLN-Zero: the chunk layers start at zero).
+
+The q|k|v projection is laid out per head (``[q_h; k_h; v_h]`` for each head h) so a contiguous
+tensor-parallel split hands every rank whole heads. Parallelism, recomputation and precision are
+applied from outside by the core; the EDM objective lives in `zoo_dit.diffusion`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.nn import ACTIVATIONS, AttentionCore, RMSNorm, make_norm
+from zoo.spec import AdaLNSpec, AttentionSpec, BlockSpec, MLPSpec, ModelSpec
+from zoo_dit.plugin import DiTConfig
+
+
+def sincos(pos: torch.Tensor, dim: int) -> torch.Tensor:
+    """1-D sin-cos embedding ``[sin(p w_i), cos(p w_i)]``, ``w_i = 10000^(-i / (dim/2))`` (MAE/DiT)."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 2, dtype=torch.float64, device=pos.device) / (dim / 2))
+    out = pos.to(torch.float64)[..., None] * omega
+    return torch.cat([out.sin(), out.cos()], dim=-1).float()
+
+
+def position_embedding(positions: torch.Tensor, dim: int, kind: str) -> torch.Tensor:
+    """Fixed embedding of ``(t, h, w)`` positions (..., 3) -> (..., dim).
+
+    ``sincos_2d``: ``[sincos(w), sincos(h)]``, half the width each (DiT, diffusers). ``sincos_3d``:
+    ``[sincos(t) (dim/4), sincos(w), sincos(h) (3 dim/8 each)]`` (diffusers' 3-D layout, as DFM).
+    """
+    t, h, w = positions.unbind(-1)
+    if kind == "sincos_2d":
+        return torch.cat([sincos(w, dim // 2), sincos(h, dim // 2)], dim=-1)
+    if kind == "sincos_3d":
+        spatial = 3 * dim // 4
+        return torch.cat([sincos(t, dim // 4), sincos(w, spatial // 2), sincos(h, spatial // 2)], dim=-1)
+    raise ValueError(f"positions={kind!r}: DiT embeds 'sincos_2d' or 'sincos_3d' positions")
+
+
+def timestep_embedding(t: torch.Tensor, dim: int = 256, freq_shift: float = 0.0) -> torch.Tensor:
+    """``[cos(t f_i), sin(t f_i)]``, ``f_i = 10000^(-i / (dim/2 - freq_shift))``: shift 0 is Peebles &
+    Xie's, 1 is diffusers' ``Timesteps(downscale_freq_shift=1)``."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / (half - freq_shift))
+    args = t.float()[:, None] * freqs[None]
+    return torch.cat([args.cos(), args.sin()], dim=-1)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale) + shift
+
+
+def per_token(v: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
+    """Per-sample vectors (B, N, C) -> per-token (B, S, C) (a broadcastable (B, 1, C) when N = 1)."""
+    if v.shape[1] == 1 or segment_ids is None:
+        return v[:, :1]
+    idx = segment_ids.clamp(min=0)[..., None].expand(-1, -1, v.shape[-1])
+    return v.gather(1, idx)
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int, spec: MLPSpec) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, hidden, bias=spec.bias)
+        self.act = ACTIVATIONS[spec.activation]
+        self.proj = nn.Linear(hidden, dim, bias=spec.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x)))
+
+
+class Attention(nn.Module):
+    """Bidirectional self-attention, or cross-attention to a context (``spec.cross``)."""
+
+    def __init__(self, cfg: DiTConfig, spec: AttentionSpec) -> None:
+        super().__init__()
+        self.spec, self.h, self.hd = spec, cfg.num_heads, cfg.head_dim
+        d = cfg.hidden_size
+        if spec.cross:
+            self.q = nn.Linear(d, d, bias=spec.bias)
+            self.kv = nn.Linear(cfg.text_dim, 2 * d, bias=spec.bias)  # per head: [k_h; v_h]
+        else:
+            self.qkv = nn.Linear(d, 3 * d, bias=spec.bias)  # per head: [q_h; k_h; v_h]
+        self.q_norm = RMSNorm(self.hd, cfg.norm_eps) if spec.qk_norm is not None else None
+        self.k_norm = RMSNorm(self.hd, cfg.norm_eps) if spec.qk_norm is not None else None
+        self.proj = nn.Linear(d, d, bias=spec.bias)
+        self.core = AttentionCore()
+
+    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None, context: torch.Tensor | None = None,
+                context_segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        b, s = x.shape[:2]
+        if self.spec.cross:
+            assert context is not None
+            q = self.q(x).view(b, s, -1, self.hd)
+            kv = self.kv(context).view(b, context.shape[1], -1, 2, self.hd)
+            k, v = kv.unbind(3)
+            kv_ids = context_segment_ids
+            if segment_ids is not None and kv_ids is not None:
+                # A padding token (-1) has no text of its own; let it read the first sample's rather
+                # than attend to nothing (a softmax over no keys is NaN, and NaN * 0 poisons the loss).
+                segment_ids = torch.where(segment_ids < 0, kv_ids[:, :1], segment_ids)
+        else:
+            q, k, v = self.qkv(x).view(b, s, -1, 3, self.hd).unbind(3)
+            kv_ids = segment_ids
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, before the heads move (Q/K RMSNorm, DFM)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, hd)
+        y = self.core(q, k, v, causal=False, segment_ids=segment_ids, kv_segment_ids=kv_ids)
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    """adaLN-Zero block: self-attention, [cross-attention,] MLP, each a gated, modulated residual."""
+
+    def __init__(self, cfg: DiTConfig, spec: BlockSpec) -> None:
+        super().__init__()
+        assert isinstance(spec.mixer, AttentionSpec) and isinstance(spec.ffn, MLPSpec)
+        assert isinstance(spec.conditioning, AdaLNSpec)
+        d = cfg.hidden_size
+        self.chunks = spec.conditioning.chunks
+        self.norm1 = make_norm(spec.norm, d, cfg.norm_eps)
+        self.attn = Attention(cfg, spec.mixer)
+        self.cross = Attention(cfg, spec.cross_attention) if spec.cross_attention is not None else None
+        self.norm_cross = make_norm(spec.norm, d, cfg.norm_eps) if self.cross is not None else None
+        self.norm2 = make_norm(spec.norm, d, cfg.mlp_norm_eps or cfg.norm_eps)
+        self.mlp = Mlp(d, cfg.ffn_hidden_size, spec.ffn)
+        if cfg.adaln_lora_rank:  # DFM's low-rank adaLN: D -> r -> chunks * D, no biases
+            self.ada = nn.Sequential(nn.SiLU(), nn.Linear(d, cfg.adaln_lora_rank, bias=False),
+                                     nn.Linear(cfg.adaln_lora_rank, self.chunks * d, bias=False))
+        else:
+            self.ada = nn.Sequential(nn.SiLU(), nn.Linear(d, self.chunks * d))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor, segment_ids: torch.Tensor | None,
+                context: torch.Tensor | None, context_segment_ids: torch.Tensor | None) -> torch.Tensor:
+        mod = per_token(self.ada(c), segment_ids).chunk(self.chunks, dim=-1)
+        x = x + mod[2] * self.attn(modulate(self.norm1(x), mod[0], mod[1]), segment_ids)
+        if self.cross is not None:
+            x = x + mod[5] * self.cross(modulate(self.norm_cross(x), mod[3], mod[4]), segment_ids, context,
+                                        context_segment_ids)
+        shift, scale, gate = mod[-3:]
+        return x + gate * self.mlp(modulate(self.norm2(x), shift, scale))
+
+
+class FinalLayer(nn.Module):
+    """adaLN (shift, scale) + linear to the token's features (DFM drops this adaLN; DiT has it)."""
+
+    def __init__(self, cfg: DiTConfig, spec: ModelSpec) -> None:
+        super().__init__()
+        assert spec.final_norm is not None
+        d = cfg.hidden_size
+        self.norm = make_norm(spec.final_norm, d, 1e-6)
+        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(d, 2 * d))
+        self.proj = nn.Linear(d, cfg.token_features, bias=True)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
+        shift, scale = per_token(self.ada(c), segment_ids).chunk(2, dim=-1)
+        return self.proj(modulate(self.norm(x), shift, scale))
+
+
+class TimestepEmbedder(nn.Module):
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        self.freq_shift = cfg.time_freq_shift
+        self.fc1 = nn.Linear(256, cfg.hidden_size)
+        self.fc2 = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.silu(self.fc1(timestep_embedding(t, 256, self.freq_shift))))
+
+
+class DiT(nn.Module):
+    def __init__(self, cfg: DiTConfig, spec: ModelSpec) -> None:
+        super().__init__()
+        self.cfg, self.positions = cfg, spec.positions
+        block = spec.block_for(cfg.block)
+        self.x_embed = nn.Linear(cfg.token_features, cfg.hidden_size)
+        self.t_embed = TimestepEmbedder(cfg)
+        # One extra row: the null class that classifier-free guidance conditions on.
+        self.y_embed = nn.Embedding(cfg.num_classes + 1, cfg.hidden_size) if cfg.num_classes else None
+        self.layers = nn.ModuleList(Block(cfg, block) for _ in range(cfg.num_layers))
+        self.final = FinalLayer(cfg, spec)
+        self._init()
+
+    def _init(self) -> None:
+        # Peebles & Xie: xavier-uniform linears, N(0, 0.02) embedders, adaLN and the output zeroed
+        # (so every block starts as the identity and the network predicts 0).
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        nn.init.normal_(self.t_embed.fc1.weight, std=0.02)
+        nn.init.normal_(self.t_embed.fc2.weight, std=0.02)
+        if self.y_embed is not None:
+            nn.init.normal_(self.y_embed.weight, std=0.02)
+        for blk in self.layers:
+            nn.init.zeros_(blk.ada[-1].weight)
+            if blk.ada[-1].bias is not None:
+                nn.init.zeros_(blk.ada[-1].bias)
+        for lin in (self.final.ada[-1], self.final.proj):
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, x: torch.Tensor, *, positions: torch.Tensor | None = None,
+                noise_level: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None, context: torch.Tensor | None = None,
+                context_segment_ids: torch.Tensor | None = None, cond: torch.Tensor | None = None) -> Any:
+        """x (B, S, F) input tokens -> (B, S, F) network output ``F`` of EDM.
+
+        ``positions`` (B, S, 3) grid positions; ``noise_level`` (B, N) EDM's ``c_noise``; ``labels``
+        (B, N) classes (``num_classes`` = the null class); ``context`` (B, L, Dt) text embeddings
+        with ``context_segment_ids`` (B, L). A pipeline stage after the first receives the hidden
+        state as ``x`` and the conditioning ``cond`` (B, N, D); one before the last returns both.
+        """
+        if self.x_embed is not None:
+            assert positions is not None and noise_level is not None
+            b, n = noise_level.shape
+            cond = self.t_embed(noise_level.flatten()).view(b, n, -1)
+            if self.y_embed is not None:
+                if labels is None:
+                    raise ValueError("this DiT is class-conditional: pass labels (the null class for none)")
+                cond = cond + self.y_embed(labels)
+            x = self.x_embed(x) + position_embedding(positions, self.cfg.hidden_size, self.positions).to(x.dtype)
+        assert cond is not None
+        for blk in self.layers:
+            x = blk(x, cond, segment_ids, context, context_segment_ids)
+        if self.final is None:  # not the last pipeline stage
+            return {"hidden": x, "cond": cond}
+        return self.final(x, cond, segment_ids)
+
+
+def build(cfg: DiTConfig, spec: ModelSpec) -> DiT:
+    return DiT(cfg, spec)
+
+
+# ------------------------------------------------------------------------- patches <-> tokens
+
+
+def patchify(latent: torch.Tensor, pt: int, ph: int, pw: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(C, T, H, W) -> tokens (T/pt * H/ph * W/pw, pt*ph*pw*C) in (T, H, W) raster order, features
+    ``(pt, ph, pw, C)``; and their ``(t, h, w)`` grid positions."""
+    c, t, h, w = latent.shape
+    x = latent.reshape(c, t // pt, pt, h // ph, ph, w // pw, pw)
+    x = x.permute(1, 3, 5, 2, 4, 6, 0).reshape((t // pt) * (h // ph) * (w // pw), pt * ph * pw * c)
+    grid = torch.stack(torch.meshgrid(torch.arange(t // pt), torch.arange(h // ph), torch.arange(w // pw),
+                                      indexing="ij"), dim=-1).reshape(-1, 3)
+    return x, grid
+
+
+def unpatchify(tokens: torch.Tensor, grid: tuple[int, int, int], pt: int, ph: int, pw: int) -> torch.Tensor:
+    """Inverse of `patchify`: (gt*gh*gw, pt*ph*pw*C) -> (C, gt*pt, gh*ph, gw*pw)."""
+    gt, gh, gw = grid
+    c = tokens.shape[-1] // (pt * ph * pw)
+    x = tokens.reshape(gt, gh, gw, pt, ph, pw, c).permute(6, 0, 3, 1, 4, 2, 5)
+    return x.reshape(c, gt * pt, gh * ph, gw * pw)
+
+
+__all__ = ["DiT", "build", "patchify", "position_embedding", "sincos", "timestep_embedding", "unpatchify"]

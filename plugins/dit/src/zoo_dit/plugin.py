@@ -1,0 +1,179 @@
+"""Declarations of the DiT families (light: no torch). The network is in `model.py`, the EDM
+objective and sampler in `diffusion.py` and `edm.py`, the data in `data.py`.
+
+``dit``: class-conditional DiT of Peebles & Xie (patch 2-D, adaLN-Zero with 6 chunks); its tiny
+flavor trains on scikit-learn's digits (8x8 pixels, no VAE) in minutes on a CPU. ``dit-video``:
+NeMo DFM's text-to-video DiT (3-D patches, self -> cross -> MLP, 9 chunks, per-head Q/K RMSNorm,
+no biases, optional low-rank adaLN); its tiny flavor trains on "moving digits" clips.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from zoo import Family, PipelineSpec, Throughput, hookimpl
+from zoo.family import DatasetSpec, MetricSpec
+from zoo.spec import AdaLNSpec, AttentionSpec, BlockSpec, MLPSpec, ModelSpec, NormSpec
+
+
+@dataclass(kw_only=True)
+class DiTConfig:
+    in_channels: int  # latent (or pixel) channels
+    patch_size: int  # spatial patch ph = pw
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    sample_size: int  # default latent height = width (generation, diffusers' sample_size)
+    patch_t: int = 1  # temporal patch (video)
+    num_frames: int = 1  # default latent frames (generation)
+    mlp_ratio: float = 4.0
+    num_classes: int = 0  # > 0: class-conditional, with a null class for guidance
+    text_dim: int = 0  # > 0: cross-attention to text embeddings of this width
+    adaln_lora_rank: int = 0  # > 0: DFM's low-rank adaLN (D -> r -> chunks * D)
+    norm_eps: float = 1e-6
+    mlp_norm_eps: float | None = None  # diffusers' DiT uses its norm_eps (1e-5) before the MLP only
+    time_freq_shift: float = 0.0  # 0: Peebles & Xie's timestep frequencies; 1: diffusers'
+    # EDM (Karras et al. 2022): data std, ln(sigma) ~ N(p_mean, p_std^2) in training
+    sigma_data: float = 0.5
+    p_mean: float = -1.2
+    p_std: float = 1.2
+    class_dropout: float = 0.1  # labels replaced by the null class (classifier-free guidance)
+    text_dropout: float = 0.2  # text embeddings zeroed, per sample (DFM drops per pack)
+    loss_average: Literal["sample", "token"] = "sample"  # DFM: token (large samples dominate)
+    layer_spec: str = "dit"
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}")
+        quantum = 16 if self.layer_spec == "dit_video" else 4  # sin-cos halves (2-D) or t/4 + 3/8 + 3/8 (3-D)
+        if self.hidden_size % quantum:
+            raise ValueError(f"hidden_size={self.hidden_size}: the {self.layer_spec} position embedding needs a "
+                             f"multiple of {quantum}")
+        if self.loss_average not in ("sample", "token"):
+            raise ValueError(f"loss_average={self.loss_average!r}: 'sample' or 'token'")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def ffn_hidden_size(self) -> int:
+        return int(self.hidden_size * self.mlp_ratio)
+
+    @property
+    def token_features(self) -> int:
+        return self.patch_t * self.patch_size**2 * self.in_channels
+
+    @property
+    def block(self) -> str:
+        return "V" if self.layer_spec == "dit_video" else "D"
+
+
+_ADALN_NORM = NormSpec(kind="layernorm", affine=False)
+
+DIT = ModelSpec(
+    blocks={"D": BlockSpec(norm=_ADALN_NORM, mixer=AttentionSpec(causal=False, bias=True),
+                           ffn=MLPSpec(activation="gelu_tanh", gated=False, bias=True),
+                           conditioning=AdaLNSpec(chunks=6))},
+    embedding="patch_2d", positions="sincos_2d", final_norm=_ADALN_NORM, head="unpatchify",
+)
+
+_QK = NormSpec(kind="rmsnorm")
+DIT_VIDEO = ModelSpec(
+    blocks={"V": BlockSpec(norm=_ADALN_NORM, mixer=AttentionSpec(causal=False, bias=False, qk_norm=_QK),
+                           cross_attention=AttentionSpec(causal=False, bias=False, qk_norm=_QK, cross=True),
+                           ffn=MLPSpec(activation="gelu", gated=False, bias=False),
+                           conditioning=AdaLNSpec(chunks=9))},
+    embedding="patch_3d", positions="sincos_3d", final_norm=_ADALN_NORM, head="unpatchify",
+)
+
+SIZES = {"S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}
+
+
+def dit_tiny() -> DiTConfig:
+    # scikit-learn's digits: 8x8 grey pixels (no VAE), 10 classes, one pixel per token.
+    return DiTConfig(in_channels=1, patch_size=1, hidden_size=128, num_layers=4, num_heads=4, sample_size=8,
+                     num_classes=10)
+
+
+def _image(size: str, patch: int) -> DiTConfig:
+    layers, hidden, heads = SIZES[size]
+    # ImageNet 256x256 through Stable Diffusion's VAE: 4 x 32 x 32 latents, 1000 classes.
+    return DiTConfig(in_channels=4, patch_size=patch, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                     sample_size=32, num_classes=1000)
+
+
+def video_tiny() -> DiTConfig:
+    # "moving digits": 1 x 8 x 16 x 16 pixel clips, captions embedded by a tiny T5 (width 64).
+    return DiTConfig(in_channels=1, patch_size=2, patch_t=1, hidden_size=128, num_layers=4, num_heads=4,
+                     sample_size=16, num_frames=8, text_dim=64, layer_spec="dit_video")
+
+
+def _video(size: str) -> DiTConfig:
+    layers, hidden, heads = SIZES[size]
+    # DFM's providers: Cosmos CV4x8x8 latents (16 channels), T5-11B text (1024), adaLN-LoRA 256.
+    return DiTConfig(in_channels=16, patch_size=2, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                     sample_size=32, num_frames=8, text_dim=1024, adaln_lora_rank=256, norm_eps=1e-6,
+                     p_mean=0.0, p_std=1.0, layer_spec="dit_video")
+
+
+IMAGE_FLAVORS = {"tiny": dit_tiny, **{f"{s}/{p}": (lambda s=s, p=p: _image(s, p)) for s in SIZES for p in (2, 4, 8)}}
+VIDEO_FLAVORS = {"tiny": video_tiny, **{s: (lambda s=s: _video(s)) for s in SIZES}}
+
+_COMMON = dict(
+    task="diffusion",
+    config=DiTConfig,
+    specs={"dit": DIT, "dit_video": DIT_VIDEO},
+    build="zoo_dit.model:build",
+    loss="zoo_dit.diffusion:loss",
+    example_batch="zoo_dit.diffusion:example_batch",
+    generate="zoo_dit.diffusion:generate",
+    preview="zoo_dit.diffusion:preview",
+    task_encoder="zoo_dit.data:task_encoder",
+    # whole heads per rank: q|k|v and k|v are laid out per head
+    tp_plan={"layers.*.attn.qkv": "column", "layers.*.attn.proj": "row", "layers.*.cross.q": "column",
+             "layers.*.cross.kv": "column", "layers.*.cross.proj": "row", "layers.*.mlp.fc": "column",
+             "layers.*.mlp.proj": "row"},
+    pipeline=PipelineSpec(layers="layers", first=("x_embed", "t_embed", "y_embed"), last=("final",),
+                          input_key="hidden", carries=("cond",)),
+    metrics=(MetricSpec(name="sigma_mean"),),
+)
+
+
+@hookimpl
+def zoo_families() -> list[Family]:
+    return [
+        Family(
+            name="dit",
+            description="DiT (Peebles & Xie) with EDM: class-conditional images, adaLN-Zero, sin-cos positions",
+            flavors=IMAGE_FLAVORS,
+            default_dataset="digits",
+            throughput=Throughput(unit="images", count="zoo_dit.diffusion:count_samples",
+                                  flops_per_unit="zoo_dit.diffusion:flops_per_sample"),
+            recipe={"train.micro_batch_size": 64, "optimizer.lr": 1e-3, "optimizer.weight_decay": 0.0,
+                    "schedule.warmup_steps": 50, "train.steps": 1500, "train.eval_interval": 500,
+                    "logging.interval": 50, "train.ema": 0.999},
+            **_COMMON,
+        ),
+        Family(
+            name="dit-video",
+            description="NeMo DFM's text-to-video DiT with EDM: 3-D patches, cross-attention to T5, 9-chunk adaLN",
+            flavors=VIDEO_FLAVORS,
+            throughput=Throughput(unit="samples", count="zoo_dit.diffusion:count_samples",
+                                  flops_per_unit="zoo_dit.diffusion:flops_per_sample"),
+            recipe={"train.micro_batch_size": 16, "optimizer.lr": 1e-3, "optimizer.weight_decay": 0.0,
+                    "schedule.warmup_steps": 50, "train.steps": 1500, "train.eval_interval": 500,
+                    "logging.interval": 50, "train.ema": 0.999},
+            **_COMMON,
+        ),
+    ]
+
+
+@hookimpl
+def zoo_datasets() -> list[DatasetSpec]:
+    return [
+        DatasetSpec(name="digits", description="scikit-learn's 1,797 handwritten digits (8x8, class labels), "
+                    "prepared as an Energon dataset on first use", build="zoo_dit.data:build_digits",
+                    modality="images", stateful=True),
+    ]

@@ -1,0 +1,186 @@
+"""DiT against diffusers' DiTTransformer2DModel (built from a tiny config, no download) and the
+reference layout; EDM against the paper's formulas and diffusers' EDM scheduler."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from zoo_dit import edm
+from zoo_dit.convert import (
+    config_from_diffusers,
+    diffusers_config,
+    from_diffusers,
+    from_reference,
+    to_diffusers,
+    to_reference,
+)
+from zoo_dit.model import DiT, patchify, unpatchify
+from zoo_dit.plugin import DIT, dit_tiny
+
+from zoo.checkpoint.mapping import MappingError
+
+diffusers = pytest.importorskip("diffusers")
+
+TINY = {"num_attention_heads": 2, "attention_head_dim": 16, "in_channels": 3, "out_channels": 3, "num_layers": 2,
+        "sample_size": 8, "patch_size": 2, "num_embeds_ada_norm": 5, "norm_eps": 1e-5}
+
+
+def _diffusers_model(seed: int = 0):
+    torch.manual_seed(seed)
+    m = diffusers.DiTTransformer2DModel(**TINY).eval()
+    with torch.no_grad():
+        for p in m.parameters():  # every weight nonzero (diffusers zero-initialises some)
+            p.copy_(torch.randn_like(p) * 0.2)
+        blocks = m.transformer_blocks
+        for blk in blocks[1:]:  # one shared embedder, as in every converted checkpoint
+            blk.norm1.emb.load_state_dict(blocks[0].norm1.emb.state_dict())
+    return m
+
+
+def _ours_forward(model: DiT, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    cfg = model.cfg
+    toks, pos = zip(*(patchify(img[:, None], 1, cfg.patch_size, cfg.patch_size) for img in x))
+    out = model(torch.stack(toks), positions=torch.stack(pos), noise_level=t[:, None], labels=y[:, None])
+    g = x.shape[-1] // cfg.patch_size
+    return torch.stack([unpatchify(o, (1, g, g), 1, cfg.patch_size, cfg.patch_size)[:, 0] for o in out])
+
+
+def test_diffusers_dit_converts_to_the_same_function_and_back():
+    theirs = _diffusers_model()
+    cfg = config_from_diffusers(dict(theirs.config))
+    ours = DiT(cfg, DIT).eval()
+    ours.load_state_dict(from_diffusers(theirs.state_dict(), cfg), strict=True)
+    x = torch.randn(3, 3, 8, 8)
+    t = torch.tensor([3.0, 250.0, 999.0])
+    y = torch.tensor([0, 4, 5])  # 5: the null class
+    with torch.no_grad():
+        want = theirs(x, timestep=t, class_labels=y).sample
+        got = _ours_forward(ours, x, t, y)
+    assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
+    back = to_diffusers(ours.state_dict(), cfg)
+    ref = {k: v for k, v in theirs.state_dict().items() if not k.startswith("pos_embed.pos_embed")}
+    assert back.keys() == ref.keys() and all(torch.equal(back[k], ref[k]) for k in ref)
+    assert diffusers_config(cfg)["num_embeds_ada_norm"] == 5
+
+
+def test_diffusers_import_refuses_embedder_copies_that_differ_and_unknown_keys():
+    theirs = _diffusers_model()
+    cfg = config_from_diffusers(dict(theirs.config))
+    sd = theirs.state_dict()
+    sd["transformer_blocks.1.norm1.emb.timestep_embedder.linear_1.bias"] = sd[
+        "transformer_blocks.1.norm1.emb.timestep_embedder.linear_1.bias"] + 1
+    with pytest.raises(MappingError, match=r"transformer_blocks\.1\.norm1\.emb\.timestep_embedder\.linear_1\.bias differs"):
+        from_diffusers(sd, cfg)
+    sd = dict(theirs.state_dict(), extra=torch.zeros(1))
+    with pytest.raises(MappingError, match="unexpected keys extra"):
+        from_diffusers(sd, cfg)
+    with pytest.raises(MappingError, match="downscale_freq_shift=1"):
+        diffusers_config(dit_tiny())  # Peebles & Xie's timestep frequencies: diffusers would differ
+
+
+def test_reference_layout_round_trips_and_keeps_the_function():
+    cfg = dit_tiny()
+    torch.manual_seed(1)
+    ours = DiT(cfg, DIT).eval()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    ref = to_reference(ours.state_dict(), cfg)
+    assert ref["blocks.0.attn.qkv.weight"].shape == (3 * cfg.hidden_size, cfg.hidden_size)
+    assert ref["pos_embed"].shape == (1, 64, cfg.hidden_size)
+    # [q; k; v] there: the first hidden_size rows are q of every head, ours interleave per head
+    hd = cfg.head_dim
+    assert torch.equal(ref["blocks.0.attn.qkv.weight"][hd:2 * hd], ours.state_dict()["layers.0.attn.qkv.weight"][3 * hd:4 * hd])
+    back = from_reference(ref, cfg)
+    assert back.keys() == ours.state_dict().keys() and all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
+    bad = dict(ref, pos_embed=ref["pos_embed"] + 1)
+    with pytest.raises(MappingError, match="pos_embed"):
+        from_reference(bad, cfg)
+
+
+# ------------------------------------------------------------------------------------ EDM
+
+
+def test_preconditioning_and_loss_weight_follow_the_paper():
+    s = torch.tensor([0.002, 0.5, 3.0, 80.0], dtype=torch.float64)
+    sd = 0.5
+    c_skip, c_out, c_in, c_noise = edm.precondition(s, sd)
+    assert torch.allclose(c_skip, sd**2 / (s**2 + sd**2))
+    assert torch.allclose(c_out, s * sd / (s**2 + sd**2).sqrt())
+    assert torch.allclose(c_in, 1 / (s**2 + sd**2).sqrt())
+    assert torch.allclose(c_noise, s.log() / 4)
+    assert torch.allclose(edm.loss_weight(s, sd) * c_out**2, torch.ones_like(s))  # lambda c_out^2 = 1
+    sched = diffusers.EDMEulerScheduler(sigma_min=0.002, sigma_max=80.0, sigma_data=sd, rho=7.0)
+    sample = torch.randn(2, 3)
+    for sig in (0.01, 1.0, 40.0):
+        st = torch.tensor(sig, dtype=torch.float64)
+        c_skip, c_out, c_in, c_noise = edm.precondition(st, sd)
+        assert torch.allclose(sched.precondition_inputs(sample, torch.tensor(sig)), sample * c_in.float())
+        assert math.isclose(float(sched.precondition_noise(torch.tensor(sig))), float(c_noise), rel_tol=1e-6)
+        model_out = torch.randn(2, 3)
+        assert torch.allclose(sched.precondition_outputs(sample, model_out, torch.tensor(sig)),
+                              c_skip.float() * sample + c_out.float() * model_out, atol=1e-6)
+
+
+def test_karras_sigmas_equal_diffusers_edm_scheduler():
+    sched = diffusers.EDMEulerScheduler(sigma_min=0.002, sigma_max=80.0, sigma_data=0.5, rho=7.0,
+                                        sigma_schedule="karras", final_sigmas_type="zero")
+    for n in (1, 18, 35):
+        sched.set_timesteps(n)
+        ours = edm.karras_sigmas(n)
+        assert torch.allclose(sched.sigmas.double(), ours, rtol=1e-6), n
+    assert torch.allclose(edm.guide(torch.tensor(2.0), torch.tensor(1.0), 3.0, "standard"), torch.tensor(4.0))
+    assert torch.allclose(edm.guide(torch.tensor(2.0), torch.tensor(1.0), 3.0, "dfm"), torch.tensor(5.0))
+
+
+def _gaussian_error(num_steps: int, solver: str, *, wrong_point: bool = False) -> float:
+    """Data ~ N(0, s0^2): the exact denoiser is D(x, s) = x s0^2 / (s0^2 + s^2) and the probability-flow
+    ODE maps x(sigma_max) to x(0) = x(sigma_max) s0 / sqrt(s0^2 + sigma_max^2) exactly."""
+    s0 = 0.5
+    sigmas = edm.karras_sigmas(num_steps)
+    noise = torch.randn(4096, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def exact(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return x * s0**2 / (s0**2 + s**2)
+
+    if wrong_point:  # DFM's defect: the correction re-evaluates at (x_hat, t_hat)
+        x = noise * sigmas[0]
+        for i in range(num_steps):
+            t, tn = sigmas[i], sigmas[i + 1]
+            d = (x - exact(x, t)) / t
+            xn = x + (tn - t) * d
+            if tn > 0:
+                d2 = (x - exact(x, t)) / t
+                xn = x + (tn - t) * (d + d2) / 2
+            x = xn
+        got = x
+    else:
+        got = edm.sample(exact, noise, sigmas, solver=solver)
+    want = noise * sigmas[0] * s0 / math.sqrt(s0**2 + float(sigmas[0]) ** 2)
+    return float((got - want).abs().max())
+
+
+def _order(solver: str, **kw: bool) -> float:
+    steps = (16, 32, 64, 128)
+    errs = [_gaussian_error(n, solver, **kw) for n in steps]
+    return -math.log(errs[-1] / errs[0]) / math.log(steps[-1] / steps[0])
+
+
+def test_heun_is_second_order_and_euler_first_order_on_a_known_denoiser():
+    heun, euler = _order("heun"), _order("euler")
+    assert heun > 1.8, heun
+    assert 0.8 < euler < 1.3, euler
+    assert _order("heun", wrong_point=True) < 1.3  # the test DFM's sampler fails
+
+
+def test_churn_changes_samples_only_with_noise_and_stays_close_to_the_ode():
+    s0 = 0.5
+    noise = torch.randn(2048, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    sig = edm.karras_sigmas(32)
+    exact = lambda x, s: x * s0**2 / (s0**2 + s**2)  # noqa: E731
+    a = edm.sample(exact, noise, sig, churn=10.0, s_tmin=0.05, s_tmax=50, generator=torch.Generator().manual_seed(1))
+    b = edm.sample(exact, noise, sig)
+    assert not torch.allclose(a, b)
+    assert abs(float(a.std()) - s0) < 0.05 and abs(float(b.std()) - s0) < 0.05  # both sample N(0, s0^2)
