@@ -271,8 +271,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     loaded = load(path, weights=args.weights)
     entry = _registry(args).get(loaded.family)
     fam = entry.family
-    if fam.generate is None or fam.task != "causal_lm":
-        raise UsageError(f"family {fam.name!r} (task {fam.task}) has no text generation entry")
+    if fam.generate is None:
+        raise UsageError(f"family {fam.name!r} (task {fam.task}) has no generation entry")
+    if fam.task == "diffusion":
+        return _generate_samples(args, resolve(fam.generate, owner=str(entry.plugin)), loaded)
+    if fam.task != "causal_lm":
+        raise UsageError(f"family {fam.name!r} (task {fam.task}): zoo generate makes text and diffusion samples")
+    if args.prompt is None:
+        raise UsageError("--prompt is required for text generation")
     tok_source = args.tokenizer or loaded.tokenizer_dir
     if tok_source is None:
         raise UsageError(f"{path} holds no tokenizer.json; pass --tokenizer (a tokenizer directory or 'bytes')")
@@ -288,6 +294,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if tok.eod_id in new:
         new = new[: new.index(tok.eod_id)]
     print(args.prompt + tok.decode(new))
+    return 0
+
+
+def _generate_samples(args: argparse.Namespace, generate: Any, loaded: Any) -> int:
+    """A diffusion family: images (a grid, one per --class) or a clip, written to --output."""
+    output = args.output or args.video_save_path
+    if output is None:
+        raise UsageError("--output FILE (.png for images, .gif or .mp4 for a clip) is required for a diffusion model")
+    if args.num_steps < 1:
+        raise UsageError("--num-steps must be at least 1")
+    request = {"labels": args.classes, "num_steps": args.num_steps, "guidance": args.guidance,
+               "guidance_form": args.guidance_form, "solver": args.solver, "seed": args.seed, "height": args.height,
+               "width": args.width, "frames": args.num_video_frames, "num_samples": args.num_samples,
+               "prompt": args.prompt}
+    try:
+        path = generate(loaded.model, loaded.config, output=output, nrow=args.nrow,
+                        **{k: v for k, v in request.items() if v is not None})
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(f"wrote {path}")
     return 0
 
 
@@ -351,9 +377,9 @@ def build_parser(registry: Any | None) -> _Parser:
                    help="export the moving average of the weights (train.ema) or the raw ones; auto: the average if kept")
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("generate", help="sample text from a checkpoint (zoo or Hugging Face directory)")
+    p = sub.add_parser("generate", help="sample text, images or clips from a checkpoint (zoo or Hugging Face directory)")
     p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoint directory, run directory or HF directory")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", help="text to continue (language models) or to condition on (text-to-video)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=None)
@@ -364,6 +390,20 @@ def build_parser(registry: Any | None) -> _Parser:
     p.add_argument("--tokenizer", help="tokenizer directory, tokenizer.json or 'bytes' (default: the checkpoint's)")
     p.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
                    help="sample with the moving average of the weights (train.ema) or the raw ones; auto: the average if kept")
+    d = p.add_argument_group("diffusion models (DiT); DFM's argument names are accepted")
+    d.add_argument("--class", dest="classes", type=int, nargs="+", help="class(es) to draw, one sample each")
+    d.add_argument("--num-steps", "--num_steps", type=int, default=18, help="sampler steps (Heun: 2 evaluations each)")
+    d.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale (1: none)")
+    d.add_argument("--guidance-form", choices=["standard", "dfm"], default="standard",
+                   help="standard: uncond + g (cond - uncond); dfm: cond + g (cond - uncond)")
+    d.add_argument("--solver", choices=["heun", "euler"], default="heun")
+    d.add_argument("--height", type=int, help="latent height (default: the model's sample size)")
+    d.add_argument("--width", type=int, help="latent width")
+    d.add_argument("--num-video-frames", "--num_video_frames", type=int, help="latent frames of a clip")
+    d.add_argument("--num-samples", type=int, help="samples to draw when no --class is given")
+    d.add_argument("--nrow", type=int, help="images per row of the grid")
+    d.add_argument("--output", help="file to write: .png (grid), .gif or .mp4 (clip)")
+    d.add_argument("--video-save-path", "--video_save_path", help="DFM's name for --output")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("prepare", help="prepare datasets (Megatron .bin/.idx, Energon WebDataset)")

@@ -137,7 +137,8 @@ class Family:
     checkpoint_formats: Mapping[str, Ref] = field(default_factory=dict)
     generate: Ref | None = None
     # Tensor parallelism, applied by the core (`zoo.parallel.apply`): module-name patterns ("*" for
-    # one name component) -> "column", "column_gated" ([gate; up] halves split per rank), "row",
+    # one name component) -> "column", "column_gated" ([gate; up] halves split per rank),
+    # "column_context" (a column split fed by a replicated side input such as text), "row",
     # "vocab_embedding" or "vocab_head"; and per module pattern the attributes holding head counts
     # that become per-rank counts.
     tp_plan: Mapping[str, str] = field(default_factory=dict)

@@ -89,7 +89,7 @@ def test_reference_layout_round_trips_and_keeps_the_function():
             p.copy_(torch.randn_like(p) * 0.1)
     ref = to_reference(ours.state_dict(), cfg)
     assert ref["blocks.0.attn.qkv.weight"].shape == (3 * cfg.hidden_size, cfg.hidden_size)
-    assert ref["pos_embed"].shape == (1, 64, cfg.hidden_size)
+    assert ref["pos_embed"].shape == (1, (cfg.sample_size // cfg.patch_size) ** 2, cfg.hidden_size)
     # [q; k; v] there: the first hidden_size rows are q of every head, ours interleave per head
     hd = cfg.head_dim
     assert torch.equal(ref["blocks.0.attn.qkv.weight"][hd:2 * hd], ours.state_dict()["layers.0.attn.qkv.weight"][3 * hd:4 * hd])

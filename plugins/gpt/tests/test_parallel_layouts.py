@@ -14,59 +14,9 @@ STEPS, MICRO, SEQ = 3, 4, 16
 
 
 def _train(layout: dict, family: str, layers: int, zero: bool, steps: int = STEPS) -> dict:
-    import torch.distributed as dist
+    from zoo.testing import train_layout
 
-    from zoo.family import resolve
-    from zoo.parallel.engine import Parallel
-    from zoo.registry import get_registry
-    from zoo.testing import layout_for
-    from zoo.training.optim import ParamRules, param_groups
-
-    fam = get_registry().get(family).family
-    cfg = fam.flavors["tiny"]()
-    cfg.num_layers = layers
-    build, example, loss_fn = (resolve(r, owner="test") for r in (fam.build, fam.example_batch, fam.loss))
-    torch.manual_seed(0)
-    model = build(cfg, fam.spec_for(cfg))
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    par = Parallel(model, fam, layout_for(fam, world, model=cfg, seq_length=SEQ, **layout), rank=rank)
-    # Small buckets: several reductions per step, launched while backward runs.
-    buckets = par.make_buckets(20_000, shard=zero)
-
-    def adamw(groups):
-        # Adam's first steps move every weight by about lr whatever the gradient's size, so a
-        # gradient that is zero up to rounding would take a full step of random sign; eps keeps
-        # those still and the comparison measures the layout, not rounding amplified by Adam.
-        return torch.optim.AdamW(groups, lr=1e-3, eps=1e-6)
-
-    if zero and buckets is not None:
-        from zoo.parallel.zero import DistributedOptimizer
-
-        rules, names = ParamRules(0.1), {id(p): n for n, p in par.model.named_parameters()}
-        opt = DistributedOptimizer(buckets, adamw, group_of=lambda p: rules.options(names[id(p)], p))
-    else:
-        opt = adamw(param_groups(par.model, 0.1))
-    gen = torch.Generator().manual_seed(1)
-    losses = []
-    for step in range(steps + 1):
-        # The same global batch as one process; each data-parallel rank takes its share.
-        batch = [example(cfg, batch_size=2, seq_length=SEQ, generator=gen) for _ in range(MICRO)]
-        mine = batch[par.dp_rank::par.dp]
-        losses.append(par.forward_backward(mine, loss_fn, seq_length=SEQ).loss.item())
-        par.finish_grads()
-        if step == steps:
-            break
-        if zero and buckets is not None:
-            opt.step(max_norm=1.0, norm_squared=par.grad_norm_squared)
-        else:
-            par.clip(1.0)
-            opt.step()
-            if buckets is not None:
-                buckets.zero_grad()
-            else:
-                opt.zero_grad(set_to_none=True)
-    return {"losses": losses, "grads": par.full_grads(), "pp_sent": par.pipeline.sent if par.pp > 1 else 0}
+    return train_layout(layout, family, layers, zero, steps=steps, micro=MICRO, seq_length=SEQ)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

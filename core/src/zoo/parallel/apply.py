@@ -8,7 +8,9 @@ the same model for any TP size. How each parameter is split is the layer's `TPSh
 
 - ``column``: output rows split contiguously (a fused q|k|v laid out per KV group hands every
   rank whole groups); ``column_gated``: a fused ``[gate; up]`` whose halves are split per rank and
-  re-joined as ``[gate_r; up_r]``; ``row``: input columns split, partial sums all-reduced;
+  re-joined as ``[gate_r; up_r]``; ``column_context``: a column split whose input is a replicated
+  side input (cross-attention keys/values from text), never the sequence-sharded residual stream;
+  ``row``: input columns split, partial sums all-reduced;
 - ``vocab_embedding`` / ``vocab_head``: vocabulary rows split; a tied head shares the embedding's
   shard, and the loss is computed vocab-parallel (`zoo.nn.linear_cross_entropy`).
 """
@@ -50,7 +52,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], local: Mapp
         style = next((s for p, s in plan.items() if _matches(name, p)), None)
         if style is None:
             continue
-        if style in ("column", "column_gated", "vocab_head"):
+        if style in ("column", "column_gated", "vocab_head", "column_context"):
             assert isinstance(mod, nn.Linear), f"{name}: {style} needs nn.Linear, found {type(mod).__name__}"
             new: nn.Module = ColumnParallelLinear(mod.in_features, mod.out_features, bias=mod.bias is not None,
                                                   group=group, gated=style == "column_gated", vocab=style == "vocab_head")
@@ -58,6 +60,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], local: Mapp
                 new.weight = embeddings[id(mod.weight)].weight
             else:
                 new.load_full(mod.weight, mod.bias)
+            new.takes_context = style == "column_context"  # type: ignore[assignment]
         elif style == "row":
             assert isinstance(mod, nn.Linear), f"{name}: row needs nn.Linear"
             new = RowParallelLinear(mod.in_features, mod.out_features, bias=mod.bias is not None, group=group)
@@ -100,7 +103,9 @@ def apply_sequence_parallel(model: nn.Module, layers: str, dim: int, group: Any)
     column-parallel layers all-gather their input and row-parallel ones reduce-scatter their
     output along ``dim``. Norms (and other replicated parameters) inside the blocks then see only
     their sequence shard, so their gradients are summed over TP after backward
-    (`reduce_sequence_parallel_grads`): their names are returned. Call after
+    (`reduce_sequence_parallel_grads`): their names are returned. A whole tensor a block takes
+    beside the residual stream (DiT's conditioning vector) is likewise used against a shard, so
+    its gradient is summed over TP on the way back (`comm.copy_to`). Call after
     `apply_tensor_parallel`, before cutting stages."""
     if comm._size(group) == 1:
         return set()
@@ -109,7 +114,7 @@ def apply_sequence_parallel(model: nn.Module, layers: str, dim: int, group: Any)
     on_shards = set()
     for i, block in enumerate(blocks):
         for mod in block.modules():
-            if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+            if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)) and not getattr(mod, "takes_context", False):
                 mod.sequence_parallel, mod.seq_dim = True, dim
         for pname, _ in block.named_parameters():
             name = f"{layers}.{i}.{pname}"
@@ -125,7 +130,13 @@ def apply_sequence_parallel(model: nn.Module, layers: str, dim: int, group: Any)
         # reduce-scatter would count the full gradient TP times.
         return comm.gather_from(out, group, dim)
 
+    def side_inputs(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (args[0], *(comm.copy_to(a, group) if isinstance(a, torch.Tensor) and a.requires_grad else a
+                           for a in args[1:]))
+
     blocks[0].register_forward_pre_hook(scatter)
+    for block in blocks:
+        block.register_forward_pre_hook(side_inputs)
     blocks[len(blocks) - 1].register_forward_hook(gather)
     return on_shards
 

@@ -319,10 +319,15 @@ class Pipeline:
     def _forward(self, c: int, s: int, mb: int, batch: dict[str, Any], step_fn: Callable[..., Any],
                  scale_loss: Callable[[torch.Tensor, int], torch.Tensor], saved: dict[tuple[int, int], _Sent],
                  results: dict[int, tuple[torch.Tensor, Any]], forward_only: bool, last: bool) -> None:
-        key = (tuple(batch[self.spec.input_key].shape), forward_only)
+        # What the activations' shapes follow: the input's shape, or (a model whose first stage
+        # computes its input, DiT's noised latents) the shapes of every tensor of the batch.
+        ref = batch.get(self.spec.input_key)
+        tensors = [(k, v) for k, v in batch.items() if isinstance(v, torch.Tensor)]
+        shape = tuple(ref.shape) if ref is not None else tuple((k, tuple(v.shape)) for k, v in tensors)
+        key = (shape, forward_only)
         inputs: dict[str, torch.Tensor] = {}
         if s > 0:
-            inputs = self._recv_activations(s, key, batch[self.spec.input_key].device)
+            inputs = self._recv_activations(s, key, ref.device if ref is not None else tensors[0][1].device)
             batch = {**batch, **inputs}
         out, metrics = step_fn(self.stages.chunks[c], batch)
         if last:
@@ -336,11 +341,13 @@ class Pipeline:
         if forward_only:
             return
         kept = []
-        for t in outs:
+        for i, t in enumerate(outs):
             if not t.requires_grad:
                 continue
             kept.append((t, tuple(t.shape), t.dtype))
-            if t.grad_fn is not None and t.grad_fn.name() in _FREEABLE:
+            # Only the hidden state is the stage's last result; a carried tensor (DiT's conditioning)
+            # is also an input of the stage's own blocks, whose backward still reads it.
+            if i == 0 and t.grad_fn is not None and t.grad_fn.name() in _FREEABLE:
                 t.data = torch.empty((1,), dtype=t.dtype, device=t.device)  # the graph stays
         saved[(c, mb)] = _Sent({k: x for k, x in inputs.items() if x.requires_grad}, kept)
 

@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["DistributedTestError", "layout_for", "run_distributed"]
+__all__ = ["DistributedTestError", "layout_for", "run_distributed", "train_layout"]
 
 
 # After the first failure, how long to wait for messages still in flight (an earlier failure's
@@ -175,3 +175,65 @@ def layout_for(family: Any, world_size: int, *, model: Any = None, seq_length: i
     run = RunConfig(family=family.name, flavor="test", model=model if model is not None else family.flavors["tiny"](),
                     parallel=p, train=train)
     return plan(run, world_size=world_size, family=family)
+
+
+def train_layout(layout: Mapping[str, Any], family: str, layers: int, zero: bool, *, steps: int = 3, micro: int = 4,
+                 seq_length: int = 16, rows: int = 2) -> dict[str, Any]:
+    """``steps`` AdamW steps of ``family``'s tiny flavor (``layers`` deep) under ``layout`` (on the
+    ranks this runs on: call it through `run_distributed`, or directly for one process), through
+    `zoo.parallel.engine.Parallel` as `zoo train` does: ``micro`` micro-batches of ``rows`` rows
+    from the family's ``example_batch`` per step, each data-parallel rank taking its share. Returns
+    the losses and every gradient gathered to full shape under its single-process name."""
+    import torch
+    import torch.distributed as dist
+
+    from zoo.family import resolve
+    from zoo.parallel.engine import Parallel
+    from zoo.registry import get_registry
+    from zoo.training.optim import ParamRules, param_groups
+
+    fam = get_registry().get(family).family
+    cfg = fam.flavors["tiny"]()
+    cfg.num_layers = layers
+    build, example, loss_fn = (resolve(r, owner="test") for r in (fam.build, fam.example_batch, fam.loss))
+    torch.manual_seed(0)
+    model = build(cfg, fam.spec_for(cfg))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    par = Parallel(model, fam, layout_for(fam, world, model=cfg, seq_length=seq_length, **layout), rank=rank)
+    # Small buckets: several reductions per step, launched while backward runs.
+    buckets = par.make_buckets(20_000, shard=zero)
+
+    def adamw(groups: Any) -> Any:
+        # Adam's first steps move every weight by about lr whatever the gradient's size, so a
+        # gradient that is zero up to rounding would take a full step of random sign; eps keeps
+        # those still and the comparison measures the layout, not rounding amplified by Adam.
+        return torch.optim.AdamW(groups, lr=1e-3, eps=1e-6)
+
+    if zero and buckets is not None:
+        from zoo.parallel.zero import DistributedOptimizer
+
+        rules, names = ParamRules(0.1), {id(p): n for n, p in par.model.named_parameters()}
+        opt: Any = DistributedOptimizer(buckets, adamw, group_of=lambda p: rules.options(names[id(p)], p))
+    else:
+        opt = adamw(param_groups(par.model, 0.1))
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(steps + 1):
+        # The same global batch as one process; each data-parallel rank takes its share.
+        batch = [example(cfg, batch_size=rows, seq_length=seq_length, generator=gen) for _ in range(micro)]
+        mine = batch[par.dp_rank::par.dp]
+        losses.append(par.forward_backward(mine, loss_fn, seq_length=seq_length).loss.item())
+        par.finish_grads()
+        if step == steps:
+            break
+        if zero and buckets is not None:
+            opt.step(max_norm=1.0, norm_squared=par.grad_norm_squared)
+        else:
+            par.clip(1.0)
+            opt.step()
+            if buckets is not None:
+                buckets.zero_grad()
+            else:
+                opt.zero_grad(set_to_none=True)
+    return {"losses": losses, "grads": par.full_grads(), "pp_sent": par.pipeline.sent if par.pp > 1 else 0}

@@ -11,6 +11,7 @@ per token (mean over features), averaged per sample and then over the samples of
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -96,8 +97,42 @@ def flops_per_sample(model: nn.Module, run: Any) -> float:
 # --------------------------------------------------------------------------------- sampling
 
 
+def generate(model: DiT, cfg: DiTConfig, *, output: str | None = None, nrow: int | None = None,
+             **request: Any) -> Any:
+    """`sample` (the tensors), or with ``output`` the samples written there: an image grid
+    (``.png``; a class-conditional model draws ``labels`` in order, ``nrow`` per row) or, for
+    several frames, a clip (``.gif``/``.mp4``, the first sample). Returns the path written."""
+    prompt = request.pop("prompt", None)
+    if prompt is not None:
+        if not cfg.text_dim:
+            raise ValueError("this DiT is class-conditional: give --class, not --prompt")
+        raise ValueError("--prompt needs the text encoder the dataset was embedded with; give the embeddings "
+                         "(context=) from Python for now")
+    if output is not None and Path(output).suffix.lower() not in (".png", ".gif", ".mp4"):
+        raise ValueError(f"--output {output}: write .png (a grid), .gif or .mp4 (a clip)")
+    out = sample(model, cfg, **request)
+    if output is None:
+        return out
+    from zoo import media
+
+    path = Path(output)
+    pixels = to_pixels(out.float())  # (N, C, T, H, W) in [0, 1]
+    if pixels.shape[1] == 1:
+        pixels = pixels.expand(-1, 3, -1, -1, -1)
+    if path.suffix.lower() in (".gif", ".mp4"):
+        frames = pixels[0].permute(1, 0, 2, 3)  # (T, C, H, W)
+        scale = max(1, math.ceil(64 / frames.shape[-1]))
+        frames = torch.nn.functional.interpolate(frames, scale_factor=scale, mode="nearest")
+        clip = media.to_uint8(frames, value_range=(0.0, 1.0))
+        return media.write_gif(path, clip, fps=4) if path.suffix.lower() == ".gif" else media.write_mp4(path, clip, fps=4)
+    imgs = pixels[:, :, 0]
+    scale = max(1, math.ceil(32 / imgs.shape[-1]))
+    imgs = torch.nn.functional.interpolate(imgs, scale_factor=scale, mode="nearest")
+    return media.write_png(path, media.grid(imgs, nrow=nrow, value_range=(0.0, 1.0)))
+
+
 @torch.no_grad()
-def generate(model: DiT, cfg: DiTConfig, *, labels: list[int] | None = None, context: torch.Tensor | None = None,
+def sample(model: DiT, cfg: DiTConfig, *, labels: list[int] | None = None, context: torch.Tensor | None = None,
              num_samples: int | None = None, height: int | None = None, width: int | None = None,
              frames: int | None = None, num_steps: int = 18, guidance: float = 1.0, guidance_form: str = "standard",
              solver: str = "heun", churn: float = 0.0, sigma_min: float = 0.002, sigma_max: float = 80.0,
@@ -169,11 +204,11 @@ def preview(model: DiT, cfg: DiTConfig, batch: dict[str, Any], *, generator: tor
 
     if cfg.num_classes:
         k = min(cfg.num_classes, 10)
-        out = generate(model, cfg, labels=[i % k for i in range(2 * k)], num_steps=18, guidance=1.5,
+        out = sample(model, cfg, labels=[i % k for i in range(2 * k)], num_steps=18, guidance=1.5,
                        generator=torch.Generator().manual_seed(int(torch.randint(0, 2**31, (), generator=generator))))
     else:
         ctx = batch["context"][:4] if batch["context"].dim() == 3 else None
-        out = generate(model, cfg, context=ctx, num_steps=18, guidance=1.5)
+        out = sample(model, cfg, context=ctx, num_steps=18, guidance=1.5)
     imgs = to_pixels(out[:, :, 0].float())  # first frame
     if imgs.shape[1] == 1:
         imgs = imgs.expand(-1, 3, -1, -1)
@@ -182,4 +217,4 @@ def preview(model: DiT, cfg: DiTConfig, batch: dict[str, Any], *, generator: tor
     return Artifact("image", grid(imgs, nrow=k if cfg.num_classes else 4))
 
 
-__all__ = ["count_samples", "example_batch", "flops_per_sample", "generate", "loss", "preview", "to_pixels"]
+__all__ = ["count_samples", "example_batch", "flops_per_sample", "generate", "loss", "preview", "sample", "to_pixels"]

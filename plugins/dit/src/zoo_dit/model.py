@@ -104,10 +104,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None, context: torch.Tensor | None = None,
                 context_segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        b, s = x.shape[:2]
         if self.spec.cross:
             assert context is not None
-            q = self.q(x).view(b, s, -1, self.hd)
+            q = self.q(x)
+            b, s = q.shape[:2]  # (not x's: under sequence parallelism x holds a slice of the sequence)
+            q = q.view(b, s, -1, self.hd)
             kv = self.kv(context).view(b, context.shape[1], -1, 2, self.hd)
             k, v = kv.unbind(3)
             kv_ids = context_segment_ids
@@ -116,7 +117,9 @@ class Attention(nn.Module):
                 # than attend to nothing (a softmax over no keys is NaN, and NaN * 0 poisons the loss).
                 segment_ids = torch.where(segment_ids < 0, kv_ids[:, :1], segment_ids)
         else:
-            q, k, v = self.qkv(x).view(b, s, -1, 3, self.hd).unbind(3)
+            qkv = self.qkv(x)
+            b, s = qkv.shape[:2]
+            q, k, v = qkv.view(b, s, -1, 3, self.hd).unbind(3)
             kv_ids = segment_ids
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head, before the heads move (Q/K RMSNorm, DFM)

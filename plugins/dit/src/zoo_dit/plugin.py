@@ -92,8 +92,8 @@ SIZES = {"S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 
 
 
 def dit_tiny() -> DiTConfig:
-    # scikit-learn's digits: 8x8 grey pixels (no VAE), 10 classes, one pixel per token.
-    return DiTConfig(in_channels=1, patch_size=1, hidden_size=128, num_layers=4, num_heads=4, sample_size=8,
+    # scikit-learn's digits: 8x8 grey pixels (no VAE), 10 classes, 2x2 pixels per token (16 tokens).
+    return DiTConfig(in_channels=1, patch_size=2, hidden_size=128, num_layers=4, num_heads=4, sample_size=8,
                      num_classes=10)
 
 
@@ -133,7 +133,7 @@ _COMMON = dict(
     task_encoder="zoo_dit.data:task_encoder",
     # whole heads per rank: q|k|v and k|v are laid out per head
     tp_plan={"layers.*.attn.qkv": "column", "layers.*.attn.proj": "row", "layers.*.cross.q": "column",
-             "layers.*.cross.kv": "column", "layers.*.cross.proj": "row", "layers.*.mlp.fc": "column",
+             "layers.*.cross.kv": "column_context", "layers.*.cross.proj": "row", "layers.*.mlp.fc": "column",
              "layers.*.mlp.proj": "row"},
     pipeline=PipelineSpec(layers="layers", first=("x_embed", "t_embed", "y_embed"), last=("final",),
                           input_key="hidden", carries=("cond",)),
@@ -151,9 +151,12 @@ def zoo_families() -> list[Family]:
             default_dataset="digits",
             throughput=Throughput(unit="images", count="zoo_dit.diffusion:count_samples",
                                   flops_per_unit="zoo_dit.diffusion:flops_per_sample"),
-            recipe={"train.micro_batch_size": 64, "optimizer.lr": 1e-3, "optimizer.weight_decay": 0.0,
-                    "schedule.warmup_steps": 50, "train.steps": 1500, "train.eval_interval": 500,
-                    "logging.interval": 50, "train.ema": 0.999},
+            # ~3 minutes on 2 cores; samples recognised as their class >= 90% (docs/dit.md). The EMA's
+            # half-life (70 steps) is short for a short run: 0.999 would still hold 45% of the
+            # zero-initialised start after 800 steps.
+            recipe={"train.micro_batch_size": 64, "optimizer.lr": 2e-3, "optimizer.weight_decay": 0.0,
+                    "schedule.warmup_steps": 50, "train.steps": 800, "train.eval_interval": 400,
+                    "logging.interval": 50, "train.ema": 0.99},
             **_COMMON,
         ),
         Family(
@@ -164,7 +167,7 @@ def zoo_families() -> list[Family]:
                                   flops_per_unit="zoo_dit.diffusion:flops_per_sample"),
             recipe={"train.micro_batch_size": 16, "optimizer.lr": 1e-3, "optimizer.weight_decay": 0.0,
                     "schedule.warmup_steps": 50, "train.steps": 1500, "train.eval_interval": 500,
-                    "logging.interval": 50, "train.ema": 0.999},
+                    "logging.interval": 50, "train.ema": 0.99},
             **_COMMON,
         ),
     ]
