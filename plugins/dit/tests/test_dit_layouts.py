@@ -5,7 +5,6 @@ gradient (gathered to single-process names) compared."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from zoo.testing import run_distributed, train_layout
 

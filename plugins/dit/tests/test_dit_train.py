@@ -44,8 +44,9 @@ def _classifier():
 
 
 def test_class_conditional_samples_are_recognised_as_their_class(trained):
-    from zoo.checkpoint.external import load
     from zoo_dit.diffusion import sample
+
+    from zoo.checkpoint.external import load
 
     loaded = load(trained)  # the EMA weights (the recipe keeps them)
     labels = [i % 10 for i in range(300)]
