@@ -151,10 +151,10 @@ def zoo_families() -> list[Family]:
             default_dataset="digits",
             throughput=Throughput(unit="images", count="zoo_dit.diffusion:count_samples",
                                   flops_per_unit="zoo_dit.diffusion:flops_per_sample"),
-            # ~3 minutes on 2 cores; samples recognised as their class >= 90% (docs/dit.md). The EMA's
+            # ~2 minutes on 2 cores; samples recognised as their class >= 90% (docs/dit.md). The EMA's
             # half-life (70 steps) is short for a short run: 0.999 would still hold 45% of the
             # zero-initialised start after 800 steps.
-            recipe={"train.micro_batch_size": 64, "optimizer.lr": 2e-3, "optimizer.weight_decay": 0.0,
+            recipe={"train.micro_batch_size": 32, "optimizer.lr": 2e-3, "optimizer.weight_decay": 0.0,
                     "schedule.warmup_steps": 50, "train.steps": 800, "train.eval_interval": 400,
                     "logging.interval": 50, "train.ema": 0.99},
             **_COMMON,
