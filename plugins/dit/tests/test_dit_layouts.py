@@ -22,7 +22,6 @@ def _reference(family: str, layers: int) -> dict:
 
 
 LAYOUTS = [
-    (2, {"tp": 2}, "dit", 2, False),
     (2, {"tp": 2, "sequence_parallel": True}, "dit", 2, False),
     (2, {"pp": 2}, "dit", 2, False),  # the conditioning vector crosses the stage boundary with the hidden state
     (2, {}, "dit", 2, True),  # data parallel with ZeRO-1

@@ -121,11 +121,11 @@ def test_recomputation_changes_memory_not_results(tmp_path, corpus_cache, mode):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_low_precision_trains(tmp_path, corpus_cache, precision):
     run_dir = tmp_path / precision
-    out = zoo(*small_run(run_dir, corpus_cache, "train.steps=20", f"train.precision={precision}"))
+    out = zoo(*small_run(run_dir, corpus_cache, "train.steps=12", f"train.precision={precision}"))
     assert out.returncode == 0, out.stderr
     losses = [r["loss"] for r in _metrics(run_dir)]
     assert all(math.isfinite(x) for x in losses)
-    assert np.mean(losses[-5:]) < np.mean(losses[:5])
+    assert np.mean(losses[-3:]) < np.mean(losses[:3])
 
 
 def test_gpt2_trains_too(tmp_path, corpus_cache):
