@@ -275,10 +275,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"family {fam.name!r} (task {fam.task}) has no generation entry")
     if fam.task == "diffusion":
         return _generate_samples(args, resolve(fam.generate, owner=str(entry.plugin)), loaded)
-    if fam.task != "causal_lm":
-        raise UsageError(f"family {fam.name!r} (task {fam.task}): zoo generate makes text and diffusion samples")
-    if args.prompt is None:
-        raise UsageError("--prompt is required for text generation")
+    if fam.task != "causal_lm" or args.prompt is None:
+        raise UsageError(f"family {fam.name!r} (task {fam.task}): zoo generate makes text (needs --prompt) and "
+                         "diffusion samples")
     tok_source = args.tokenizer or loaded.tokenizer_dir
     if tok_source is None:
         raise UsageError(f"{path} holds no tokenizer.json; pass --tokenizer (a tokenizer directory or 'bytes')")
@@ -309,11 +308,9 @@ def _generate_samples(args: argparse.Namespace, generate: Any, loaded: Any) -> i
                "width": args.width, "frames": args.num_video_frames, "num_samples": args.num_samples,
                "prompt": args.prompt}
     try:
-        path = generate(loaded.model, loaded.config, output=output, nrow=args.nrow,
-                        **{k: v for k, v in request.items() if v is not None})
+        print(f"wrote {generate(loaded.model, loaded.config, output=output, nrow=args.nrow, **{k: v for k, v in request.items() if v is not None})}")
     except ValueError as e:
         raise UsageError(str(e)) from None
-    print(f"wrote {path}")
     return 0
 
 

@@ -158,8 +158,10 @@ def collate(rows: list[list[dict[str, Any]]], cfg: DiTConfig) -> dict[str, Any]:
                 ct += t
             at += k
             grids.append(m["grid"])
-    if n == 1 and s == min(len(r[0]["latents"]) for r in rows):
-        del out["segment_ids"]  # one whole sample per row: plain attention, no mask to build
+    if n == 1 and s == min(len(r[0]["latents"]) for r in rows) and not cfg.text_dim:
+        # One whole sample per row: plain attention, no mask to build. (With text the rows' captions
+        # differ in length, and the segment ids keep queries off the padded text.)
+        del out["segment_ids"]
     out["grids"] = torch.tensor(grids, dtype=torch.long)  # (samples, 3), row-major over rows
     return out
 
