@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from zoo_dit.data import DiTTaskEncoder, collate
 from zoo_dit.diffusion import loss
 from zoo_dit.model import DiT, patchify

@@ -33,7 +33,7 @@ def loss(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[st
     sig_tok = per_token(sigma[..., None], seg)  # (B, S or 1, 1)
     x0 = batch["latents"]
     noisy = x0 + sig_tok * batch["noise"]
-    c_skip, c_out, c_in, c_noise = edm.precondition(sig_tok, cfg.sigma_data)
+    c_skip, c_out, c_in, _ = edm.precondition(sig_tok, cfg.sigma_data)  # (c_noise: per sample, below)
     kw = dict(positions=batch["positions"], labels=batch.get("labels"), segment_ids=seg,
               context=batch.get("context"), context_segment_ids=batch.get("context_segment_ids"))
     if "hidden" in batch:  # a later pipeline stage: the previous one's hidden state and conditioning
@@ -50,14 +50,12 @@ def loss(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[st
         value = (per_tok * mask).sum() / mask.sum().clamp(min=1)
     elif seg is None:  # one sample per row
         value = (per_tok * mask).sum(1).div(mask.sum(1).clamp(min=1)).mean()
-    else:
-        n = sigma.shape[1]
+    else:  # packed rows: each sample's mean over its own tokens, then the mean over samples
         idx = seg.clamp(min=0)
         sums = torch.zeros_like(sigma).scatter_add(1, idx, per_tok * mask)
         counts = torch.zeros_like(sigma).scatter_add(1, idx, mask)
         per_sample = sums / counts.clamp(min=1)
         value = (per_sample * sample_mask).sum() / sample_mask.sum().clamp(min=1)
-        del n
     sigma_mean = (sigma * sample_mask).sum() / sample_mask.sum().clamp(min=1)
     return value, {"sigma_mean": sigma_mean.detach()}
 
@@ -68,8 +66,8 @@ def example_batch(cfg: DiTConfig, *, batch_size: int, seq_length: int, generator
 
     rows = []
     for _ in range(batch_size):
-        latent = torch.randn(cfg.in_channels, cfg.num_frames * cfg.patch_t // cfg.patch_t if cfg.text_dim else 1,
-                             cfg.sample_size, cfg.sample_size, generator=generator)
+        frames = cfg.num_frames if cfg.text_dim else 1
+        latent = torch.randn(cfg.in_channels, frames, cfg.sample_size, cfg.sample_size, generator=generator)
         tokens, positions = patchify(latent, cfg.patch_t, cfg.patch_size, cfg.patch_size)
         m: dict[str, Any] = {"latents": tokens, "positions": positions, "noise": torch.randn(tokens.shape, generator=generator),
                              "sigma": float(torch.exp(cfg.p_mean + cfg.p_std * torch.randn((), generator=generator))),
