@@ -20,16 +20,23 @@ import time
 import torch
 
 
-def saved_bytes(fn) -> tuple[object, int]:
-    """Run ``fn()`` and count the bytes of the distinct storages autograd saved for backward."""
+def saved_bytes(fn, recompute: bool) -> tuple[object, int]:
+    """Run ``fn()`` and count the bytes of the distinct storages autograd saved for backward; with
+    ``recompute``, under zoo's elementwise recomputation (what `zoo train` runs by default), whose
+    recipes hold no tensor of their own."""
+    from zoo.nn import recompute as rc
+
     seen: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
-        return t
+    def pack(t: torch.Tensor):
+        packed = rc._pack(t) if recompute else t
+        if isinstance(packed, torch.Tensor):
+            st = packed.untyped_storage()
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return packed
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with rc.scope("elementwise" if recompute else "none"), \
+            torch.autograd.graph.saved_tensors_hooks(pack, rc._unpack):
         out = fn()
     return out, sum(seen.values())
 
@@ -47,6 +54,7 @@ def main() -> None:
 
     from diffusers import DiTTransformer2DModel
 
+    from zoo.nn import recompute
     from zoo_dit import edm
     from zoo_dit.convert import config_from_diffusers, from_diffusers
     from zoo_dit.model import DiT, patchify, unpatchify
@@ -98,13 +106,15 @@ def main() -> None:
         for name, model, fwd in (("diffusers", theirs, f_theirs), ("zoo", ours, f_ours)):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             model.train()
-            loss, peak = saved_bytes(lambda: edm_loss(fwd, dtype))  # warm-up step, measures saved bytes
+            zoo = name == "zoo"  # zoo's step as `zoo train` runs it: elementwise recomputation
+            loss, peak = saved_bytes(lambda: edm_loss(fwd, dtype), zoo)  # warm-up step, measures saved bytes
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
             for _ in range(args.steps):
-                loss = edm_loss(fwd, dtype)
+                with recompute.scope("elementwise" if zoo else "none"):
+                    loss = edm_loss(fwd, dtype)
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)

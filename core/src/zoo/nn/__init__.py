@@ -105,6 +105,83 @@ def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     return ACTIVATIONS[activation](gate) * up
 
 
+def _reduce_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over the dimensions ``like`` broadcasts along."""
+    dims = [i for i, (a, b) in enumerate(zip(t.shape, like.shape)) if b == 1 and a != 1]
+    return (t.sum(dims, keepdim=True) if dims else t).to(like.dtype)
+
+
+class _ModulatedLayerNormFn(torch.autograd.Function):
+    """``LN(x) * (1 + scale) + shift`` (LayerNorm without affine weights, DiT's adaLN) keeping only
+    its inputs and the per-row statistics: autograd's graph would also keep the normalised copy."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = _up(x)
+        mean = xf.mean(-1, keepdim=True)
+        rstd = torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, shift, scale, mean, rstd)
+        return _modulated(x, shift, scale, mean, rstd)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        x, shift, scale, mean, rstd = ctx.saved_tensors
+        xhat = (_up(x) - mean) * rstd
+        g = _up(grad)
+        gx = g * (1 + _up(scale))
+        gx = rstd * (gx - gx.mean(-1, keepdim=True) - xhat * (gx * xhat).mean(-1, keepdim=True))
+        return gx.to(x.dtype), _reduce_to(g, shift), _reduce_to(g * xhat, scale), None
+
+
+def _modulated(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor,
+               rstd: torch.Tensor) -> torch.Tensor:
+    return ((_up(x) - mean) * rstd * (1 + _up(scale)) + _up(shift)).to(x.dtype)
+
+
+def _up(t: torch.Tensor) -> torch.Tensor:
+    """At least float32 (float64 stays float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def modulated_layer_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """DiT's adaLN: ``LayerNorm(x) * (1 + scale) + shift`` (no affine weights), computed in float32
+    with a memory-lean backward; under `zoo.nn.recompute` a layer that saves the output gets it
+    recomputed from what the norm keeps (one activation-sized tensor per norm fewer)."""
+    y = _ModulatedLayerNormFn.apply(x, shift, scale, eps)
+    if y.grad_fn is not None:
+        xs, sh, sc, mean, rstd = y.grad_fn.saved_tensors
+        recomputable(y, lambda: _modulated(xs, sh, sc, mean, rstd))
+    return y
+
+
+class _ActivationFn(torch.autograd.Function):
+    """An elementwise activation that keeps only its input (its output is recomputable)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, name: str) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.name = name
+        return ACTIVATIONS[name](x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_(True)
+            (gx,) = torch.autograd.grad(ACTIVATIONS[ctx.name](xd), xd, grad)
+        return gx, None
+
+
+def activation(x: torch.Tensor, name: str) -> torch.Tensor:
+    """``ACTIVATIONS[name](x)``; under `zoo.nn.recompute` the next layer's saved copy of the output
+    is recomputed from the input (which the activation keeps for its own backward anyway)."""
+    y = _ActivationFn.apply(x, name)
+    if y.grad_fn is not None:
+        (saved,) = y.grad_fn.saved_tensors
+        recomputable(y, lambda: ACTIVATIONS[name](saved))
+    return y
+
+
 def make_norm(spec: NormSpec, dim: int, eps: float) -> nn.Module:
     if spec.kind == "rmsnorm":
         return RMSNorm(dim, eps)

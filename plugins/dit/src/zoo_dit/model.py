@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.nn import ACTIVATIONS, AttentionCore, RMSNorm, make_norm
+from zoo.nn import AttentionCore, RMSNorm, activation, modulated_layer_norm
 from zoo.spec import AdaLNSpec, AttentionSpec, BlockSpec, MLPSpec, ModelSpec
 from zoo_dit.plugin import DiTConfig
 
@@ -62,10 +62,6 @@ def timestep_embedding(t: torch.Tensor, dim: int = 256, freq_shift: float = 0.0)
     return torch.cat([args.cos(), args.sin()], dim=-1)
 
 
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x * (1 + scale) + shift
-
-
 def per_token(v: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
     """Per-sample vectors (B, N, C) -> per-token (B, S, C) (a broadcastable (B, 1, C) when N = 1)."""
     if v.shape[1] == 1 or segment_ids is None:
@@ -78,11 +74,11 @@ class Mlp(nn.Module):
     def __init__(self, dim: int, hidden: int, spec: MLPSpec) -> None:
         super().__init__()
         self.fc = nn.Linear(dim, hidden, bias=spec.bias)
-        self.act = ACTIVATIONS[spec.activation]
+        self.activation = spec.activation
         self.proj = nn.Linear(hidden, dim, bias=spec.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.act(self.fc(x)))
+        return self.proj(activation(self.fc(x), self.activation))
 
 
 class Attention(nn.Module):
@@ -135,13 +131,15 @@ class Block(nn.Module):
         super().__init__()
         assert isinstance(spec.mixer, AttentionSpec) and isinstance(spec.ffn, MLPSpec)
         assert isinstance(spec.conditioning, AdaLNSpec)
+        if spec.norm.kind != "layernorm" or spec.norm.affine:
+            raise ValueError("a DiT block's adaLN normalises with LayerNorm without affine weights "
+                             f"(NormSpec(kind='layernorm', affine=False)), not {spec.norm}")
         d = cfg.hidden_size
         self.chunks = spec.conditioning.chunks
-        self.norm1 = make_norm(spec.norm, d, cfg.norm_eps)
+        # Every norm is modulated by the block's chunks: LN(x) * (1 + scale) + shift, no weights.
+        self.eps, self.mlp_eps = cfg.norm_eps, cfg.mlp_norm_eps or cfg.norm_eps
         self.attn = Attention(cfg, spec.mixer)
         self.cross = Attention(cfg, spec.cross_attention) if spec.cross_attention is not None else None
-        self.norm_cross = make_norm(spec.norm, d, cfg.norm_eps) if self.cross is not None else None
-        self.norm2 = make_norm(spec.norm, d, cfg.mlp_norm_eps or cfg.norm_eps)
         self.mlp = Mlp(d, cfg.ffn_hidden_size, spec.ffn)
         if cfg.adaln_lora_rank:  # DFM's low-rank adaLN: D -> r -> chunks * D, no biases
             self.ada = nn.Sequential(nn.SiLU(), nn.Linear(d, cfg.adaln_lora_rank, bias=False),
@@ -152,12 +150,12 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, c: torch.Tensor, segment_ids: torch.Tensor | None,
                 context: torch.Tensor | None, context_segment_ids: torch.Tensor | None) -> torch.Tensor:
         mod = per_token(self.ada(c), segment_ids).chunk(self.chunks, dim=-1)
-        x = x + mod[2] * self.attn(modulate(self.norm1(x), mod[0], mod[1]), segment_ids)
+        x = x + mod[2] * self.attn(modulated_layer_norm(x, mod[0], mod[1], self.eps), segment_ids)
         if self.cross is not None:
-            x = x + mod[5] * self.cross(modulate(self.norm_cross(x), mod[3], mod[4]), segment_ids, context,
+            x = x + mod[5] * self.cross(modulated_layer_norm(x, mod[3], mod[4], self.eps), segment_ids, context,
                                         context_segment_ids)
         shift, scale, gate = mod[-3:]
-        return x + gate * self.mlp(modulate(self.norm2(x), shift, scale))
+        return x + gate * self.mlp(modulated_layer_norm(x, shift, scale, self.mlp_eps))
 
 
 class FinalLayer(nn.Module):
@@ -165,15 +163,14 @@ class FinalLayer(nn.Module):
 
     def __init__(self, cfg: DiTConfig, spec: ModelSpec) -> None:
         super().__init__()
-        assert spec.final_norm is not None
+        assert spec.final_norm is not None and spec.final_norm.kind == "layernorm" and not spec.final_norm.affine
         d = cfg.hidden_size
-        self.norm = make_norm(spec.final_norm, d, 1e-6)
         self.ada = nn.Sequential(nn.SiLU(), nn.Linear(d, 2 * d))
         self.proj = nn.Linear(d, cfg.token_features, bias=True)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
         shift, scale = per_token(self.ada(c), segment_ids).chunk(2, dim=-1)
-        return self.proj(modulate(self.norm(x), shift, scale))
+        return self.proj(modulated_layer_norm(x, shift, scale, 1e-6))
 
 
 class TimestepEmbedder(nn.Module):
