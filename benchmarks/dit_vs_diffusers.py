@@ -53,12 +53,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from diffusers import DiTTransformer2DModel
-
-    from zoo.nn import recompute
     from zoo_dit import edm
     from zoo_dit.convert import config_from_diffusers, from_diffusers
     from zoo_dit.model import DiT, patchify, unpatchify
     from zoo_dit.plugin import DIT
+
+    from zoo.nn import recompute
 
     dconf = {"num_attention_heads": args.heads, "attention_head_dim": args.hidden // args.heads, "in_channels": 4,
              "out_channels": 4, "num_layers": args.layers, "sample_size": 32, "patch_size": 2,
