@@ -107,7 +107,7 @@ def main() -> None:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             model.train()
             zoo = name == "zoo"  # zoo's step as `zoo train` runs it: elementwise recomputation
-            loss, peak = saved_bytes(lambda: edm_loss(fwd, dtype), zoo)  # warm-up step, measures saved bytes
+            loss, peak = saved_bytes(lambda f=fwd, d=dtype: edm_loss(f, d), zoo)  # warm-up step, measures saved bytes
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
