@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from zoo.data.energon.task_encoder import SkipSample, TaskEncoder, stateless
+from zoo.data.energon.task_encoder import Cooker, SkipSample, TaskEncoder, stateless
 from zoo.errors import ConfigError
 from zoo_dit.model import patchify
 from zoo_dit.plugin import DiTConfig
@@ -59,7 +59,14 @@ def to_latent(sample: Any, cfg: DiTConfig, where: str) -> torch.Tensor:
     return x
 
 
+TEXT_PARTS = ("text", "t5.npy", "pickle")
+
+
 class DiTTaskEncoder(TaskEncoder):
+    # Crude datasets (DFM's: .pth latent, .pickle text, .json) arrive as dicts of decoded parts,
+    # which encode_sample reads directly.
+    cookers = (Cooker(cook=lambda sample: sample),)
+
     def __init__(self, cfg: DiTConfig, *, seq_length: int, packing: bool) -> None:
         self.cfg, self.seq_length, self.packing = cfg, seq_length, packing
 
@@ -86,7 +93,10 @@ class DiTTaskEncoder(TaskEncoder):
                 raise ValueError(f"{where}: class {label} outside 0..{cfg.num_classes - 1}")
             out["label"] = cfg.num_classes if float(torch.rand(())) < cfg.class_dropout else label
         if cfg.text_dim:
-            text = sample.get("text") if isinstance(sample, dict) else getattr(sample, "text", None)
+            if isinstance(sample, dict):  # zoo's "t5.npy" part, DFM's ".pickle" (opted in), or a cooked "text"
+                text = next((sample[k] for k in TEXT_PARTS if k in sample), None)
+            else:
+                text = getattr(sample, "text", None)
             if text is None:
                 raise ValueError(f"{where}: the model is text-conditioned (model.text_dim={cfg.text_dim}) and the "
                                  "sample has no text embeddings")
@@ -202,6 +212,37 @@ def prepare_digits(out: Path) -> None:
                        field_map={"image": "png", "label": "cls"}, force_overwrite=True)
 
 
+def prepare_moving_digits(out: Path, *, n: int = 2000, frames: int = 8, size: int = 16) -> None:
+    """``n`` moving-digit clips as a crude Energon dataset: ``npy`` (1, frames, size, size) in
+    [-1, 1], ``txt`` caption, ``t5.npy`` its embeddings by the default text encoder, ``json``."""
+    import io
+    import json
+
+    import numpy as np
+
+    from zoo.data.energon.prepare import prepare_webdataset, write_shards
+    from zoo_dit.moving_digits import caption, clips
+    from zoo_dit.text import TextEncoder
+
+    encoder = TextEncoder()
+
+    def npy(a: np.ndarray) -> bytes:
+        buf = io.BytesIO()
+        np.save(buf, a, allow_pickle=False)
+        return buf.getvalue()
+
+    def samples() -> Any:
+        for k, (clip, digit, direction) in enumerate(clips(n, frames=frames, size=size)):
+            text = caption(digit, direction)
+            (emb,) = encoder([text])
+            yield f"{k:06d}", {"npy": npy((clip * 2 - 1)[None].astype(np.float32)), "txt": text.encode(),
+                               "t5.npy": npy(emb), "json": json.dumps({"digit": digit, "direction": direction,
+                                                                       "text_encoder": encoder.name}).encode()}
+
+    write_shards(out, samples(), shard_size=max(1, n // 20))  # 20 shards: 18 train, 1 val, 1 test
+    prepare_webdataset(out, split=(18, 1, 1), crude=True, force_overwrite=True)
+
+
 def _build_on(run: Any, path: Path, **kw: Any) -> Any:
     from zoo.data.energon.training import build
 
@@ -217,4 +258,11 @@ def build_digits(run: Any, **kw: Any) -> Any:
     return _build_on(run, _prepared(cache_root(run), "energon-digits-v1", prepare_digits), **kw)
 
 
-__all__ = ["DiTTaskEncoder", "build_digits", "collate", "prepare_digits", "task_encoder", "to_latent"]
+def build_moving(run: Any, **kw: Any) -> Any:
+    from zoo.data.corpus import cache_root
+
+    return _build_on(run, _prepared(cache_root(run), "energon-moving-digits-v1", prepare_moving_digits), **kw)
+
+
+__all__ = ["DiTTaskEncoder", "build_digits", "build_moving", "collate", "prepare_digits", "prepare_moving_digits",
+           "task_encoder", "to_latent"]

@@ -163,6 +163,7 @@ def zoo_families() -> list[Family]:
             name="dit-video",
             description="NeMo DFM's text-to-video DiT with EDM: 3-D patches, cross-attention to T5, 9-chunk adaLN",
             flavors=VIDEO_FLAVORS,
+            default_dataset="moving-digits",
             throughput=Throughput(unit="samples", count="zoo_dit.diffusion:count_samples",
                                   flops_per_unit="zoo_dit.diffusion:flops_per_sample"),
             recipe={"train.micro_batch_size": 16, "optimizer.lr": 1e-3, "optimizer.weight_decay": 0.0,
@@ -179,4 +180,7 @@ def zoo_datasets() -> list[DatasetSpec]:
         DatasetSpec(name="digits", description="scikit-learn's 1,797 handwritten digits (8x8, class labels), "
                     "prepared as an Energon dataset on first use", build="zoo_dit.data:build_digits",
                     modality="images", stateful=True),
+        DatasetSpec(name="moving-digits", description="2,000 clips of a digit crossing a 16x16 canvas in 8 frames, "
+                    "captioned 'a 3 moving right', embedded by a fixed-seed tiny T5; prepared on first use",
+                    build="zoo_dit.data:build_moving", modality="video", stateful=True),
     ]
