@@ -154,7 +154,7 @@ SURFACE = {
                  "--tokenizer", "--top-k", "--top-p", "--weights",
                  # diffusion models (DFM's snake_case spellings are the aliases listed last)
                  "--class", "--num_steps", "--guidance", "--guidance-form", "--solver", "--height", "--width",
-                 "--num_video_frames", "--num-samples", "--nrow", "--output", "--video_save_path"],
+                 "--num_video_frames", "--num-samples", "--nrow", "--output", "--video_save_path", "--text-encoder"],
 }
 
 

@@ -306,7 +306,7 @@ def _generate_samples(args: argparse.Namespace, generate: Any, loaded: Any) -> i
     request = {"labels": args.classes, "num_steps": args.num_steps, "guidance": args.guidance,
                "guidance_form": args.guidance_form, "solver": args.solver, "seed": args.seed, "height": args.height,
                "width": args.width, "frames": args.num_video_frames, "num_samples": args.num_samples,
-               "prompt": args.prompt}
+               "prompt": args.prompt, "text_encoder": args.text_encoder}
     try:
         print(f"wrote {generate(loaded.model, loaded.config, output=output, nrow=args.nrow, **{k: v for k, v in request.items() if v is not None})}")
     except ValueError as e:
@@ -401,6 +401,7 @@ def build_parser(registry: Any | None) -> _Parser:
     d.add_argument("--nrow", type=int, help="images per row of the grid")
     d.add_argument("--output", help="file to write: .png (grid), .gif or .mp4 (clip)")
     d.add_argument("--video-save-path", "--video_save_path", help="DFM's name for --output")
+    d.add_argument("--text-encoder", help="T5 encoder directory for --prompt (default: the built-in datasets' own)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("prepare", help="prepare datasets (Megatron .bin/.idx, Energon WebDataset)")

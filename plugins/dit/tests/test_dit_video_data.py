@@ -54,3 +54,34 @@ def test_moving_digits_dataset_feeds_the_video_dit(tmp_path):
     assert batch["context"].shape[-1] == 64 and batch["context_segment_ids"].shape == batch["context"].shape[:2]
     value, _ = loss(build(cfg, DIT_VIDEO), batch)
     assert torch.isfinite(value)
+
+
+def test_train_and_generate_a_clip_from_a_prompt(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    from zoo_dit.data import prepare_moving_digits
+
+    data = tmp_path / "mv"
+    data.mkdir()
+    prepare_moving_digits(data, n=60)
+    env = {k: v for k, v in os.environ.items() if k != "ZOO_PLUGINS"}
+
+    def zoo(*args):
+        return subprocess.run([sys.executable, "-m", "zoo", *args], capture_output=True, text=True, timeout=600, env=env)
+
+    run = tmp_path / "run"
+    out = zoo("train", "--model", "dit-video", "--run-dir", str(run), f"data.path={data}", "train.steps=1",
+              "train.eval_interval=0", "train.micro_batch_size=4", "logging.progress=false", "logging.tensorboard=false",
+              "logging.plot=false")
+    assert out.returncode == 0, out.stderr
+    out = zoo("generate", "--checkpoint", str(run), "--prompt", "a 3 moving right", "--num_steps", "2",
+              "--num-video-frames", "8", "--video_save_path", str(tmp_path / "clip.gif"))
+    assert out.returncode == 0, out.stderr
+    with Image.open(tmp_path / "clip.gif") as gif:
+        assert gif.n_frames == 8
+    bad = zoo("generate", "--checkpoint", str(run), "--class", "3", "--output", str(tmp_path / "x.gif"))
+    assert bad.returncode == 2 and "text-conditional" in bad.stderr and not (tmp_path / "x.gif").exists()

@@ -101,11 +101,18 @@ def generate(model: DiT, cfg: DiTConfig, *, output: str | None = None, nrow: int
     (``.png``; a class-conditional model draws ``labels`` in order, ``nrow`` per row) or, for
     several frames, a clip (``.gif``/``.mp4``, the first sample). Returns the path written."""
     prompt = request.pop("prompt", None)
+    encoder_dir = request.pop("text_encoder", None)
     if prompt is not None:
         if not cfg.text_dim:
             raise ValueError("this DiT is class-conditional: give --class, not --prompt")
-        raise ValueError("--prompt needs the text encoder the dataset was embedded with; give the embeddings "
-                         "(context=) from Python for now")
+        from zoo_dit.text import TextEncoder
+
+        encoder = TextEncoder(encoder_dir)  # the default: the built-in datasets' fixed-seed encoder
+        if encoder.dim != cfg.text_dim:
+            raise ValueError(f"the text encoder {encoder.name} gives {encoder.dim}-wide embeddings, the model takes "
+                             f"{cfg.text_dim} (pass --text-encoder DIR: the T5 the dataset was embedded with)")
+        (emb,) = encoder([prompt])
+        request["context"] = torch.from_numpy(emb)[None]
     if output is not None and Path(output).suffix.lower() not in (".png", ".gif", ".mp4"):
         raise ValueError(f"--output {output}: write .png (a grid), .gif or .mp4 (a clip)")
     out = sample(model, cfg, **request)
