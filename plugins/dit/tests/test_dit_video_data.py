@@ -62,7 +62,6 @@ def test_train_and_generate_a_clip_from_a_prompt(tmp_path):
     import sys
 
     from PIL import Image
-
     from zoo_dit.data import prepare_moving_digits
 
     data = tmp_path / "mv"
