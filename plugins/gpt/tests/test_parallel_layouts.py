@@ -6,9 +6,8 @@ every gradient, gathered to full shape under its single-process name, are compar
 from __future__ import annotations
 
 import pytest
-import torch
 
-from zoo.testing import run_distributed
+from zoo.testing import assert_same_training, run_distributed
 
 STEPS, MICRO, SEQ = 3, 4, 16
 
@@ -17,12 +16,6 @@ def _train(layout: dict, family: str, layers: int, zero: bool, steps: int = STEP
     from zoo.testing import train_layout
 
     return train_layout(layout, family, layers, zero, steps=steps, micro=MICRO, seq_length=SEQ)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative error of a gradient tensor, ||a - b|| / ||b|| (float32 sums in another order
-    differ in the last bits; Adam's normalisation carries that into the next steps)."""
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
 _REFS: dict = {}
@@ -66,11 +59,7 @@ def _ids():
 def test_layout_equals_one_process(world, layout, family, layers, zero):
     ref = _reference(family, layers)
     for got in run_distributed(_train, world, layout, family, layers, zero, timeout=240):
-        for a, b in zip(got["losses"], ref["losses"]):
-            assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], ref["losses"])
-        assert got["grads"].keys() == ref["grads"].keys()
-        for name, g in ref["grads"].items():
-            assert _rel(got["grads"][name], g) <= 1e-5, f"{name}: relative error {_rel(got['grads'][name], g):.2e}"
+        assert_same_training(got, ref)
 
 
 @pytest.mark.slow
@@ -78,10 +67,7 @@ def test_eight_processes_tp_pp_dp_with_sequence_parallel_and_zero():
     layout = {"tp": 2, "pp": 2, "vpp": 2, "sequence_parallel": True}
     ref = _reference("llama", 4)
     for got in run_distributed(_train, 8, layout, "llama", 4, True, timeout=600):
-        for a, b in zip(got["losses"], ref["losses"]):
-            assert abs(a - b) <= 1e-5 * abs(b)
-        for name, g in ref["grads"].items():
-            assert _rel(got["grads"][name], g) <= 1e-5, name
+        assert_same_training(got, ref)
 
 
 def test_zoo_train_curves_match_one_process_and_resume_across_layouts(tmp_path, corpus_cache):

@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["DistributedTestError", "layout_for", "run_distributed", "train_layout"]
+__all__ = ["DistributedTestError", "assert_same_training", "layout_for", "run_distributed", "train_layout"]
 
 
 # After the first failure, how long to wait for messages still in flight (an earlier failure's
@@ -237,3 +237,15 @@ def train_layout(layout: Mapping[str, Any], family: str, layers: int, zero: bool
             else:
                 opt.zero_grad(set_to_none=True)
     return {"losses": losses, "grads": par.full_grads(), "pp_sent": par.pipeline.sent if par.pp > 1 else 0}
+
+
+def assert_same_training(got: Mapping[str, Any], ref: Mapping[str, Any], *, rtol: float = 1e-5) -> None:
+    """`train_layout` results of a layout against one process: every loss within ``rtol`` and every
+    gradient within ``rtol`` in relative norm (float32 sums in another order differ in the last
+    bits; Adam's normalisation carries that into the next steps)."""
+    for a, b in zip(got["losses"], ref["losses"]):
+        assert abs(a - b) <= rtol * abs(b), (got["losses"], ref["losses"])
+    assert got["grads"].keys() == ref["grads"].keys()
+    for name, g in ref["grads"].items():
+        err = float((got["grads"][name].double() - g.double()).norm() / g.double().norm().clamp(min=1e-30))
+        assert err <= rtol, f"{name}: relative error {err:.2e}"

@@ -27,6 +27,7 @@ import torch
 
 from zoo.data.energon.task_encoder import Cooker, SkipSample, TaskEncoder, stateless
 from zoo.errors import ConfigError
+from zoo_dit import edm
 from zoo_dit.model import patchify
 from zoo_dit.plugin import DiTConfig
 
@@ -79,7 +80,7 @@ class DiTTaskEncoder(TaskEncoder):
         if self.packing and len(tokens) > self.seq_length:
             raise SkipSample()  # longer than a whole row (train.seq_length)
         # Seeded per sample (run seed, key and epoch): sigma, noise and dropout are the sample's own.
-        sigma = float(torch.exp(cfg.p_mean + cfg.p_std * torch.randn(())))
+        sigma = float(edm.sample_sigma(torch.randn(()), cfg.p_mean, cfg.p_std))
         noise = torch.randn(tokens.shape)
         out: dict[str, Any] = {"latents": tokens, "positions": positions, "noise": noise, "sigma": sigma,
                                "grid": tuple(int(g) for g in positions.max(0).values + 1)}

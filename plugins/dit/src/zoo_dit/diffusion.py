@@ -70,7 +70,7 @@ def example_batch(cfg: DiTConfig, *, batch_size: int, seq_length: int, generator
         latent = torch.randn(cfg.in_channels, frames, cfg.sample_size, cfg.sample_size, generator=generator)
         tokens, positions = patchify(latent, cfg.patch_t, cfg.patch_size, cfg.patch_size)
         m: dict[str, Any] = {"latents": tokens, "positions": positions, "noise": torch.randn(tokens.shape, generator=generator),
-                             "sigma": float(torch.exp(cfg.p_mean + cfg.p_std * torch.randn((), generator=generator))),
+                             "sigma": float(edm.sample_sigma(torch.randn((), generator=generator), cfg.p_mean, cfg.p_std)),
                              "grid": tuple(int(g) for g in positions.max(0).values + 1)}
         if cfg.num_classes:
             m["label"] = int(torch.randint(0, cfg.num_classes + 1, (), generator=generator))

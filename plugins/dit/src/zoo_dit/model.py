@@ -86,7 +86,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: DiTConfig, spec: AttentionSpec) -> None:
         super().__init__()
-        self.spec, self.h, self.hd = spec, cfg.num_heads, cfg.head_dim
+        self.spec, self.hd = spec, cfg.head_dim
         d = cfg.hidden_size
         if spec.cross:
             self.q = nn.Linear(d, d, bias=spec.bias)
