@@ -114,6 +114,7 @@ class WebDataset:
         selected, excluded_keys = self._split(split_config)
         self.segments = self._segments(selected, excluded_keys)
         self._starts = np.cumsum([0] + [e - b for _, b, e in self.segments]).tolist()
+        self._where: dict[str, str] = {}  # shard -> its display path, built once (named per sample)
 
     # ----------------------------------------------------------------------------- metadata
 
@@ -228,7 +229,7 @@ class WebDataset:
         shard = self.shards[sid]
         start, end = int(idx[j]), int(idx[j + 1])
         try:
-            return parse_sample(self.storage.read(shard, start, end), start, where=self.storage.where(shard))
+            return parse_sample(self.storage.read(shard, start, end), start, where=self.shard_where(shard))
         except TarFormatError as e:
             raise DatasetError(f"{self.storage.where(shard)}: sample {j}'s byte range [{start}, {end}) from its .tar.idx "
                                f"does not parse: the .tar.idx does not match this tar (rerun `zoo prepare webdataset "
@@ -240,8 +241,14 @@ class WebDataset:
         key, parts = self._read(sid, j)
         return self.shards[sid], key, parts
 
+    def shard_where(self, shard: str) -> str:
+        where = self._where.get(shard)
+        if where is None:
+            where = self._where[shard] = self.storage.where(shard)
+        return where
+
     def where(self, shard: str, key: str) -> str:
-        return f"{self.storage.where(shard)}/{key}"
+        return f"{self.shard_where(shard)}/{key}"
 
 
 def idx_path_rel(shard: str) -> str:
