@@ -12,7 +12,7 @@ from zoo.parallel.context import local_positions, split_batch
 from zoo.testing import run_distributed
 
 
-def _ring(h: int, kvh: int) -> dict:
+def _ring(h: int, kvh: int, mode: str) -> dict:
     import torch.distributed as dist
 
     from zoo.parallel.context import ring_attention
@@ -22,21 +22,34 @@ def _ring(h: int, kvh: int) -> dict:
     q = torch.randn(b, h, t, hd, dtype=torch.float64)
     k, v = torch.randn(b, kvh, t, hd, dtype=torch.float64), torch.randn(b, kvh, t, hd, dtype=torch.float64)
     dout = torch.randn(b, h, t, hd, dtype=torch.float64)
+    causal = mode != "bidirectional"
+    seg = None
+    if mode != "causal":  # packed samples of uneven lengths, a padded tail (-1) in the first row
+        seg = torch.tensor([[0] * 5 + [1] * 11 + [2] * 3 + [-1] * 5, [0] * 13 + [1] * 11])
     idx = local_positions(t, dist.get_world_size(), dist.get_rank())
     ql, kl, vl = (x.index_select(2, idx).clone().requires_grad_(True) for x in (q, k, v))
-    out = ring_attention(ql, kl, vl, dist.group.WORLD)
+    out = ring_attention(ql, kl, vl, dist.group.WORLD, causal=causal,
+                         segment_ids=None if seg is None else seg.index_select(1, idx))
     (out * dout.index_select(2, idx)).sum().backward()
     qf, kf, vf = (x.clone().requires_grad_(True) for x in (q, k, v))
-    ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, enable_gqa=h != kvh)
+    mask = torch.ones(b, 1, t, t, dtype=torch.bool)
+    if causal:
+        mask &= torch.ones(t, t, dtype=torch.bool).tril()
+    if seg is not None:
+        mask &= seg[:, None, :, None] == seg[:, None, None, :]
+    ref = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, enable_gqa=h != kvh)
     (ref * dout).sum().backward()
     pick = lambda x: x.index_select(2, idx)  # noqa: E731
     return {"out": (out - pick(ref)).abs().max().item(), "dq": (ql.grad - pick(qf.grad)).abs().max().item(),
             "dk": (kl.grad - pick(kf.grad)).abs().max().item(), "dv": (vl.grad - pick(vf.grad)).abs().max().item()}
 
 
-@pytest.mark.parametrize(("cp", "heads", "kv_heads"), [(2, 4, 4), (2, 4, 2), (4, 4, 1)])
-def test_ring_attention_equals_full_causal_attention(cp, heads, kv_heads):
-    for errors in run_distributed(_ring, cp, heads, kv_heads, timeout=120):
+@pytest.mark.parametrize(("cp", "heads", "kv_heads", "mode"), [
+    (2, 4, 4, "causal"), (2, 4, 2, "causal"), (4, 4, 1, "causal"),
+    # a DiT's: every block computed; packed samples' ids travel with the keys (some blocks see none)
+    (2, 4, 2, "bidirectional"), (4, 4, 4, "causal-packed")])
+def test_ring_attention_equals_full_attention(cp, heads, kv_heads, mode):
+    for errors in run_distributed(_ring, cp, heads, kv_heads, mode, timeout=120):
         assert max(errors.values()) < 1e-12, errors
 
 

@@ -13,7 +13,9 @@ from zoo.checkpoint.mapping import (
     Ignore,
     MappingError,
     MappingTable,
+    Patch,
     Rename,
+    Replicate,
     Split,
     StackExperts,
     Tie,
@@ -153,3 +155,30 @@ def test_check_shapes_names_the_first_mismatch():
         check_shapes({"w": torch.ones(2, 2)}, {"w": torch.ones(3, 2)}, what="ckpt")
     with pytest.raises(MappingError, match=r"missing v; unexpected u"):
         check_shapes({"v": torch.ones(1)}, {"u": torch.ones(1)}, what="ckpt")
+
+
+def test_patch_rule_maps_a_convolution_to_the_linear_over_patch_features():
+    @dataclass
+    class Cfg:
+        patch_size: int = 2
+        in_channels: int = 3
+        num_layers: int = 2
+
+    cfg = Cfg()
+    conv = torch.randn(5, 3, 2, 2)
+    table = MappingTable(rules=(Patch("embed.weight", "proj.weight"),
+                                Replicate("t.weight", "blocks.{i}.t.weight")))
+    t = torch.randn(4, 4)
+    theirs = {"proj.weight": conv, "blocks.0.t.weight": t, "blocks.1.t.weight": t.clone()}
+    ours = from_external(table, theirs, cfg)
+    x = torch.randn(1, 3, 4, 6)
+    want = torch.nn.functional.conv2d(x, conv, stride=2)  # (1, 5, 2, 3)
+    # the image's patches with features ordered (ph, pw, C), in raster order
+    patches = x.reshape(1, 3, 2, 2, 3, 2).permute(0, 2, 4, 3, 5, 1).reshape(1, 6, 12)
+    got = (patches @ ours["embed.weight"].t()).reshape(1, 2, 3, 5).permute(0, 3, 1, 2)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.equal(ours["t.weight"], t)
+    back = to_external(table, ours, cfg)
+    assert back.keys() == theirs.keys() and all(torch.equal(back[k], v) for k, v in theirs.items())
+    with pytest.raises(MappingError, match=r"blocks\.1\.t\.weight differs from blocks\.0\.t\.weight"):
+        from_external(table, dict(theirs, **{"blocks.1.t.weight": t + 1}), cfg)

@@ -21,13 +21,16 @@ def _reference(family: str, layers: int) -> dict:
     return _REFS[(family, layers)]
 
 
+# Every batch packs random-size samples into its rows (`zoo_dit.diffusion.example_batch`).
 LAYOUTS = [
-    (2, {"tp": 2, "sequence_parallel": True}, "dit", 2, False),
+    (2, {"tp": 2, "sequence_parallel": True}, "dit", 2, False),  # segment ids cut to each rank's shard
+    (2, {"cp": 2}, "dit", 2, False),  # non-causal ring attention across packed samples; loss weights split
     (2, {"pp": 2}, "dit", 2, False),  # the conditioning vector crosses the stage boundary with the hidden state
     (2, {}, "dit", 2, True),  # data parallel with ZeRO-1
-    (4, {"tp": 2, "pp": 2}, "dit", 2, False),  # the stage's own blocks still read the conditioning it sent
+    # the stage's own blocks still read the conditioning it sent
     (4, {"tp": 2, "pp": 2, "sequence_parallel": True}, "dit", 2, False),
     (2, {"tp": 2, "sequence_parallel": True}, "dit-video", 2, False),  # cross-attention, Q/K norm, no biases
+    (4, {"cp": 2, "tp": 2, "sequence_parallel": True}, "dit-video", 2, False),  # text whole on every CP rank
 ]
 
 

@@ -41,9 +41,10 @@ if TYPE_CHECKING:
 class ExternalFormat:
     """How a family's checkpoints look in another ecosystem (declared by the plugin).
 
-    ``architectures`` maps the format's architecture names (HF ``config.json`` ``architectures``)
-    to the zoo family that reads them; ``table(config)`` gives the key mapping; ``to_config`` and
-    ``from_config`` translate the config document.
+    ``architectures`` maps the format's architecture names (HF ``config.json`` ``architectures``,
+    or diffusers' ``_class_name``) to the zoo family that reads them; ``table(config)`` gives the
+    key mapping; ``to_config`` and ``from_config`` translate the config document; ``stem`` names
+    the weight files (``model.safetensors``; diffusers: ``diffusion_pytorch_model.safetensors``).
     """
 
     name: str
@@ -51,6 +52,11 @@ class ExternalFormat:
     table: Callable[[Any], MappingTable]
     to_config: Callable[[Any], dict[str, Any]]
     from_config: Callable[[dict[str, Any]], Any]
+    stem: str = "model"
+
+
+# `zoo convert --from/--to` names: Hugging Face transformers and diffusers directories.
+FORMATS = ("hf", "diffusers")
 
 
 def _registry() -> Any:
@@ -83,7 +89,7 @@ def load(path: str | os.PathLike[str], *, device: str = "cpu", weights: str = "a
     has one (``train.ema``), ``ema`` requires it, ``raw`` takes the parameters themselves."""
     p = resolve_checkpoint(path)  # a run directory or checkpoint root: its newest complete checkpoint
     if p.is_dir() and not (p / META).exists() and (p / "config.json").is_file():
-        entry, fmt, config, _ = _hf_source(p)
+        entry, fmt, config, _ = _hf_source(p, "diffusers" if "_class_name" in read_json(p / "config.json") else "hf")
         state = _import_tensors(p, entry, fmt, config)
     else:
         md = read_meta(p)
@@ -113,14 +119,14 @@ def _formats(fmt_name: str) -> list[tuple[Any, ExternalFormat]]:
     return out
 
 
-def _hf_source(src: Path) -> tuple[Any, ExternalFormat, Any, dict[str, Any]]:
+def _hf_source(src: Path, fmt_name: str = "hf") -> tuple[Any, ExternalFormat, Any, dict[str, Any]]:
     cfg_path = src / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{src}: no config.json (not a Hugging Face model directory)")
     hf = read_json(cfg_path)
-    archs = hf.get("architectures") or []
+    archs = hf.get("architectures") or ([hf["_class_name"]] if isinstance(hf.get("_class_name"), str) else [])
     known: dict[str, tuple[Any, ExternalFormat]] = {}
-    for _, fmt in _formats("hf"):
+    for _, fmt in _formats(fmt_name):
         for arch, family in fmt.architectures.items():
             known.setdefault(arch, (_registry().get(family), fmt))
     for arch in archs:
@@ -131,12 +137,13 @@ def _hf_source(src: Path) -> tuple[Any, ExternalFormat, Any, dict[str, Any]]:
             except (KeyError, TypeError, ValueError) as e:
                 raise CheckpointError(f"{cfg_path}: cannot read the {arch} config ({type(e).__name__}: {e})") from None
             return entry, fmt, config, hf
-    supported = ", ".join(f"{a} ({e.family.name})" for a, (e, _) in sorted(known.items())) or "none (no plugin declares an hf format)"
+    supported = ", ".join(f"{a} ({e.family.name})" for a, (e, _) in sorted(known.items())) or \
+        f"none (no plugin declares a {fmt_name} format)"
     raise UsageError(f"{cfg_path}: unsupported architecture {archs or '(none given)'}; supported: {supported}")
 
 
 def _import_tensors(src: Path, entry: FamilyEntry, fmt: ExternalFormat, config: Any) -> dict[str, Any]:
-    tensors = read_dir(src)
+    tensors = read_dir(src, stem=fmt.stem)
     try:
         state = from_external(fmt.table(config), tensors, config)
         check_shapes(build_empty(entry, config, device="meta").state_dict(), state, what=str(src))
@@ -146,17 +153,17 @@ def _import_tensors(src: Path, entry: FamilyEntry, fmt: ExternalFormat, config: 
 
 
 def import_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
-    if fmt_name != "hf":
-        raise UsageError(f"unknown format {fmt_name!r}; supported: hf")
+    if fmt_name not in FORMATS:
+        raise UsageError(f"unknown format {fmt_name!r}; supported: {', '.join(FORMATS)}")
     src, dst = Path(src), Path(dst)
     if dst.exists():
         raise UsageError(f"{dst} already exists; nothing was overwritten")
     if not src.is_dir():
         raise CheckpointError(f"{src}: not a directory")
-    entry, fmt, config, _ = _hf_source(src)
+    entry, fmt, config, _ = _hf_source(src, fmt_name)
     state = _import_tensors(src, entry, fmt, config)
     return write_model_dir(dst, family=entry.family.name, flavor="custom", config=config, state=state,
-                           extra_meta={"source": {"format": "hf", "path": str(src)}}, tokenizer_from=src)
+                           extra_meta={"source": {"format": fmt_name, "path": str(src)}}, tokenizer_from=src)
 
 
 def export_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
@@ -189,11 +196,12 @@ def export_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.Pa
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = make_dir_like_user(Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.partial-")))
     try:
-        stream = ShardStream(tmp, max_shard_bytes=max_shard_bytes, dtype=target)
+        stream = ShardStream(tmp, max_shard_bytes=max_shard_bytes, dtype=target, stem=fmt.stem)
         to_external(fmt.table(config), state, config, put=stream.put)
         stream.close()
         hf_config = fmt.to_config(config)
-        hf_config["torch_dtype"] = hf_config["dtype"] = str(stream.first_dtype).removeprefix("torch.")
+        if "_class_name" not in hf_config:  # (diffusers' config documents carry no dtype)
+            hf_config["torch_dtype"] = hf_config["dtype"] = str(stream.first_dtype).removeprefix("torch.")
         atomic_write_text(tmp / "config.json", json.dumps(hf_config, indent=2))
         copy_tokenizer_files(src, tmp)
         os.replace(tmp, dst)

@@ -84,6 +84,28 @@ class StackExperts:
 
 
 @dataclass(frozen=True)
+class Patch:
+    """A patch embedding: a convolution ``(out, C, *patch)`` there, a linear over each patch's
+    ``(*patch, C)`` features here (``(out, prod(patch) * C)``). ``patch`` and ``channels`` name
+    the config attributes of the kernel's sizes and of C (needed to export)."""
+
+    ours: str
+    theirs: str
+    patch: tuple[str, ...] = ("patch_size", "patch_size")
+    channels: str = "in_channels"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """One tensor of ours is stored once per layer there (``theirs`` holds ``{i}``: diffusers' DiT
+    keeps a copy of the shared timestep embedder in every block). Importing checks that the copies
+    are equal: copies that differ are a different model, refused rather than averaged."""
+
+    ours: str
+    theirs: str
+
+
+@dataclass(frozen=True)
 class Tie:
     """Our ``ours`` is the same tensor as our ``to`` (tied embeddings); written there only as ``theirs``."""
 
@@ -99,7 +121,7 @@ class Ignore:
     theirs: str
 
 
-Rule = Rename | Transpose | Fuse | Split | StackExperts | Tie | Ignore
+Rule = Rename | Transpose | Fuse | Split | StackExperts | Patch | Replicate | Tie | Ignore
 
 
 @dataclass(frozen=True)
@@ -238,7 +260,22 @@ def to_external(table: MappingTable, ours: Mapping[str, Tensor], config: Any, *,
                 if rule.theirs and x is not None:
                     out.put(th, x)
             continue
+        if isinstance(rule, Replicate):
+            x = src.take(rule.ours)
+            for _, th in _expand(rule.theirs, sizes):
+                if x is not None:
+                    out.put(th, x)
+            continue
         for env, o in _expand(rule.ours if isinstance(rule.ours, str) else rule.ours[0], sizes):
+            if isinstance(rule, Patch):
+                x = src.take(o)
+                if x is not None:
+                    kernel = [int(getattr(config, a)) for a in rule.patch]
+                    c = int(getattr(config, rule.channels))
+                    n = len(kernel)
+                    conv = x.reshape(x.shape[0], *kernel, c).permute(0, n + 1, *range(1, n + 1))
+                    out.put(rule.theirs.format_map(_Keep(env)), conv.contiguous())
+                continue
             if isinstance(rule, (Rename, Transpose)):
                 x = src.take(o)
                 if x is not None:
@@ -326,7 +363,24 @@ def _map_in(table: MappingTable, theirs: Mapping[str, Tensor], config: Any, keep
         if isinstance(rule, Tie):
             ties += [t for _, t in _zip_expand(sizes, rule.ours, rule.to, rule.theirs or "")]
             continue
+        if isinstance(rule, Replicate):
+            copies = [(th, src.take(th)) for _, th in _expand(rule.theirs, sizes)]
+            if not copies or any(x is None for _, x in copies):
+                continue
+            first_name, first = copies[0]
+            for name, x in copies[1:]:
+                if x.shape != first.shape or (x.device.type != "meta" and not torch.equal(x, first)):
+                    raise MappingError(f"{name} differs from {first_name}: they are copies of one tensor ({rule.ours}) "
+                                       "in this model; a checkpoint where they differ is another model")
+            out.put(rule.ours, first)
+            continue
         for env, o in _expand(rule.ours if isinstance(rule.ours, str) else rule.ours[0], sizes):
+            if isinstance(rule, Patch):
+                x = src.take(rule.theirs.format_map(_Keep(env)))
+                if x is not None:
+                    n = x.dim() - 2
+                    out.put(o, x.permute(0, *range(2, n + 2), 1).reshape(x.shape[0], -1).contiguous())
+                continue
             if isinstance(rule, (Rename, Transpose)):
                 x = src.take(rule.theirs.format_map(_Keep(env)))
                 if x is not None:

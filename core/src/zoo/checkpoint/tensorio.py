@@ -53,9 +53,11 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str],
     os.replace(tmp, path)
 
 
-def read_dir(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """All tensors of a directory holding ``model.safetensors`` or a sharded index."""
+def read_dir(directory: str | os.PathLike[str], *, stem: str = "model") -> dict[str, torch.Tensor]:
+    """All tensors of a directory holding ``model.safetensors`` or a sharded index (``stem``:
+    diffusers names its files ``diffusion_pytorch_model``)."""
     d = Path(directory)
+    INDEX, SINGLE = f"{stem}.safetensors.index.json", f"{stem}.safetensors"  # noqa: N806
     if (d / INDEX).is_file():
         try:
             index = json.loads((d / INDEX).read_text())
@@ -139,8 +141,9 @@ class ShardStream:
                torch.bool: "BOOL"}
 
     def __init__(self, directory: str | os.PathLike[str], *, max_shard_bytes: int,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, stem: str = "model") -> None:
         self.dir = Path(directory)
+        self.stem = stem  # the file names' (diffusers: diffusion_pytorch_model)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max, self.dtype = max_shard_bytes, dtype
         self.parts: list[tuple[Path, list[str]]] = []
@@ -189,18 +192,18 @@ class ShardStream:
                 self._header, self._size = {}, 0
             self._flush()
         if len(self.parts) == 1:
-            os.replace(self.parts[0][0], self.dir / SINGLE)
+            os.replace(self.parts[0][0], self.dir / f"{self.stem}.safetensors")
             return
         weight_map = {}
         n = len(self.parts)
         for i, (path, keys) in enumerate(self.parts, start=1):
-            name = f"model-{i:05d}-of-{n:05d}.safetensors"
+            name = f"{self.stem}-{i:05d}-of-{n:05d}.safetensors"
             os.replace(path, self.dir / name)
             weight_map.update(dict.fromkeys(keys, name))
         from zoo.io import atomic_write_text
 
-        atomic_write_text(self.dir / INDEX, json.dumps({"metadata": {"total_size": self.total}, "weight_map": weight_map},
-                                                       indent=2))
+        atomic_write_text(self.dir / f"{self.stem}.safetensors.index.json",
+                          json.dumps({"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2))
 
 
 class LazyTensors(Mapping[str, torch.Tensor]):

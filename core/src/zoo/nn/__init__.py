@@ -335,6 +335,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     return _attention(q, k, v, causal, offset, segment_ids, kv_segment_ids)
 
 
+class SequenceShard(nn.Module):
+    """This rank's part of a per-token tensor that travels beside the residual stream (a packed
+    row's segment ids), to pair with the stream where sequence parallelism shards it. Identity
+    until the core sets ``group`` (`zoo.parallel.apply.apply_sequence_parallel`, on the modules
+    inside the blocks); the attention inside still takes the whole tensor, its column-parallel
+    projections having gathered the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.group: Any = None
+        self.dim = 1
+
+    def forward(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or self.group is None:
+            return t
+        from zoo.parallel import comm
+
+        return comm.scatter_seq(t, self.group, self.dim)
+
+
 class AttentionCore(SelectiveCore, ContextParallelSite):
     """``softmax(q k^T) v`` as a module (no parameters), so the core can change how it runs
     without the model changing: a model holds one per attention layer and calls it like
@@ -346,18 +366,22 @@ class AttentionCore(SelectiveCore, ContextParallelSite):
       ``train.recompute=selective`` through `zoo.nn.recompute.apply`).
     """
 
+    def __init__(self, *, cross: bool = False) -> None:
+        super().__init__()
+        self.keys_split = not cross  # cross-attention's keys (text) are whole on every CP rank
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, offset: int = 0,
                 segment_ids: torch.Tensor | None = None, kv_segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         if self.cp_group is not None:  # context parallel: this rank holds 2 of the 2*cp sequence chunks
-            if not causal or offset or segment_ids is not None or kv_segment_ids is not None:
-                raise ValueError("context-parallel attention is causal self-attention without a KV cache or "
-                                 "document masking (data.reset_attention_mask)")
+            if offset or (kv_segment_ids is not None and kv_segment_ids is not segment_ids):
+                raise ValueError("context-parallel attention is self-attention without a KV cache")
             from zoo.parallel.context import ring_attention
 
             if torch.is_grad_enabled() and q._base is None:  # as in `attention`: free the fused projection
                 k = k.contiguous() if k._base is not None else k
                 v = v.clone(memory_format=torch.contiguous_format) if v._base is not None else v
-            return ring_attention(q, k, v, self.cp_group)  # keeps only q, k, v, out and the log-sum-exp
+            # Keeps only q, k, v, out and the log-sum-exp; packed samples' ids travel with the keys.
+            return ring_attention(q, k, v, self.cp_group, causal=causal, segment_ids=segment_ids)
         if self.recompute and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 

@@ -105,10 +105,13 @@ def apply_sequence_parallel(model: nn.Module, layers: str, dim: int, group: Any)
     their sequence shard, so their gradients are summed over TP after backward
     (`reduce_sequence_parallel_grads`): their names are returned. A whole tensor a block takes
     beside the residual stream (DiT's conditioning vector) is likewise used against a shard, so
-    its gradient is summed over TP on the way back (`comm.copy_to`). Call after
-    `apply_tensor_parallel`, before cutting stages."""
+    its gradient is summed over TP on the way back (`comm.copy_to`); a per-token one (packed
+    samples' segment ids) is cut to the stream's shard by the block's `zoo.nn.SequenceShard`
+    modules. Call after `apply_tensor_parallel`, before cutting stages."""
     if comm._size(group) == 1:
         return set()
+    from zoo.nn import SequenceShard
+
     blocks = getattr(model, layers)
     split = tensor_parallel_shards(model)
     on_shards = set()
@@ -116,6 +119,8 @@ def apply_sequence_parallel(model: nn.Module, layers: str, dim: int, group: Any)
         for mod in block.modules():
             if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)) and not getattr(mod, "takes_context", False):
                 mod.sequence_parallel, mod.seq_dim = True, dim
+            elif isinstance(mod, SequenceShard):
+                mod.group, mod.dim = group, dim
         for pname, _ in block.named_parameters():
             name = f"{layers}.{i}.{pname}"
             if name not in split:  # norm weights, row-parallel biases: whole, applied to a shard

@@ -7,10 +7,13 @@ the block computed meanwhile); partial results are merged by their log-sum-exp, 
 exactly softmax attention over the whole sequence (Liu et al. 2023, "Ring Attention"). Backward
 recomputes the block scores from the saved log-sum-exp (flash-attention style) and sends the
 key/value gradients around the ring with the blocks, so they arrive at their owner after ``cp``
-hops. Grouped-query heads are handled without repeating K/V. Pure PyTorch on any backend.
+hops. Grouped-query heads are handled without repeating K/V. Non-causal attention (a DiT) computes
+every block; packed samples travel with their segment ids, so a query only sees keys of its own
+sample wherever they live. Pure PyTorch on any backend.
 
 The core switches it on by setting ``cp_group`` on every `ContextParallelSite` of the model
-(`zoo.nn.AttentionCore` is one), which then routes causal attention here. Batches are split with
+(`zoo.nn.AttentionCore` is one, unless its keys are not the split sequence: cross-attention),
+which then routes self-attention here. Batches are split with
 `split_batch`.
 """
 
@@ -23,16 +26,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_TAG_KV, _TAG_DKV = 1 << 20, (1 << 20) + 1  # apart from pipeline tags (2 * stage + direction)
+# Apart from pipeline tags (2 * stage + direction).
+_TAG_KV, _TAG_DKV, _TAG_SEG = 1 << 20, (1 << 20) + 1, (1 << 20) + 2
 
 
 class ContextParallelSite(torch.nn.Module):
     """A module whose attention runs as ring attention over ``cp_group`` once the core sets it
-    (`zoo.parallel.engine.Parallel`, when cp > 1); None runs it on the whole sequence."""
+    (`zoo.parallel.engine.Parallel`, when cp > 1); None runs it on the whole sequence.
+    ``keys_split``: False when its keys are not the split sequence (cross-attention to text that
+    every context-parallel rank holds whole): the core leaves it alone."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, keys_split: bool = True) -> None:
         super().__init__()
         self.cp_group: Any = None
+        self.keys_split = keys_split
 
 
 def local_positions(seq_len: int, cp: int, rank: int, device: Any = None) -> torch.Tensor:
@@ -79,9 +86,11 @@ def _exchange(t: torch.Tensor, nxt: int, prv: int, tag: int) -> tuple[Any, Any, 
     return send, recv, incoming
 
 
-def _blocks(r: int, src: int, cp: int) -> list[tuple[int, int, bool]]:
+def _blocks(r: int, src: int, cp: int, causal: bool) -> list[tuple[int, int, bool]]:
     """(q chunk 0/1, kv chunk 0/1, diagonal?) pairs with any unmasked entry, for rank ``r``'s
-    queries against rank ``src``'s keys."""
+    queries against rank ``src``'s keys (all four pairs when attention is not causal)."""
+    if not causal:
+        return [(a, b, False) for a in (0, 1) for b in (0, 1)]
     q_idx, k_idx = (r, 2 * cp - 1 - r), (src, 2 * cp - 1 - src)
     out = []
     for a, qi in enumerate(q_idx):
@@ -97,19 +106,40 @@ def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)  # softmax statistics never below float32
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool, q_seg: torch.Tensor | None,
+            k_seg: torch.Tensor | None) -> torch.Tensor:
     # q (B, KV, G, Tq, hd), k (B, KV, Tk, hd) -> (B, KV, G, Tq, Tk) in float32 (or wider)
     acc = _acc(q)
     s = torch.matmul(q.to(acc), k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale
     if diagonal:
         t = s.shape[-1]
         s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    if q_seg is not None and k_seg is not None:  # packed samples: attention stays inside each one
+        s = s.masked_fill(q_seg[:, None, None, :, None] != k_seg[:, None, None, None, :], float("-inf"))
     return s
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    # A block where a query sees no key (another packed sample's) has log-sum-exp -inf; subtracting
+    # it would give NaN (-inf - -inf), subtracting 0 gives the block's zero weight.
+    return torch.where(torch.isinf(x), torch.zeros((), dtype=x.dtype, device=x.device), x)
+
+
+def _travel(kv: torch.Tensor, seg: torch.Tensor | None, nxt: int, prv: int) -> tuple[list[Any], torch.Tensor,
+                                                                                   torch.Tensor | None]:
+    """Start sending the held key/value block (and its samples' ids) on; the previous rank's arrive."""
+    send, recv, kv_in = _exchange(kv, nxt, prv, _TAG_KV)
+    ops, seg_in = [send, recv], None
+    if seg is not None:
+        s2, r2, seg_in = _exchange(seg, nxt, prv, _TAG_SEG)
+        ops += [s2, r2]
+    return ops, kv_in, seg_in
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, causal: bool,
+                seg: torch.Tensor | None) -> torch.Tensor:
         cp, r, nxt, prv = _peers(group)
         b, h, t, hd = q.shape
         kvh = k.shape[1]
@@ -119,30 +149,34 @@ class _RingAttention(torch.autograd.Function):
         acc = _acc(q)
         out = torch.zeros(b, kvh, h // kvh, t, hd, dtype=acc, device=q.device)
         lse = torch.full((b, kvh, h // kvh, t), float("-inf"), dtype=acc, device=q.device)
-        kv = torch.stack([k, v])
+        kv, kv_seg = torch.stack([k, v]), seg
         for step in range(cp):
             src = (r - step) % cp
-            pending = _exchange(kv, nxt, prv, _TAG_KV) if step < cp - 1 else None
-            for a, bb, diag in _blocks(r, src, cp):
+            pending = _travel(kv, kv_seg, nxt, prv) if step < cp - 1 else None
+            for a, bb, diag in _blocks(r, src, cp, causal):
                 qs, ks = slice(a * c, (a + 1) * c), slice(bb * c, (bb + 1) * c)
-                s = _scores(qg[..., qs, :], kv[0][..., ks, :], scale, diag)
+                s = _scores(qg[..., qs, :], kv[0][..., ks, :], scale, diag, None if seg is None else seg[:, qs],
+                            None if kv_seg is None else kv_seg[:, ks])
                 blk_lse = torch.logsumexp(s, dim=-1)
-                blk_out = torch.matmul(torch.exp(s - blk_lse[..., None]), kv[1][..., ks, :].to(acc).unsqueeze(2))
-                new = torch.logaddexp(lse[..., qs], blk_lse)
+                blk_out = torch.matmul(torch.exp(s - _finite(blk_lse)[..., None]),
+                                       kv[1][..., ks, :].to(acc).unsqueeze(2))
+                merged = torch.logaddexp(lse[..., qs], blk_lse)
+                new = _finite(merged)
                 out[..., qs, :] = (out[..., qs, :] * torch.exp(lse[..., qs] - new)[..., None]
                                    + blk_out * torch.exp(blk_lse - new)[..., None])
-                lse[..., qs] = new
+                lse[..., qs] = merged
             if pending is not None:
-                pending[0].wait()
-                pending[1].wait()
-                kv = pending[2]
-        ctx.group, ctx.scale = group, scale
-        ctx.save_for_backward(q, k, v, out, lse)
+                for op in pending[0]:
+                    op.wait()
+                kv, kv_seg = pending[1], pending[2]
+        ctx.group, ctx.scale, ctx.causal = group, scale, causal
+        ctx.save_for_backward(q, k, v, out, lse, *([] if seg is None else [seg]))
         return out.to(q.dtype).view(b, h, t, hd)
 
     @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
-        q, k, v, out, lse = ctx.saved_tensors
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        seg = rest[0] if rest else None
         cp, r, nxt, prv = _peers(ctx.group)
         b, h, t, hd = q.shape
         kvh = k.shape[1]
@@ -152,15 +186,16 @@ class _RingAttention(torch.autograd.Function):
         do = dout.reshape(b, kvh, h // kvh, t, hd).to(acc)
         delta = (do * out).sum(-1)  # (B, KV, G, T): rowwise dot of dout and out
         dq = torch.zeros_like(qg)
-        kv = torch.stack([k, v])
+        kv, kv_seg = torch.stack([k, v]), seg
         dkv = torch.zeros(kv.shape, dtype=acc, device=k.device)
         for step in range(cp):
             src = (r - step) % cp
-            pending = _exchange(kv, nxt, prv, _TAG_KV) if step < cp - 1 else None
-            for a, bb, diag in _blocks(r, src, cp):
+            pending = _travel(kv, kv_seg, nxt, prv) if step < cp - 1 else None
+            for a, bb, diag in _blocks(r, src, cp, ctx.causal):
                 qs, ks = slice(a * c, (a + 1) * c), slice(bb * c, (bb + 1) * c)
                 kb, vb = kv[0][..., ks, :].to(acc), kv[1][..., ks, :].to(acc)
-                p = torch.exp(_scores(qg[..., qs, :], kb, ctx.scale, diag) - lse[..., qs, None])
+                p = torch.exp(_scores(qg[..., qs, :], kb, ctx.scale, diag, None if seg is None else seg[:, qs],
+                                      None if kv_seg is None else kv_seg[:, ks]) - lse[..., qs, None])
                 dkv[1][..., ks, :] += torch.matmul(p.transpose(-1, -2), do[..., qs, :]).sum(2)
                 dp = torch.matmul(do[..., qs, :], vb.unsqueeze(2).transpose(-1, -2))
                 ds = p * (dp - delta[..., qs, None]) * ctx.scale
@@ -171,15 +206,20 @@ class _RingAttention(torch.autograd.Function):
             send.wait()
             recv.wait()
             if pending is not None:
-                pending[0].wait()
-                pending[1].wait()
-                kv = pending[2]
-        return (dq.to(q.dtype).view(b, h, t, hd), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None)
+                for op in pending[0]:
+                    op.wait()
+                kv, kv_seg = pending[1], pending[2]
+        return (dq.to(q.dtype).view(b, h, t, hd), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
-    """Causal attention of this rank's load-balanced queries over the whole sequence.
-    q: (B, H, T_local, hd), k/v: (B, KV, T_local, hd) with T_local = 2 chunks."""
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, *, causal: bool = True,
+                   segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence, whose other parts the ring brings.
+    q: (B, H, T_local, hd), k/v: (B, KV, T_local, hd) with T_local = 2 chunks (causal: the
+    load-balanced chunks of `local_positions`; otherwise any split). ``segment_ids`` (B, T_local):
+    the packed sample of each local token; a query sees only keys of its own sample."""
     if q.shape[2] % 2:
         raise ValueError(f"context-parallel attention needs an even local length, got {q.shape[2]}")
-    return _RingAttention.apply(q, k, v, group)
+    if segment_ids is not None:
+        segment_ids = segment_ids.contiguous()
+    return _RingAttention.apply(q, k, v, group, causal, segment_ids)

@@ -113,7 +113,7 @@ class Parallel:
     # ----------------------------------------------------------------------------- set-up
 
     def _ring_attention(self, model: nn.Module) -> None:
-        cores = [m for m in model.modules() if isinstance(m, context.ContextParallelSite)]
+        cores = [m for m in model.modules() if isinstance(m, context.ContextParallelSite) and m.keys_split]
         if not cores:
             raise PluginError(f"parallel.cp={self.cp}: family {self.family.name!r} builds no zoo.nn.AttentionCore, "
                               "so its attention cannot run as ring attention")
@@ -192,7 +192,11 @@ class Parallel:
         seq = self.family.sequence
         if seq is None or not self._needs_positions and self.cp == 1:
             return dict(batch)
-        return context.split_batch(batch, seq.keys, cp=self.cp, rank=self.cp_rank, seq_len=seq_length, dim=1,
+        # The batch's own length: a family whose rows are padded to their longest (a DiT's) may
+        # run shorter than train.seq_length.
+        ref = next((batch[k] for k in seq.keys if torch.is_tensor(batch.get(k)) and batch[k].dim() > 1), None)
+        length = ref.shape[1] if ref is not None else seq_length
+        return context.split_batch(batch, seq.keys, cp=self.cp, rank=self.cp_rank, seq_len=length, dim=1,
                                    positions_key=seq.positions if self._needs_positions else None)
 
     def _loss_weight(self, batch: Mapping[str, Any]) -> torch.Tensor:

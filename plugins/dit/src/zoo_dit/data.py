@@ -68,8 +68,9 @@ class DiTTaskEncoder(TaskEncoder):
     # which encode_sample reads directly.
     cookers = (Cooker(cook=lambda sample: sample),)
 
-    def __init__(self, cfg: DiTConfig, *, seq_length: int, packing: bool) -> None:
+    def __init__(self, cfg: DiTConfig, *, seq_length: int, packing: bool, multiple_of: int = 1) -> None:
         self.cfg, self.seq_length, self.packing = cfg, seq_length, packing
+        self.multiple_of = multiple_of  # rows padded to a length the sequence splits divide
 
     @stateless(restore_seeds=True)
     def encode_sample(self, sample: Any) -> dict[str, Any]:
@@ -126,20 +127,26 @@ class DiTTaskEncoder(TaskEncoder):
 
     def batch(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         rows = [it.get("members", [it]) for it in items]
-        return collate(rows, self.cfg)
+        return collate(rows, self.cfg, multiple_of=self.multiple_of)
 
 
-def collate(rows: list[list[dict[str, Any]]], cfg: DiTConfig) -> dict[str, Any]:
-    """Rows of samples -> the model's batch: tokens padded to the longest row (segment -1, loss
-    mask 0), per-sample values padded to the row with most samples."""
+def collate(rows: list[list[dict[str, Any]]], cfg: DiTConfig, *, multiple_of: int = 1) -> dict[str, Any]:
+    """Rows of samples -> the model's batch: tokens padded to the longest row, rounded up to
+    ``multiple_of`` (context and sequence parallelism split rows evenly), with segment -1 and loss
+    weight 0; per-sample values padded to the row with most samples.
+
+    ``loss_weight`` (B, S) holds each token's share of the loss, fixed here, before a split:
+    ``loss_average=sample`` gives every sample the same total (``T / N`` over its own tokens:
+    the loss is the mean of the samples' means), ``token`` every real token 1."""
     b = len(rows)
     s = max(sum(len(m["latents"]) for m in row) for row in rows)
+    s = -(-s // multiple_of) * multiple_of
     n = max(len(row) for row in rows)
     f = rows[0][0]["latents"].shape[-1]
     out: dict[str, Any] = {
         "latents": torch.zeros(b, s, f), "noise": torch.zeros(b, s, f),
         "positions": torch.zeros(b, s, 3, dtype=torch.long),
-        "segment_ids": torch.full((b, s), -1, dtype=torch.long), "loss_mask": torch.zeros(b, s),
+        "segment_ids": torch.full((b, s), -1, dtype=torch.long), "loss_weight": torch.zeros(b, s),
         "sigma": torch.ones(b, n), "sample_mask": torch.zeros(b, n),
     }
     if cfg.num_classes:
@@ -157,7 +164,7 @@ def collate(rows: list[list[dict[str, Any]]], cfg: DiTConfig) -> dict[str, Any]:
             out["noise"][i, at:at + k] = m["noise"]
             out["positions"][i, at:at + k] = m["positions"]
             out["segment_ids"][i, at:at + k] = j
-            out["loss_mask"][i, at:at + k] = 1
+            out["loss_weight"][i, at:at + k] = 1.0 if cfg.loss_average == "token" else 1.0 / k
             out["sigma"][i, j] = m["sigma"]
             out["sample_mask"][i, j] = 1
             if cfg.num_classes:
@@ -169,6 +176,9 @@ def collate(rows: list[list[dict[str, Any]]], cfg: DiTConfig) -> dict[str, Any]:
                 ct += t
             at += k
             grids.append(m["grid"])
+    if cfg.loss_average != "token":  # T / N per sample: the weights sum to the tokens, like the token mean's
+        w = out["loss_weight"]
+        w.mul_(w.gt(0).sum() / out["sample_mask"].sum())
     if n == 1 and s == min(len(r[0]["latents"]) for r in rows) and not cfg.text_dim:
         # One whole sample per row: plain attention, no mask to build. (With text the rows' captions
         # differ in length, and the segment ids keep queries off the padded text.)
@@ -178,7 +188,12 @@ def collate(rows: list[list[dict[str, Any]]], cfg: DiTConfig) -> dict[str, Any]:
 
 
 def task_encoder(run: Any) -> DiTTaskEncoder:
-    return DiTTaskEncoder(run.model, seq_length=run.train.seq_length, packing=bool(run.data.packing_buffer_size))
+    p = run.parallel
+    # Context parallelism cuts a row into 2 cp chunks, sequence parallelism each into tp shards.
+    multiple = 2 * p.cp if p.cp > 1 else 1
+    multiple *= p.tp if p.sequence_parallel and p.tp > 1 else 1
+    return DiTTaskEncoder(run.model, seq_length=run.train.seq_length, packing=bool(run.data.packing_buffer_size),
+                          multiple_of=multiple)
 
 
 # ------------------------------------------------------------------------------ built-in data

@@ -3,7 +3,7 @@
 
 The batch (`zoo_dit.data.collate`) carries clean tokens ``latents`` (B, S, F), their ``noise``,
 per-sample ``sigma`` (B, N) drawn by the task encoder, ``positions``, optional ``segment_ids``,
-``labels`` or ``context``, and ``loss_mask``. The loss is EDM's ``lambda(sigma) |D(x + sigma n) - x|^2``
+``labels`` or ``context``, and ``loss_weight``. The loss is EDM's ``lambda(sigma) |D(x + sigma n) - x|^2``
 per token (mean over features), averaged per sample and then over the samples of the micro-batch
 (``loss_average=sample``), or over all tokens (``token``, DFM's weighting: big samples dominate).
 """
@@ -44,40 +44,51 @@ def loss(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[st
         return out, {}
     denoised = c_skip * noisy + c_out * out.float()
     per_tok = edm.loss_weight(sig_tok, cfg.sigma_data)[..., 0] * (denoised - x0).pow(2).mean(-1)  # (B, S)
-    mask = batch["loss_mask"]
+    # Per-token weights from `zoo_dit.data.collate` (each sample's tokens share 1/N of the weight,
+    # or every token the same), made before context parallelism splits the row: each rank's
+    # weighted mean, weighted by its share of the weight (the core's CP rule), is the exact total.
+    w = batch["loss_weight"]
+    value = (per_tok * w).sum() / w.sum().clamp(min=torch.finfo(w.dtype).tiny)
     sample_mask = batch["sample_mask"]
-    if cfg.loss_average == "token":
-        value = (per_tok * mask).sum() / mask.sum().clamp(min=1)
-    elif seg is None:  # one sample per row
-        value = (per_tok * mask).sum(1).div(mask.sum(1).clamp(min=1)).mean()
-    else:  # packed rows: each sample's mean over its own tokens, then the mean over samples
-        idx = seg.clamp(min=0)
-        sums = torch.zeros_like(sigma).scatter_add(1, idx, per_tok * mask)
-        counts = torch.zeros_like(sigma).scatter_add(1, idx, mask)
-        per_sample = sums / counts.clamp(min=1)
-        value = (per_sample * sample_mask).sum() / sample_mask.sum().clamp(min=1)
     sigma_mean = (sigma * sample_mask).sum() / sample_mask.sum().clamp(min=1)
     return value, {"sigma_mean": sigma_mean.detach()}
 
 
 def example_batch(cfg: DiTConfig, *, batch_size: int, seq_length: int, generator: torch.Generator) -> dict[str, Any]:
-    """Random equal-size samples (the flavor's default size), one per row."""
+    """Rows of ``seq_length`` tokens, each packed with random-size samples (2-4 patches a side;
+    1-2 patch frames for video, with 2-5 text tokens) and padded at the end: the packing, the
+    per-sample conditioning and the padding are what every parallel layout must get right."""
     from zoo_dit.data import collate
+
+    def randint(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (), generator=generator))
 
     rows = []
     for _ in range(batch_size):
-        frames = cfg.num_frames if cfg.text_dim else 1
-        latent = torch.randn(cfg.in_channels, frames, cfg.sample_size, cfg.sample_size, generator=generator)
-        tokens, positions = patchify(latent, cfg.patch_t, cfg.patch_size, cfg.patch_size)
-        m: dict[str, Any] = {"latents": tokens, "positions": positions, "noise": torch.randn(tokens.shape, generator=generator),
-                             "sigma": float(edm.sample_sigma(torch.randn((), generator=generator), cfg.p_mean, cfg.p_std)),
-                             "grid": tuple(int(g) for g in positions.max(0).values + 1)}
-        if cfg.num_classes:
-            m["label"] = int(torch.randint(0, cfg.num_classes + 1, (), generator=generator))
-        if cfg.text_dim:
-            m["text"] = torch.randn(5, cfg.text_dim, generator=generator)
-        rows.append([m])
-    return collate(rows, cfg)
+        row: list[dict[str, Any]] = []
+        used = 0
+        while True:
+            gt, gh, gw = (randint(1, 2) if cfg.text_dim else 1), randint(2, 4), randint(2, 4)
+            while gt * gh * gw > seq_length and gh * gw > 1:
+                gh, gw = max(1, gh // 2), max(1, gw // 2)
+            if used + gt * gh * gw > seq_length:
+                break
+            used += gt * gh * gw
+            latent = torch.randn(cfg.in_channels, gt * cfg.patch_t, gh * cfg.patch_size, gw * cfg.patch_size,
+                                 generator=generator)
+            tokens, positions = patchify(latent, cfg.patch_t, cfg.patch_size, cfg.patch_size)
+            m: dict[str, Any] = {"latents": tokens, "positions": positions,
+                                 "noise": torch.randn(tokens.shape, generator=generator),
+                                 "sigma": float(edm.sample_sigma(torch.randn((), generator=generator), cfg.p_mean,
+                                                                 cfg.p_std)),
+                                 "grid": (gt, gh, gw)}
+            if cfg.num_classes:
+                m["label"] = randint(0, cfg.num_classes)  # (num_classes: the null class)
+            if cfg.text_dim:
+                m["text"] = torch.randn(randint(2, 5), cfg.text_dim, generator=generator)
+            row.append(m)
+        rows.append(row)
+    return collate(rows, cfg, multiple_of=seq_length)
 
 
 def count_samples(batch: dict[str, Any]) -> int:

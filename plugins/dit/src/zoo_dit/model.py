@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.nn import AttentionCore, RMSNorm, activation, modulated_layer_norm
+from zoo.nn import AttentionCore, RMSNorm, SequenceShard, activation, modulated_layer_norm
 from zoo.spec import AdaLNSpec, AttentionSpec, BlockSpec, MLPSpec, ModelSpec
 from zoo_dit.plugin import DiTConfig
 
@@ -96,7 +96,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.norm_eps) if spec.qk_norm is not None else None
         self.k_norm = RMSNorm(self.hd, cfg.norm_eps) if spec.qk_norm is not None else None
         self.proj = nn.Linear(d, d, bias=spec.bias)
-        self.core = AttentionCore()
+        self.core = AttentionCore(cross=spec.cross)
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None, context: torch.Tensor | None = None,
                 context_segment_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -146,10 +146,12 @@ class Block(nn.Module):
                                      nn.Linear(cfg.adaln_lora_rank, self.chunks * d, bias=False))
         else:
             self.ada = nn.Sequential(nn.SiLU(), nn.Linear(d, self.chunks * d))
+        # The stream's tokens' segment ids (the core cuts them where it shards the sequence).
+        self.tokens = SequenceShard()
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, segment_ids: torch.Tensor | None,
                 context: torch.Tensor | None, context_segment_ids: torch.Tensor | None) -> torch.Tensor:
-        mod = per_token(self.ada(c), segment_ids).chunk(self.chunks, dim=-1)
+        mod = per_token(self.ada(c), self.tokens(segment_ids)).chunk(self.chunks, dim=-1)
         x = x + mod[2] * self.attn(modulated_layer_norm(x, mod[0], mod[1], self.eps), segment_ids)
         if self.cross is not None:
             x = x + mod[5] * self.cross(modulated_layer_norm(x, mod[3], mod[4], self.eps), segment_ids, context,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from zoo import Family, PipelineSpec, Throughput, hookimpl
-from zoo.family import DatasetSpec, MetricSpec
+from zoo.family import DatasetSpec, MetricSpec, SequenceSpec
 from zoo.spec import AdaLNSpec, AttentionSpec, BlockSpec, MLPSpec, ModelSpec, NormSpec
 
 
@@ -138,6 +138,9 @@ _COMMON = dict(
     pipeline=PipelineSpec(layers="layers", first=("x_embed", "t_embed", "y_embed"), last=("final",),
                           input_key="hidden", carries=("cond",)),
     metrics=(MetricSpec(name="sigma_mean"),),
+    # Context parallelism splits the per-token tensors; the loss weights carry each rank's share.
+    sequence=SequenceSpec(keys=("latents", "noise", "positions", "segment_ids", "loss_weight"), positions=None,
+                          loss_mask="loss_weight"),
 )
 
 
@@ -149,6 +152,7 @@ def zoo_families() -> list[Family]:
             description="DiT (Peebles & Xie) with EDM: class-conditional images, adaLN-Zero, sin-cos positions",
             flavors=IMAGE_FLAVORS,
             default_dataset="digits",
+            checkpoint_formats={"diffusers": "zoo_dit.convert:DIFFUSERS"},
             throughput=Throughput(unit="images", count="zoo_dit.diffusion:count_samples",
                                   flops_per_unit="zoo_dit.diffusion:flops_per_sample"),
             # ~2 minutes on 2 cores; samples recognised as their class >= 90% (docs/dit.md). The EMA's
