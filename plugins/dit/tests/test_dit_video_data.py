@@ -8,7 +8,7 @@ import torch
 
 
 def test_clips_move_as_captioned_and_the_measure_reads_it():
-    from zoo_dit.moving_digits import caption, clips, direction_of
+    from zoo.data.moving_digits import caption, clips, direction_of
 
     seen = set()
     for clip, digit, direction in clips(100, frames=8, size=16, seed=1):
@@ -23,7 +23,7 @@ def test_clips_move_as_captioned_and_the_measure_reads_it():
 
 
 def test_default_text_encoder_is_the_same_everywhere_and_keeps_true_lengths():
-    from zoo_dit.text import TextEncoder
+    from zoo.data.encoders import TextEncoder
 
     a, b = TextEncoder(), TextEncoder()
     ea = a(["a 3 moving right", "a 1 moving up"])

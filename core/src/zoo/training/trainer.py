@@ -279,9 +279,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ evaluation
 
-    def evaluate(self) -> StepOutput:
+    def evaluate(self) -> StepOutput | None:
         """Validation loss and metrics (every rank: parallel forwards are collective), then the
-        family's preview of the first validation micro-batch."""
+        family's preview of the first validation micro-batch. None when the split is empty."""
         it = self.data("valid", 0)
         batches = []
         for _ in range(self.run.train.eval_steps):
@@ -289,6 +289,11 @@ class Trainer:
                 batches.append(next(it))
             except StopIteration:
                 break
+        if not batches:  # (a loss over no batch would be logged as NaN)
+            if self.env.is_main and not getattr(self, "_no_val_note", False):
+                print("validation skipped: the validation split holds no batch", flush=True)
+                self._no_val_note = True
+            return None
         modules = [self.par.model, *self.par.chunks]
         was_training = self.par.model.training
         for m in modules:

@@ -31,6 +31,10 @@ from zoo_dit import edm
 from zoo_dit.model import patchify
 from zoo_dit.plugin import DiTConfig
 
+# Where a crude sample keeps what the DiT learns: VAE latents (`zoo prepare ... --vae`), DFM's
+# .pth latents, or pixels (.npy clips in [-1, 1]).
+_LATENT_PARTS = ("latent.npy", "latent", "pth", "safetensors", "npy")
+
 
 def to_latent(sample: Any, cfg: DiTConfig, where: str) -> torch.Tensor:
     """The sample's image, video or stored latent as (C, T, H, W) in the model's value range."""
@@ -40,8 +44,8 @@ def to_latent(sample: Any, cfg: DiTConfig, where: str) -> torch.Tensor:
         if x.shape[0] != cfg.in_channels and cfg.in_channels == 1:
             x = x[:1]  # grey stored as RGB
         x = (x * 2 - 1)[:, None]
-    elif isinstance(sample, dict) and any(k in sample for k in ("pth", "npy", "latent", "safetensors")):
-        x = next(sample[k] for k in ("latent", "npy", "pth", "safetensors") if k in sample)
+    elif isinstance(sample, dict) and any(k in sample for k in _LATENT_PARTS):
+        x = next(sample[k] for k in _LATENT_PARTS if k in sample)
         x = torch.as_tensor(x).float()
         if x.dim() == 5:  # DFM stores [1, C, T, H, W]
             x = x[0]
@@ -187,7 +191,25 @@ def collate(rows: list[list[dict[str, Any]]], cfg: DiTConfig, *, multiple_of: in
     return out
 
 
+def _check_encoders(run: Any) -> None:
+    """A dataset of VAE latents trains a model that decodes through that VAE (model.vae), and
+    pixels one that decodes through none: a mismatch would train on one space and draw in another."""
+    from zoo.data.energon.prepare import read_encoders
+
+    if run.data.path is None or "://" in str(run.data.path) or not Path(run.data.path).is_dir():
+        return
+    vae = read_encoders(run.data.path).get("vae")
+    mine = str(Path(run.model.vae).resolve()) if run.model.vae else ""
+    if vae is not None and vae["path"] != mine:
+        raise ConfigError(f"{run.data.path}: its latents come from the VAE {vae['path']}; set model.vae={vae['path']} "
+                          f"(now {run.model.vae or 'unset'}), model.in_channels={vae['latent_channels']}")
+    if vae is None and mine:
+        raise ConfigError(f"model.vae={run.model.vae}: the dataset {run.data.path} holds no latents of it (prepare it "
+                          "with zoo prepare images|video --vae DIR)")
+
+
 def task_encoder(run: Any) -> DiTTaskEncoder:
+    _check_encoders(run)
     p = run.parallel
     # Context parallelism cuts a row into 2 cp chunks, sequence parallelism each into tp shards.
     multiple = 2 * p.cp if p.cp > 1 else 1
@@ -229,34 +251,12 @@ def prepare_digits(out: Path) -> None:
 
 
 def prepare_moving_digits(out: Path, *, n: int = 2000, frames: int = 8, size: int = 16) -> None:
-    """``n`` moving-digit clips as a crude Energon dataset: ``npy`` (1, frames, size, size) in
-    [-1, 1], ``txt`` caption, ``t5.npy`` its embeddings by the default text encoder, ``json``."""
-    import io
-    import json
+    """``n`` moving-digit clips as a crude Energon dataset (`zoo.data.energon.prepare.prepare_video`:
+    ``npy`` (1, frames, size, size) in [-1, 1], ``txt`` caption, ``t5.npy`` its embeddings by the
+    default text encoder, ``json``); 20 shards: 18 train, 1 val, 1 test."""
+    from zoo.data.energon.prepare import prepare_video
 
-    import numpy as np
-
-    from zoo.data.energon.prepare import prepare_webdataset, write_shards
-    from zoo_dit.moving_digits import caption, clips
-    from zoo_dit.text import TextEncoder
-
-    encoder = TextEncoder()
-
-    def npy(a: np.ndarray) -> bytes:
-        buf = io.BytesIO()
-        np.save(buf, a, allow_pickle=False)
-        return buf.getvalue()
-
-    def samples() -> Any:
-        for k, (clip, digit, direction) in enumerate(clips(n, frames=frames, size=size)):
-            text = caption(digit, direction)
-            (emb,) = encoder([text])
-            yield f"{k:06d}", {"npy": npy((clip * 2 - 1)[None].astype(np.float32)), "txt": text.encode(),
-                               "t5.npy": npy(emb), "json": json.dumps({"digit": digit, "direction": direction,
-                                                                       "text_encoder": encoder.name}).encode()}
-
-    write_shards(out, samples(), shard_size=max(1, n // 20))  # 20 shards: 18 train, 1 val, 1 test
-    prepare_webdataset(out, split=(18, 1, 1), crude=True, force_overwrite=True)
+    prepare_video(out, count=n, frames=frames, size=size, force_overwrite=True)
 
 
 def _build_on(run: Any, path: Path, **kw: Any) -> Any:

@@ -116,7 +116,7 @@ def generate(model: DiT, cfg: DiTConfig, *, output: str | None = None, nrow: int
     if prompt is not None:
         if not cfg.text_dim:
             raise ValueError("this DiT is class-conditional: give --class, not --prompt")
-        from zoo_dit.text import TextEncoder
+        from zoo.data.encoders import TextEncoder
 
         encoder = TextEncoder(encoder_dir)  # the default: the built-in datasets' fixed-seed encoder
         if encoder.dim != cfg.text_dim:
@@ -126,7 +126,17 @@ def generate(model: DiT, cfg: DiTConfig, *, output: str | None = None, nrow: int
         request["context"] = torch.from_numpy(emb)[None]
     if output is not None and Path(output).suffix.lower() not in (".png", ".gif", ".mp4"):
         raise ValueError(f"--output {output}: write .png (a grid), .gif or .mp4 (a clip)")
-    out = sample(model, cfg, **request)
+    vae = _vae(cfg)
+    if vae is not None:  # --height/--width are pixels: the model draws latents f times smaller
+        unit = cfg.patch_size * vae.factor
+        for name in ("height", "width"):
+            size = request.get(name)
+            if size is not None and size % unit:
+                raise ValueError(f"--{name} {size}: must be divisible by the patch size {cfg.patch_size} x the VAE's "
+                                 f"downsampling factor {vae.factor} = {unit}")
+            if size is not None:
+                request[name] = size // vae.factor
+    out = decoded(sample(model, cfg, **request), cfg, vae)
     if output is None:
         return out
     from zoo import media
@@ -209,6 +219,25 @@ def sample(model: DiT, cfg: DiTConfig, *, labels: list[int] | None = None, conte
     return torch.stack([unpatchify(tok.cpu(), grid, cfg.patch_t, p, p) for tok in tokens])
 
 
+def _vae(cfg: DiTConfig) -> Any:
+    if not cfg.vae:
+        return None
+    from zoo.data.encoders import ImageVAE
+
+    return ImageVAE(cfg.vae)
+
+
+def decoded(x: torch.Tensor, cfg: DiTConfig, vae: Any = None) -> torch.Tensor:
+    """Samples (N, C, T, h, w) in model units -> pixels in [-1, 1]: through the VAE the training
+    latents came from (``model.vae``), frame by frame, or as they are (a pixel-space model)."""
+    vae = vae if vae is not None else _vae(cfg)
+    if vae is None:
+        return x
+    n, c, t, h, w = x.shape
+    frames = vae.decode(x.permute(0, 2, 1, 3, 4).reshape(n * t, c, h, w))
+    return frames.reshape(n, t, *frames.shape[1:]).permute(0, 2, 1, 3, 4)
+
+
 def to_pixels(x: torch.Tensor) -> torch.Tensor:
     """Model-range samples ([-1, 1] pixels) -> [0, 1]."""
     return ((x + 1) / 2).clamp(0, 1)
@@ -225,7 +254,7 @@ def preview(model: DiT, cfg: DiTConfig, batch: dict[str, Any], *, generator: tor
     else:
         ctx = batch["context"][:4] if batch["context"].dim() == 3 else None
         out = sample(model, cfg, context=ctx, num_steps=18, guidance=1.5)
-    imgs = to_pixels(out[:, :, 0].float())  # first frame
+    imgs = to_pixels(decoded(out, cfg)[:, :, 0].float())  # first frame
     if imgs.shape[1] == 1:
         imgs = imgs.expand(-1, 3, -1, -1)
     scale = max(1, math.ceil(64 / imgs.shape[-1]))
@@ -233,4 +262,4 @@ def preview(model: DiT, cfg: DiTConfig, batch: dict[str, Any], *, generator: tor
     return Artifact("image", grid(imgs, nrow=k if cfg.num_classes else 4))
 
 
-__all__ = ["count_samples", "example_batch", "flops_per_sample", "generate", "loss", "preview", "sample", "to_pixels"]
+__all__ = ["count_samples", "decoded", "example_batch", "flops_per_sample", "generate", "loss", "preview", "sample", "to_pixels"]

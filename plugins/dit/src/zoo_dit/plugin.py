@@ -42,6 +42,9 @@ class DiTConfig:
     text_dropout: float = 0.2  # text embeddings zeroed, per sample (DFM drops per pack)
     loss_average: Literal["sample", "token"] = "sample"  # DFM: token (large samples dominate)
     layer_spec: str = "dit"
+    # The local diffusers AutoencoderKL the training latents were made with (`zoo prepare images
+    # --vae DIR`); generation decodes through it. Empty: the model works on pixels.
+    vae: str = ""
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:

@@ -58,9 +58,22 @@ def cmd_images(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     res = prepare_images(args.output, dataset=args.dataset, folder=args.folder, captions=args.captions,
                          shard_size=args.shard_size, split=_ratio(args.split), size=args.size, repeat=args.repeat,
-                         force_overwrite=args.force_overwrite, progress=sys.stderr.isatty())
+                         vae=args.vae, text_encoder=args.text_encoder, force_overwrite=args.force_overwrite,
+                         progress=sys.stderr.isatty())
     _summary(res, time.perf_counter() - t0)
     print(f"next: zoo data info {res.root}")
+    return 0
+
+
+def cmd_video(args: argparse.Namespace) -> int:
+    from zoo.data.energon.prepare import prepare_video
+
+    t0 = time.perf_counter()
+    res = prepare_video(args.output, dataset=args.dataset, count=args.count, frames=args.num_frames, size=args.size,
+                        split=_ratio(args.split), vae=args.vae, text_encoder=args.text_encoder,
+                        force_overwrite=args.force_overwrite, progress=sys.stderr.isatty())
+    _summary(res, time.perf_counter() - t0)
+    print(f"next: zoo train --model dit-video data.path={res.root}")
     return 0
 
 
@@ -181,8 +194,22 @@ def add_prepare_parsers(prep: Any) -> None:
     i.add_argument("--split", default="8,1,1")
     i.add_argument("--size", type=int, default=8, help="digits: side in pixels (nearest upscaling)")
     i.add_argument("--repeat", type=int, default=1, help="digits: write the 1797 images this many times")
+    i.add_argument("--vae", metavar="DIR", help="a local diffusers AutoencoderKL: also store its latents (latent.npy)")
+    i.add_argument("--text-encoder", metavar="DIR", help="a local T5 encoder: also store caption embeddings (t5.npy)")
     i.add_argument("--force-overwrite", action="store_true")
     i.set_defaults(func=cmd_images)
+
+    v = prep.add_parser("video", help="the built-in moving-digits clips (captioned, embedded) -> a prepared Energon dataset")
+    v.add_argument("output")
+    v.add_argument("--dataset", choices=["moving-digits"], default="moving-digits")
+    v.add_argument("--count", type=int, default=2000, help="clips")
+    v.add_argument("--num-frames", type=int, default=8)
+    v.add_argument("--size", type=int, default=16, help="canvas side in pixels")
+    v.add_argument("--split", default="18,1,1")
+    v.add_argument("--vae", metavar="DIR", help="a local diffusers AutoencoderKL: also store the frames' latents")
+    v.add_argument("--text-encoder", metavar="DIR", help="a local T5 encoder (default: the fixed-seed tiny T5)")
+    v.add_argument("--force-overwrite", action="store_true")
+    v.set_defaults(func=cmd_video)
 
     c = prep.add_parser("convert-pickle", help="rewrite .pickle/.pyd parts as .npy (or .pth), safely")
     c.add_argument("path")
