@@ -373,8 +373,9 @@ def test_pickle_parts_are_refused_then_converted_without_running_code(tmp_path):
         make_sample(ds, 0, restore_key=(), subflavors=None)
     assert convert_pickle(root) == 2
     a = make_sample(WebDataset(str(root)), 0, restore_key=(), subflavors=None)
-    assert "pickle" not in a and torch.equal(torch.from_numpy(a["npy"]), t5.float())
-    assert np.array_equal(make_sample(WebDataset(str(root)), 1, restore_key=(), subflavors=None)["npy"], np.arange(5))
+    assert "pickle" not in a and torch.equal(torch.from_numpy(a["pickle.npy"]), t5.float())
+    assert np.array_equal(make_sample(WebDataset(str(root)), 1, restore_key=(), subflavors=None)["pickle.npy"],
+                          np.arange(5))
     evil = tmp_path / "evil"
     _tar(evil / "a.tar", [("k.pickle", pickle.dumps(_Evil()))])
     before = (evil / "a.tar").read_bytes()

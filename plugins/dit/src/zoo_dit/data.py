@@ -64,7 +64,8 @@ def to_latent(sample: Any, cfg: DiTConfig, where: str) -> torch.Tensor:
     return x
 
 
-TEXT_PARTS = ("text", "t5.npy", "pickle")
+# Text embeddings: zoo's t5.npy, DFM's .pickle (opted in) or what convert-pickle made of it.
+TEXT_PARTS = ("text", "t5.npy", "pickle", "pickle.npy", "pickle.pth")
 
 
 class DiTTaskEncoder(TaskEncoder):

@@ -211,7 +211,7 @@ def add_prepare_parsers(prep: Any) -> None:
     v.add_argument("--force-overwrite", action="store_true")
     v.set_defaults(func=cmd_video)
 
-    c = prep.add_parser("convert-pickle", help="rewrite .pickle/.pyd parts as .npy (or .pth), safely")
+    c = prep.add_parser("convert-pickle", help="rewrite .pickle/.pyd parts as .pickle.npy (or .pickle.pth), safely")
     c.add_argument("path")
     c.add_argument("--to", choices=["npy", "pth"], default="npy")
     c.set_defaults(func=cmd_convert_pickle)

@@ -1,5 +1,5 @@
-"""`zoo prepare convert-pickle`: rewrite a dataset's `.pickle`/`.pyd` parts as `.npy` (or
-`.pth`), so it loads without ``allow_pickle``.
+"""`zoo prepare convert-pickle`: rewrite a dataset's `.pickle`/`.pyd` parts as `.pickle.npy` (or
+`.pickle.pth`), so it loads without ``allow_pickle``.
 
 The pickles are read with an allow-list unpickler that rebuilds only tensors, arrays and plain
 containers (what DFM's T5 embeddings are): a pickle that asks for anything else (a function
@@ -95,7 +95,9 @@ def convert_pickle(root: str | Path, *, to: str = "npy", progress: bool = False)
                         new_ext, data = _converted(safe_unpickle(data), to)
                     except (pickle.UnpicklingError, DatasetError, EOFError, ValueError) as e:
                         raise DatasetError(f"{path}/{m.name}: {e}") from None
-                    m = tarfile.TarInfo(f"{base}.{new_ext}")
+                    # k.pickle -> k.pickle.npy: the part keeps its origin in its name and cannot
+                    # collide with a .npy part the sample already has.
+                    m = tarfile.TarInfo(f"{base}.{ext}.{new_ext}")
                     m.size, m.mode, m.mtime = len(data), 0o644, 0
                     converted += 1
                     changed = True
