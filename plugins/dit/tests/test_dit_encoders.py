@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,24 +33,29 @@ def encoders(tmp_path_factory):
     return root
 
 
-def _zoo(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zoo", *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+def _zoo(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``zoo ARGS`` in this process (no interpreter start per call): its exit status and stderr."""
+    from zoo.cli import main
+
+    capsys.readouterr()
+    rc = main(list(args))
+    return subprocess.CompletedProcess(args, rc, "", capsys.readouterr().err)
 
 
-def _first_sample(path: Path, split: str = "train") -> dict:
+def _first_sample(path, split: str = "train") -> dict:
     from zoo.data.energon.dataset import WebDataset, make_sample
 
     ds = WebDataset(str(path), split_part=split)
     return make_sample(ds, 0, restore_key=("s", 0), subflavors=None)
 
 
-def test_prepared_latents_and_embeddings_equal_the_libraries_own(encoders, tmp_path):
+def test_prepared_latents_and_embeddings_equal_the_libraries_own(encoders, tmp_path, capsys):
     from diffusers import AutoencoderKL
     from sklearn.datasets import load_digits
     from transformers import AutoTokenizer, T5EncoderModel
 
-    out = _zoo("prepare", "images", str(tmp_path / "img"), "--dataset", "digits", "--shard-size", "200",
-               "--vae", str(encoders / "vae"), "--text-encoder", str(encoders / "t5"), cwd=tmp_path)
+    out = _zoo(capsys, "prepare", "images", str(tmp_path / "img"), "--dataset", "digits", "--shard-size", "200",
+               "--vae", str(encoders / "vae"), "--text-encoder", str(encoders / "t5"))
     assert out.returncode == 0, out.stderr
     meta = json.loads((tmp_path / "img" / ".nv-meta" / "encoders.json").read_text())
     assert meta["vae"]["factor"] == 2 and meta["vae"]["latent_channels"] == 4 and meta["text_encoder"]["dim"] == 64
@@ -73,8 +76,7 @@ def test_prepared_latents_and_embeddings_equal_the_libraries_own(encoders, tmp_p
     assert s["txt"] == f"a handwritten {digits.target[i]}" and np.allclose(s["t5.npy"], emb.numpy(), atol=1e-6)
 
     # Clips: every frame through the VAE, (C, T, H/f, W/f).
-    out = _zoo("prepare", "video", str(tmp_path / "vid"), "--count", "20", "--vae", str(encoders / "vae"),
-               cwd=tmp_path)
+    out = _zoo(capsys, "prepare", "video", str(tmp_path / "vid"), "--count", "20", "--vae", str(encoders / "vae"))
     assert out.returncode == 0, out.stderr
     clip = _first_sample(tmp_path / "vid")
     frames = torch.from_numpy(clip["npy"][0]).float()[:, None].expand(-1, 3, -1, -1)
@@ -84,8 +86,8 @@ def test_prepared_latents_and_embeddings_equal_the_libraries_own(encoders, tmp_p
     assert np.allclose(clip["latent.npy"], want.transpose(0, 1).numpy(), atol=1e-5)
 
     # A size the VAE cannot halve: one line naming the sample, nothing written.
-    bad = _zoo("prepare", "images", str(tmp_path / "bad"), "--dataset", "digits", "--size", "9", "--vae",
-               str(encoders / "vae"), cwd=tmp_path)
+    bad = _zoo(capsys, "prepare", "images", str(tmp_path / "bad"), "--dataset", "digits", "--size", "9", "--vae",
+               str(encoders / "vae"))
     assert bad.returncode != 0 and "digit00000: 9x9 pixels do not divide by the VAE's downsampling factor 2" \
         in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "bad").exists()
@@ -94,18 +96,18 @@ def test_prepared_latents_and_embeddings_equal_the_libraries_own(encoders, tmp_p
     args = ("train", "--model", "dit", "--run-dir", str(tmp_path / "run"), f"data.path={tmp_path / 'img'}",
             "model.in_channels=4", "model.sample_size=4", "train.steps=2", "train.micro_batch_size=8",
             "train.eval_interval=0", "logging.interval=1")
-    unset = _zoo(*args, cwd=tmp_path)
+    unset = _zoo(capsys, *args)
     assert unset.returncode == 2 and f"set model.vae={encoders / 'vae'}" in unset.stderr
-    ok = _zoo(*args, f"model.vae={encoders / 'vae'}", cwd=tmp_path)
+    ok = _zoo(capsys, *args, f"model.vae={encoders / 'vae'}")
     assert ok.returncode == 0, ok.stderr
-    gen = _zoo("generate", "--checkpoint", str(tmp_path / "run"), "--class", "3", "--num-steps", "2", "--height",
-               "16", "--width", "8", "--output", str(tmp_path / "g.png"), cwd=tmp_path)
+    gen = _zoo(capsys, "generate", "--checkpoint", str(tmp_path / "run"), "--class", "3", "--num-steps", "2", "--height",
+               "16", "--width", "8", "--output", str(tmp_path / "g.png"))
     assert gen.returncode == 0, gen.stderr
     from PIL import Image
 
     # 16x8 pixels (8x4 latents) decoded, upscaled 2x for the grid (+ 2 px border each side)
     assert Image.open(tmp_path / "g.png").size == (8 * 4 + 4, 16 * 4 + 4)
-    wrong = _zoo("generate", "--checkpoint", str(tmp_path / "run"), "--class", "3", "--height", "6", "--output",
-                 str(tmp_path / "h.png"), cwd=tmp_path)
+    wrong = _zoo(capsys, "generate", "--checkpoint", str(tmp_path / "run"), "--class", "3", "--height", "6", "--output",
+                 str(tmp_path / "h.png"))
     assert wrong.returncode == 2 and "--height 6: must be divisible by the patch size 2 x the VAE's downsampling " \
         "factor 2 = 4" in wrong.stderr and not (tmp_path / "h.png").exists()

@@ -86,15 +86,15 @@ def test_train_and_generate_a_clip_from_a_prompt(tmp_path):
     assert bad.returncode == 2 and "text-conditional" in bad.stderr and not (tmp_path / "x.gif").exists()
 
 
-def test_dfm_layout_pickled_text_is_refused_until_opted_in_or_converted(tmp_path):
+def test_dfm_layout_pickled_text_is_refused_until_opted_in_or_converted(tmp_path, capsys):
     """DFM's own datasets: ``.pth`` latents ``[1, C, T, H, W]`` and ``.pickle`` T5 embeddings. The
     pickle is refused (one line naming the part and both ways out), then read with the opt-in, and
     after `zoo prepare convert-pickle` without it; a sample with no text embeddings is one line too."""
     import io
     import pickle
     import subprocess
-    import sys
 
+    from zoo.cli import main
     from zoo.data.energon.prepare import prepare_webdataset, write_shards
 
     def dfm(text: bool):
@@ -106,11 +106,15 @@ def test_dfm_layout_pickled_text_is_refused_until_opted_in_or_converted(tmp_path
                 parts["pickle"] = pickle.dumps(np.random.default_rng(k).standard_normal((5, 64)).astype(np.float32))
             yield f"clip{k:03d}", parts
 
+    def zoo(*args):  # in this process: no interpreter start per call
+        capsys.readouterr()
+        rc = main(list(args))
+        return subprocess.CompletedProcess(args, rc, "", capsys.readouterr().err)
+
     def train(data, *extra):
-        return subprocess.run([sys.executable, "-m", "zoo", "train", "--model", "dit-video", "--run-dir",
-                               str(tmp_path / f"run-{data.name}-{len(extra)}"), f"data.path={data}", "train.steps=1",
-                               "train.micro_batch_size=4", "train.eval_interval=0", "model.num_frames=2", *extra],
-                              capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        return zoo("train", "--model", "dit-video", "--run-dir", str(tmp_path / f"run-{data.name}-{len(extra)}"),
+                   f"data.path={data}", "train.steps=1", "train.micro_batch_size=4", "train.eval_interval=0",
+                   "model.num_frames=2", *extra)
 
     for name, text in (("dfm", True), ("notext", False)):
         write_shards(tmp_path / name, dfm(text), shard_size=8)
@@ -120,8 +124,7 @@ def test_dfm_layout_pickled_text_is_refused_until_opted_in_or_converted(tmp_path
     assert refused.returncode != 0 and ".pickle part runs arbitrary code" in err and "data.allow_pickle=true" in err \
         and "zoo prepare convert-pickle" in err and "/clip0" in err, refused.stderr
     assert train(tmp_path / "dfm", "data.allow_pickle=true").returncode == 0
-    conv = subprocess.run([sys.executable, "-m", "zoo", "prepare", "convert-pickle", str(tmp_path / "dfm")],
-                          capture_output=True, text=True, timeout=300)
+    conv = zoo("prepare", "convert-pickle", str(tmp_path / "dfm"))
     assert conv.returncode == 0, conv.stderr
     assert train(tmp_path / "dfm").returncode == 0  # .npy now: no code runs, no opt-in needed
     missing = train(tmp_path / "notext")
