@@ -32,7 +32,8 @@ from zoo.data.energon import (
     get_val_dataset,
 )
 from zoo.data.energon.dataset import make_sample
-from zoo.data.energon.prepare import png_bytes, prepare_images, prepare_webdataset, write_shards
+from zoo.data.energon.media import prepare_images
+from zoo.data.energon.prepare import png_bytes, prepare_webdataset, write_shards
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _energon_helpers import Augment, Faulty  # noqa: E402

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.nn.recompute import SelectiveCore, recomputable
-from zoo.parallel.context import ContextParallelSite
+from zoo.parallel.context import ContextParallelSite, SequenceShard  # noqa: F401 (SequenceShard: for models)
 from zoo.spec import NormSpec
 
 
@@ -333,26 +333,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         k = k.contiguous() if k._base is not None else k
         v = v.clone(memory_format=torch.contiguous_format) if v._base is not None else v
     return _attention(q, k, v, causal, offset, segment_ids, kv_segment_ids)
-
-
-class SequenceShard(nn.Module):
-    """This rank's part of a per-token tensor that travels beside the residual stream (a packed
-    row's segment ids), to pair with the stream where sequence parallelism shards it. Identity
-    until the core sets ``group`` (`zoo.parallel.apply.apply_sequence_parallel`, on the modules
-    inside the blocks); the attention inside still takes the whole tensor, its column-parallel
-    projections having gathered the sequence."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.group: Any = None
-        self.dim = 1
-
-    def forward(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None or self.group is None:
-            return t
-        from zoo.parallel import comm
-
-        return comm.scatter_seq(t, self.group, self.dim)
 
 
 class AttentionCore(SelectiveCore, ContextParallelSite):

@@ -110,7 +110,7 @@ def apply_sequence_parallel(model: nn.Module, layers: str, dim: int, group: Any)
     modules. Call after `apply_tensor_parallel`, before cutting stages."""
     if comm._size(group) == 1:
         return set()
-    from zoo.nn import SequenceShard
+    from zoo.parallel.context import SequenceShard
 
     blocks = getattr(model, layers)
     split = tensor_parallel_shards(model)

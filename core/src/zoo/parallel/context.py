@@ -42,6 +42,26 @@ class ContextParallelSite(torch.nn.Module):
         self.keys_split = keys_split
 
 
+class SequenceShard(torch.nn.Module):
+    """This rank's part of a per-token tensor that travels beside the residual stream (a packed
+    row's segment ids), to pair with the stream where sequence parallelism shards it. Identity
+    until the core sets ``group`` (`zoo.parallel.apply.apply_sequence_parallel`, on the modules
+    inside the blocks); the attention inside still takes the whole tensor, its column-parallel
+    projections having gathered the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.group: Any = None
+        self.dim = 1
+
+    def forward(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or self.group is None:
+            return t
+        from zoo.parallel.comm import scatter_seq
+
+        return scatter_seq(t, self.group, self.dim)
+
+
 def local_positions(seq_len: int, cp: int, rank: int, device: Any = None) -> torch.Tensor:
     """Global positions held by CP rank ``rank``: chunks ``rank`` and ``2 cp - 1 - rank``."""
     if seq_len % (2 * cp):

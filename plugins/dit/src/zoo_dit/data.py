@@ -195,7 +195,7 @@ def collate(rows: list[list[dict[str, Any]]], cfg: DiTConfig, *, multiple_of: in
 def _check_encoders(run: Any) -> None:
     """A dataset of VAE latents trains a model that decodes through that VAE (model.vae), and
     pixels one that decodes through none: a mismatch would train on one space and draw in another."""
-    from zoo.data.energon.prepare import read_encoders
+    from zoo.data.energon.media import read_encoders
 
     if run.data.path is None or "://" in str(run.data.path) or not Path(run.data.path).is_dir():
         return
@@ -252,10 +252,10 @@ def prepare_digits(out: Path) -> None:
 
 
 def prepare_moving_digits(out: Path, *, n: int = 2000, frames: int = 8, size: int = 16) -> None:
-    """``n`` moving-digit clips as a crude Energon dataset (`zoo.data.energon.prepare.prepare_video`:
+    """``n`` moving-digit clips as a crude Energon dataset (`zoo.data.energon.media.prepare_video`:
     ``npy`` (1, frames, size, size) in [-1, 1], ``txt`` caption, ``t5.npy`` its embeddings by the
     default text encoder, ``json``); 20 shards: 18 train, 1 val, 1 test."""
-    from zoo.data.energon.prepare import prepare_video
+    from zoo.data.energon.media import prepare_video
 
     prepare_video(out, count=n, frames=frames, size=size, force_overwrite=True)
 

@@ -53,7 +53,7 @@ def _summary(res: Any, seconds: float) -> None:
 
 
 def cmd_images(args: argparse.Namespace) -> int:
-    from zoo.data.energon.prepare import prepare_images
+    from zoo.data.energon.media import prepare_images
 
     t0 = time.perf_counter()
     res = prepare_images(args.output, dataset=args.dataset, folder=args.folder, captions=args.captions,
@@ -66,7 +66,7 @@ def cmd_images(args: argparse.Namespace) -> int:
 
 
 def cmd_video(args: argparse.Namespace) -> int:
-    from zoo.data.energon.prepare import prepare_video
+    from zoo.data.energon.media import prepare_video
 
     t0 = time.perf_counter()
     res = prepare_video(args.output, dataset=args.dataset, count=args.count, frames=args.num_frames, size=args.size,
