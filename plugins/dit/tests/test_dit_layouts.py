@@ -27,8 +27,6 @@ LAYOUTS = [
     (2, {"cp": 2}, "dit", 2, False),  # non-causal ring attention across packed samples; loss weights split
     (2, {"pp": 2}, "dit", 2, False),  # the conditioning vector crosses the stage boundary with the hidden state
     (2, {}, "dit", 2, True),  # data parallel with ZeRO-1
-    # the stage's own blocks still read the conditioning it sent
-    (4, {"tp": 2, "pp": 2, "sequence_parallel": True}, "dit", 2, False),
     (2, {"tp": 2, "sequence_parallel": True}, "dit-video", 2, False),  # cross-attention, Q/K norm, no biases
     (4, {"cp": 2, "tp": 2, "sequence_parallel": True}, "dit-video", 2, False),  # text whole on every CP rank
 ]
