@@ -10,6 +10,7 @@ per token (mean over features), averaged per sample and then over the samples of
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -220,11 +221,15 @@ def sample(model: DiT, cfg: DiTConfig, *, labels: list[int] | None = None, conte
 
 
 def _vae(cfg: DiTConfig) -> Any:
-    if not cfg.vae:
-        return None
+    return _load_vae(cfg.vae) if cfg.vae else None
+
+
+@functools.lru_cache(maxsize=2)
+def _load_vae(path: str) -> Any:
+    # Loaded once per process: training previews decode at every validation.
     from zoo.data.encoders import ImageVAE
 
-    return ImageVAE(cfg.vae)
+    return ImageVAE(path)
 
 
 def decoded(x: torch.Tensor, cfg: DiTConfig, vae: Any = None) -> torch.Tensor:
