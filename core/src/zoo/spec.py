@@ -44,6 +44,7 @@ class MixerSpec:
 class AttentionSpec(MixerSpec):
     causal: bool
     bias: bool  # q/k/v/out projection biases (GPT-2, CLIP yes; LLaMA no)
+    out_bias: bool | None = None  # the output projection's, when it differs (Qwen2: q/k/v only); None: ``bias``
     positions: PositionKind = "none"  # rotary is applied inside attention; absolute ones are not
     qk_norm: NormSpec | None = None  # per-head norm of q and k (DFM's video DiT)
     cross: bool = False  # keys/values come from a context (text embeddings), not the input

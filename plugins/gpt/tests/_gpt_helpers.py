@@ -35,3 +35,14 @@ def curve(run_dir: Path) -> list[float]:
     import json
 
     return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def zoo_here(capsys, *args: str) -> subprocess.CompletedProcess[str]:
+    """``zoo ARGS`` in this process (no interpreter start and torch import per call): exit status,
+    stdout and stderr, as `zoo` returns them."""
+    from zoo.cli import main
+
+    capsys.readouterr()
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), rc, out.out, out.err)

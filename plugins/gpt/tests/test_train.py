@@ -16,7 +16,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _gpt_helpers import small_run, zoo
+from _gpt_helpers import small_run, zoo, zoo_here
+
+
+@pytest.fixture(autouse=True)
+def _zoo_in_process(capsys, monkeypatch):
+    """`zoo` runs in this process (no interpreter start and torch import per run); the SIGKILL
+    test's killed run is still a process of its own."""
+    import functools
+
+    monkeypatch.setitem(globals(), "zoo", functools.partial(zoo_here, capsys))
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +45,9 @@ class ExternalFormat:
     or diffusers' ``_class_name``) to the zoo family that reads them; ``table(config)`` gives the
     key mapping; ``to_config`` and ``from_config`` translate the config document; ``stem`` names
     the weight files (``model.safetensors``; diffusers: ``diffusion_pytorch_model.safetensors``).
+    ``import_table(config, keys)``, when given, picks the table to import with from the keys
+    present (a format with several on-disk layouts, e.g. Mixtral's per-expert and fused experts)
+    and refuses a mix; export always writes ``table(config)``.
     """
 
     name: str
@@ -53,6 +56,11 @@ class ExternalFormat:
     to_config: Callable[[Any], dict[str, Any]]
     from_config: Callable[[dict[str, Any]], Any]
     stem: str = "model"
+    import_table: Callable[[Any, Collection[str]], MappingTable] | None = None
+
+    def table_for(self, config: Any, keys: Collection[str]) -> MappingTable:
+        """The mapping to import a state dict with these keys."""
+        return self.import_table(config, keys) if self.import_table is not None else self.table(config)
 
 
 # `zoo convert --from/--to` names: Hugging Face transformers and diffusers directories.
@@ -145,7 +153,7 @@ def _hf_source(src: Path, fmt_name: str = "hf") -> tuple[Any, ExternalFormat, An
 def _import_tensors(src: Path, entry: FamilyEntry, fmt: ExternalFormat, config: Any) -> dict[str, Any]:
     tensors = read_dir(src, stem=fmt.stem)
     try:
-        state = from_external(fmt.table(config), tensors, config)
+        state = from_external(fmt.table_for(config, list(tensors)), tensors, config)
         check_shapes(build_empty(entry, config, device="meta").state_dict(), state, what=str(src))
     except MappingError as e:
         raise CheckpointError(f"{src}: {e}") from None

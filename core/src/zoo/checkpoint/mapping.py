@@ -204,9 +204,11 @@ def to_external(table: MappingTable, ours: Mapping[str, Tensor], config: Any, *,
                 x = src.take(o)
                 if x is None:
                     continue
+                names = (rule.theirs,) if isinstance(rule.theirs, str) else rule.theirs
                 for e in range(x.shape[0]):
-                    name = rule.theirs.format_map(_Keep({**env, "e": e}))
-                    out.put(name, _t(x[e]) if rule.transpose else x[e].contiguous())
+                    for name, part in zip(names, x[e].chunk(len(names), dim=0)):
+                        name = name.format_map(_Keep({**env, "e": e}))
+                        out.put(name, _t(part) if rule.transpose else part.contiguous())
     _check(src, out, ignores=())
     return dict(out)
 
@@ -311,10 +313,11 @@ def _map_in(table: MappingTable, theirs: Mapping[str, Tensor], config: Any, keep
                 n = sizes.get("e")
                 if n is None:
                     raise MappingError(f"mapping rule {rule} needs the config's expert count")
-                parts = [src.take(rule.theirs.format_map(_Keep({**env, "e": e}))) for e in range(n)]
-                if any(p is None for p in parts):
+                names = (rule.theirs,) if isinstance(rule.theirs, str) else rule.theirs
+                per = [[src.take(t.format_map(_Keep({**env, "e": e}))) for t in names] for e in range(n)]
+                if any(p is None for ps in per for p in ps):
                     continue
-                out.put(o, torch.stack([_t(p) if rule.transpose else p for p in parts]))
+                out.put(o, torch.stack([torch.cat([_t(p) if rule.transpose else p for p in ps]) for ps in per]))
     for o, to, th in ties:
         if th and th in theirs:  # the format may carry the tied copy: consumed, never read
             src.used.add(th)

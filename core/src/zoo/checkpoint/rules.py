@@ -62,10 +62,12 @@ class Split:
 
 @dataclass(frozen=True)
 class StackExperts:
-    """Our ``[num_experts, ...]`` tensor is one tensor per expert there (``theirs`` holds ``{e}``)."""
+    """Our ``[num_experts, ...]`` tensor is one tensor per expert there (``theirs`` holds ``{e}``),
+    or several per expert concatenated along their dim 0 (Mixtral's ``w1``/``w3`` are our fused
+    ``[gate; up]``: ``theirs`` is then a tuple of templates)."""
 
     ours: str
-    theirs: str
+    theirs: str | tuple[str, ...]
     transpose: bool = False
 
 

@@ -117,10 +117,10 @@ def _from_hf(path: Path, *, model: nn.Module, placements: Placements, family: st
                 shard = placements.split(name)
                 shape = shard.global_shape(t.shape) if shard is not None else tuple(t.shape)
                 wanted[placements.canonical(name)] = (shape, shard.cut if shard is not None else (lambda x: x))
-            got = read_sliced(fmt.table(config), lazy, config, wanted)
+            got = read_sliced(fmt.table_for(config, list(lazy)), lazy, config, wanted)
             return {name: got[placements.canonical(name)] for name in state}
         keep = {n for name in state for n in (name, placements.canonical(name))}
-        full = from_external(fmt.table(config), lazy, config, keep=keep)
+        full = from_external(fmt.table_for(config, list(lazy)), lazy, config, keep=keep)
     except MappingError as e:
         raise CheckpointError(f"{path}: {e}") from None
     missing = [placements.canonical(n) for n in state if placements.canonical(n) not in full]

@@ -23,7 +23,7 @@ class ParallelConfig:
     pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"  # gpipe: all forwards, then all backwards
     cp: int = 1  # context parallel size (ring attention)
     ep: int = 1  # expert parallel size
-    etp: int | None = None  # expert tensor parallel size; None: same as tp
+    etp: int | None = None  # expert tensor parallel size; only 1 (experts whole, sharded over ep)
     sequence_parallel: bool = False  # shard norm/dropout regions along the sequence inside TP
     zero: int = 0  # 1: distributed optimizer (fp32 master weights and Adam state sharded over DP)
     # FSDP (torch's fully_shard): parameters, gradients and optimizer state sharded over this many

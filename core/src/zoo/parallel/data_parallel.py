@@ -9,13 +9,16 @@ buffers. Buckets hold at least ``bucket_size`` elements (Megatron's default is 4
 issues ``ceil(parameters / bucket_size)`` all-reduces at most.
 
 Reductions average over the data-parallel group, so with gradient accumulation the result equals
-one large batch when each micro-batch loss is a mean scaled by ``1 / accumulation``.
+one large batch when each micro-batch loss is a mean scaled by ``1 / accumulation``. A partition
+of the parameters can be reduced over another group with another divisor: expert-parallel experts
+are summed over their expert-data-parallel replicas and divided by the data x context size (the
+all-to-all already summed what the data-parallel ranks' tokens contributed, as Megatron does).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,10 +29,15 @@ from zoo.parallel import comm
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device, pad_to: int) -> None:
-        self.params = params
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device, group: Any,
+                 divisor: int | None) -> None:
+        self.params, self.group = params, group
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.divisor = self.size if divisor is None else divisor
         self.numel = sum(p.numel() for p in params)
         # Padded so it cuts into equal data-parallel shards (the distributed optimizer's unit).
+        pad_to = self.size
         padded = -(-self.numel // pad_to) * pad_to
         self.buffer = torch.zeros(padded, dtype=dtype, device=device)
         self.pending = len(params)
@@ -37,29 +45,20 @@ class _Bucket:
 
 
 class GradBuckets:
-    def __init__(self, module: nn.Module, group: Any, *, bucket_size: int = 40_000_000, shard: bool = False) -> None:
+    def __init__(self, module: nn.Module, group: Any, *, bucket_size: int = 40_000_000, shard: bool = False,
+                 partitions: Sequence[tuple[set[int], Any, int]] = ()) -> None:
         """``shard``: reduce-scatter instead of all-reduce; each rank then owns 1/DP of every bucket
-        (ZeRO-1, `zoo.parallel.zero`), and only that shard of the buffer holds reduced values."""
+        (ZeRO-1, `zoo.parallel.zero`), and only that shard of the buffer holds reduced values.
+        ``partitions``: ``(parameter ids, group, divisor)``: those parameters are bucketed apart and
+        summed over their own group, then divided by ``divisor`` (expert parallelism)."""
         self.module, self.group, self.shard = module, group, shard
         self.size = 1 if group is None else dist.get_world_size(group)
         params = [p for p in module.parameters() if p.requires_grad]
-        seen: set[int] = set()
-        ordered = []
-        for p in reversed(params):  # backward produces the last layers' gradients first
-            if id(p) not in seen:
-                seen.add(id(p))
-                ordered.append(p)
         self.buckets: list[_Bucket] = []
-        current: list[nn.Parameter] = []
-        count = 0
-        for p in ordered:
-            current.append(p)
-            count += p.numel()
-            if count >= bucket_size:
-                self.buckets.append(self._make(current))
-                current, count = [], 0
-        if current:
-            self.buckets.append(self._make(current))
+        apart = set().union(*(ids for ids, _, _ in partitions)) if partitions else set()
+        self._fill([p for p in params if id(p) not in apart], group, None, bucket_size)
+        for ids, pgroup, divisor in partitions:
+            self._fill([p for p in params if id(p) in ids], pgroup, divisor, bucket_size)
         self._bucket_of: dict[int, _Bucket] = {}
         for b in self.buckets:
             offset = 0
@@ -72,21 +71,39 @@ class GradBuckets:
         self.launched = 0  # reductions issued (for tests and the benchmark)
         self.launched_bytes = 0  # bytes of the buffers they reduced
 
-    def _make(self, params: list[nn.Parameter]) -> _Bucket:
-        return _Bucket(params, params[0].dtype, params[0].device, self.size)
+    def _fill(self, params: list[nn.Parameter], group: Any, divisor: int | None, bucket_size: int) -> None:
+        seen: set[int] = set()
+        ordered = []
+        for p in reversed(params):  # backward produces the last layers' gradients first
+            if id(p) not in seen:
+                seen.add(id(p))
+                ordered.append(p)
+        current: list[nn.Parameter] = []
+        count = 0
+        for p in ordered:
+            current.append(p)
+            count += p.numel()
+            if count >= bucket_size:
+                self.buckets.append(_Bucket(current, current[0].dtype, current[0].device, group, divisor))
+                current, count = [], 0
+        if current:
+            self.buckets.append(_Bucket(current, current[0].dtype, current[0].device, group, divisor))
 
     def _ready(self, p: torch.Tensor) -> None:
         if not self.sync:  # accumulating: nothing to launch (a pipeline sets `sync` per chunk)
             return
         b = self._bucket_of[id(p)]
         b.pending -= 1
-        if b.pending == 0 and self.sync and self.size > 1:
-            b.buffer.div_(self.size)
+        if b.pending == 0 and self.sync and (b.size > 1 or b.divisor != 1):
+            if b.divisor != 1:
+                b.buffer.div_(b.divisor)
+            if b.size == 1:
+                return
             if self.shard:  # only this rank's shard is reduced; the rest of the buffer is stale
-                out = b.buffer.chunk(self.size)[dist.get_rank(self.group)]
-                b.handle = comm.reduce_scatter_into(out, b.buffer.clone(), self.group, async_op=True)
+                out = b.buffer.chunk(b.size)[b.rank]
+                b.handle = comm.reduce_scatter_into(out, b.buffer.clone(), b.group, async_op=True)
             else:
-                b.handle = dist.all_reduce(b.buffer, group=self.group, async_op=True)
+                b.handle = dist.all_reduce(b.buffer, group=b.group, async_op=True)
             self.launched += 1
             self.launched_bytes += b.buffer.numel() * b.buffer.element_size()
 
@@ -106,20 +123,21 @@ class GradBuckets:
             if b.handle is not None:
                 b.handle.wait()
                 b.handle = None
-            elif self.size > 1 and b.pending != 0:
+            elif b.size > 1 and b.pending != 0:
                 raise RuntimeError("a gradient bucket never completed: some parameters received no gradient")
             b.pending = len(b.params)
 
     def unshard(self) -> None:
         """After a sharded (ZeRO) reduction: all-gather every bucket's reduced shards so each
         parameter's ``.grad`` is whole again (for inspection; training never needs it)."""
-        if not self.shard or self.size == 1:
+        if not self.shard:
             return
-        rank = dist.get_rank(self.group)
         for b in self.buckets:
-            parts = list(b.buffer.chunk(self.size))
+            if b.size == 1:
+                continue
+            parts = list(b.buffer.chunk(b.size))
             gathered = [torch.empty_like(p) for p in parts]
-            dist.all_gather(gathered, parts[rank].clone(), group=self.group)
+            dist.all_gather(gathered, parts[b.rank].clone(), group=b.group)
             b.buffer.copy_(torch.cat(gathered))
 
     def zero_grad(self) -> None:

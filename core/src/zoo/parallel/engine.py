@@ -31,7 +31,7 @@ from zoo.parallel.grid import ProcessGrid
 from zoo.parallel.layout import Layout
 from zoo.parallel.materialize import InitRecord, allocate, replay, tensor_refs
 from zoo.parallel.pipeline import Pipeline, Stages, _tied, build_stages, gather_objects, gather_state, sync_tied_grads
-from zoo.parallel.sharding import FSDPChunk, Placement, Placements, local
+from zoo.parallel.sharding import EPShard, FSDPChunk, Placement, Placements, local
 
 StepFn = Callable[[nn.Module, dict[str, Any]], tuple[Any, Any]]
 
@@ -71,12 +71,14 @@ class Parallel:
         if lay.tp > 1:
             with torch.device("meta") if init is not None else contextlib.nullcontext():
                 tp_apply.apply_tensor_parallel(model, family.tp_plan, family.tp_local, self.tp_group)
-        shards = tp_apply.tensor_parallel_shards(model)
         self.sequence_parallel = lay.sequence_parallel and lay.tp > 1
+        experts = self._expert_parallel(model, init is not None)
+        shards = {**tp_apply.tensor_parallel_shards(model), **experts}
         on_shards: set[str] = set()
         if self.sequence_parallel:
             assert pipe is not None  # the layout checked it
             on_shards = tp_apply.apply_sequence_parallel(model, pipe.layers, seq.dim if seq else 1, self.tp_group)
+            on_shards -= set(experts)  # (reduced over their expert-data-parallel group instead)
         if lay.cp > 1:
             self._ring_attention(model)
         self.stages: Stages | None = None
@@ -174,15 +176,47 @@ class Parallel:
                                   duplicate=st is not None and name in st.duplicates, fsdp=chunk)
         return Placements(self.model, out)
 
+    def _expert_parallel(self, model: nn.Module, meta: bool) -> dict[str, EPShard]:
+        """Every MoE layer (a module with ``shard_experts``, `zoo.nn.moe.MoE`): its routing
+        statistics summed over the ranks holding other tokens of the same sequences (TP under
+        sequence parallelism, CP; averaged over CP afterwards, hence the gradient scale), and with
+        ep > 1 its experts cut to this rank's over the expert grid's EP group. Returns the experts' splits."""
+        layers = [(n, m) for n, m in model.named_modules() if hasattr(m, "shard_experts")]
+        self.ep_group = self.edp_group = None
+        self.ep_rank = self.edp_rank = 0
+        stats = self.grid.group("tp", "cp") if self.sequence_parallel else self.grid.group("cp")
+        self._bias_group = self.grid.group("tp", "cp", "dp") if self.sequence_parallel else self.dp_cp_group
+        for _, m in layers:
+            m.stats_group, m.stats_scale = stats, float(self.cp)
+        if self.layout.ep == 1 or not layers:
+            return {}
+        from zoo.parallel.grid import expert_grid
+
+        eg = expert_grid(self.grid, etp=1, ep=self.layout.ep, order=self.layout.order.split("-"))
+        self.ep_group, self.edp_group = eg.group("ep"), eg.group("edp")
+        self.ep_rank, self.edp_rank = eg.index("ep"), eg.index("edp")
+        out = {}
+        for name, m in layers:
+            with torch.device("meta") if meta else contextlib.nullcontext():
+                m.shard_experts(self.ep_group, self.layout.ep, self.ep_rank)
+            for pname in ("gate_up", "down"):
+                out[f"{name}.{pname}"] = EPShard("rows", self.layout.ep, self.ep_rank, group=self.ep_group)
+        return out
+
     def make_buckets(self, bucket_size: int, *, shard: bool) -> Any:
         """Gradient buckets over the data x context group; with ``shard`` (the distributed
         optimizer) also for a single data-parallel rank, where they hold the fp32-master
-        optimizer's gradients without reducing anything."""
-        if (self.dp_cp_group is None and not shard) or self.fsdp_roots:  # (FSDP reduces its own gradients)
+        optimizer's gradients without reducing anything. Expert-parallel experts are bucketed apart,
+        summed over their expert-data-parallel replicas and divided by the data x context size."""
+        experts = {id(p) for n, p in self.model.named_parameters() if isinstance(self.placements[n].shard, EPShard)}
+        reduce_experts = bool(experts) and (self.edp_group is not None or self.dp * self.cp > 1)
+        if (self.dp_cp_group is None and not shard and not reduce_experts) or self.fsdp_roots:  # (FSDP reduces its own)
             return None
         from zoo.parallel.data_parallel import GradBuckets
 
-        self.buckets = GradBuckets(self.model, self.dp_cp_group, bucket_size=bucket_size, shard=shard)
+        partitions = [(experts, self.edp_group, self.dp * self.cp)] if experts else []
+        self.buckets = GradBuckets(self.model, self.dp_cp_group, bucket_size=bucket_size, shard=shard,
+                                   partitions=partitions)
         return self.buckets
 
     # -------------------------------------------------------------------------------- step
@@ -347,17 +381,23 @@ class Parallel:
             reduce_sequence_parallel_grads([params[n] for n, pl in self.placements.items() if pl.sequence_parallel],
                                            self.tp_group)
         sync_tied_grads([params[n] for n, pl in self.placements.items() if pl.tied], self.embedding_group)
+        for m in self.model.modules():  # aux-loss-free balancing: once per step, loads summed over the batch's ranks
+            router = getattr(m, "router", None)
+            if hasattr(m, "shard_experts") and getattr(router, "expert_bias", None) is not None:
+                router.update_bias(m.bias_update_rate, self._bias_group)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip to ``max_norm`` by the whole model's gradient norm, which is returned (on the device)."""
         return tp_apply.clip_grad_norm(self.model, self.placements, max_norm, self.tp_group, self.pp_group,
-                                       device=self.device, dp_group=self.dp_cp_group if self.fsdp_roots else None)
+                                       device=self.device, dp_group=self.dp_cp_group if self.fsdp_roots else None,
+                                       ep_group=self.ep_group)
 
     def grad_norm_squared(self, pairs: Any, dp_group: Any = None) -> torch.Tensor:
         """`zoo.parallel.apply.grad_norm_squared` over this layout's groups, for ``(gradient,
         parameter)`` pairs (the distributed optimizer's pieces)."""
         return tp_apply.grad_norm_squared(((g, self.placements.of(p)) for g, p in pairs), tp_group=self.tp_group,
-                                          pp_group=self.pp_group, dp_group=dp_group, device=self.device)
+                                          pp_group=self.pp_group, dp_group=dp_group, device=self.device,
+                                          ep_group=self.ep_group, edp_group=self.edp_group)
 
     # --------------------------------------------------------------- full-tensor state (tests, checkpoints)
 

@@ -72,7 +72,12 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
             f"parallel: world size {world_size} is not divisible by tp*cp*pp = {p.tp}*{p.cp}*{p.pp} = {model_parallel}"
         )
     dp = world_size // model_parallel
-    etp = p.etp if p.etp is not None else p.tp
+    # Experts are whole on every rank that holds them (torchtitan removed expert TP; Megatron
+    # recommends ETP=1 with EP): a layer's experts are sharded over parallel.ep only.
+    etp = p.etp if p.etp is not None else 1
+    if etp != 1:
+        raise ConfigError(f"parallel: etp={etp}: expert tensor parallelism is not supported; experts are sharded "
+                          "whole over parallel.ep (leave etp unset)")
     if world_size % (etp * p.ep * p.pp):
         raise ConfigError(f"parallel: world size {world_size} is not divisible by etp*ep*pp = {etp}*{p.ep}*{p.pp}")
     expert_dp = world_size // (etp * p.ep * p.pp)
@@ -107,6 +112,13 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
         raise ConfigError(f"parallel: ep={p.ep} does not divide model.num_experts={experts}")
     if p.ep > 1 and experts is None:
         raise ConfigError(f"parallel: ep={p.ep} but the model has no experts (model.num_experts)")
+    if experts is not None and p.tp > 1 and not p.sequence_parallel:
+        # As Megatron: each TP rank routes its own sequence shard (replicated tokens would be
+        # dispatched, and their expert gradients summed, tp times).
+        raise ConfigError(f"parallel: tp={p.tp} with a mixture of experts needs parallel.sequence_parallel=true")
+    if experts is not None and p.ep > 1 and p.fsdp > 1:
+        raise ConfigError("parallel: fsdp with ep > 1 is not supported (use zero=1: experts' optimizer state is "
+                          "sharded over their expert-data-parallel ranks)")
     if p.cp > 1 and train.seq_length % (2 * p.cp):
         raise ConfigError(f"parallel: cp={p.cp} needs train.seq_length={train.seq_length} divisible by 2*cp")
     if p.sequence_parallel and train.seq_length % p.tp:

@@ -103,6 +103,13 @@ class TPShard:
 
 
 @dataclass(frozen=True)
+class EPShard(TPShard):
+    """Experts (dim 0 of a ``(E, ...)`` parameter) split contiguously over the expert-parallel group:
+    a ``rows`` split in geometry (checkpoints, loading and gathering read it as one), but reduced,
+    counted in norms and written by the expert layout's own rules (`zoo.parallel.engine`)."""
+
+
+@dataclass(frozen=True)
 class FSDPChunk:
     """FSDP's split of a (tensor-parallel local) parameter over ``size`` data-parallel ranks:
     ``torch.chunk`` along dim 0 of its ``rows`` rows, this rank holding chunk ``rank`` (possibly
@@ -246,5 +253,5 @@ class Placements(Mapping[str, Placement]):
         return Placements(model, {n: Placement(n) for n, _ in model.named_parameters()})
 
 
-__all__ = ["STYLES", "FSDPChunk", "Placement", "Placements", "Region", "Split", "Style", "TPShard", "aliases", "like", "local",
+__all__ = ["STYLES", "EPShard", "FSDPChunk", "Placement", "Placements", "Region", "Split", "Style", "TPShard", "aliases", "like", "local",
            "regions"]

@@ -33,14 +33,13 @@ class DistributedOptimizer:
         if not buckets.shard:
             raise ValueError("the distributed optimizer needs GradBuckets(shard=True)")
         self.buckets, self.group = buckets, buckets.group
-        self.size = buckets.size
-        self.rank = 0 if self.group is None else dist.get_rank(self.group)
+        self.size = buckets.size  # (of the dense buckets; each bucket knows its own group, e.g. experts')
         # (bucket, offset of the piece in the bucket, length, float32 master, parameter, offset in it)
         self.pieces: list[tuple[Any, int, int, torch.Tensor, nn.Parameter, int]] = []
         groups: dict[tuple[Any, ...], dict[str, Any]] = {}
         for b in buckets.buckets:
-            per = b.buffer.numel() // self.size
-            lo, hi = self.rank * per, (self.rank + 1) * per
+            per = b.buffer.numel() // b.size
+            lo, hi = b.rank * per, (b.rank + 1) * per
             offset = 0
             for p in b.params:
                 a, z = max(lo, offset), min(hi, offset + p.numel())
@@ -100,7 +99,7 @@ class DistributedOptimizer:
         for b, a, n, master, _, _ in self.pieces:
             b.buffer[a:a + n].copy_(master.to(b.buffer.dtype))  # reuse the grad buffer to gather params
         for b in self.buckets.buckets:
-            full = self._gather(b.buffer)
+            full = self._gather(b.buffer, b)
             offset = 0
             for p in b.params:
                 p.copy_(full[offset:offset + p.numel()].view_as(p))
@@ -108,13 +107,15 @@ class DistributedOptimizer:
         self.buckets.zero_grad()
         return norm
 
-    def _gather(self, flat: torch.Tensor) -> torch.Tensor:
-        if self.size == 1:
+    @staticmethod
+    def _gather(flat: torch.Tensor, b: Any) -> torch.Tensor:
+        """The whole of a bucket-shaped tensor of which this rank holds its shard (over the bucket's group)."""
+        if b.size == 1:
             return flat
-        per = flat.numel() // self.size
-        mine = flat[self.rank * per:(self.rank + 1) * per].clone()
-        parts = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(parts, mine, group=self.group)
+        per = flat.numel() // b.size
+        mine = flat[b.rank * per:(b.rank + 1) * per].clone()
+        parts = [torch.empty_like(mine) for _ in range(b.size)]
+        dist.all_gather(parts, mine, group=b.group)
         return torch.cat(parts)
 
     def full_state(self, names: dict[int, str]) -> dict[str, torch.Tensor]:
@@ -129,7 +130,7 @@ class DistributedOptimizer:
                 for pb, a, n, master, _, _ in self.pieces:
                     if pb is b and master in self.optimizer.state:
                         flat[a:a + n] = self.optimizer.state[master][f]
-                full = self._gather(flat)
+                full = self._gather(flat, b)
                 offset = 0
                 for p in b.params:
                     out[f"{names[id(p)]}::{f}"] = full[offset:offset + p.numel()].view_as(p).clone()
@@ -142,7 +143,7 @@ class DistributedOptimizer:
                 for pb, a, n, master, _, _ in self.pieces:
                     if pb is b:
                         flat[a:a + n] = master.detach()
-                full = self._gather(flat)
+                full = self._gather(flat, b)
                 offset = 0
                 for p in b.params:
                     out[f"{names[id(p)]}::master"] = full[offset:offset + p.numel()].view(p.shape).clone()

@@ -1,0 +1,338 @@
+"""Mixture of experts: router, dropless dispatch, experts, and the statistics load balancing needs.
+
+A core primitive (not a plugin's) so any family can put experts in a block: the MoE decoders of
+``zoo-moe`` and the ``E`` symbol of a hybrid Mamba stack build the same `MoE` layer from a
+`zoo.spec.MoESpec`. Like `zoo.nn.AttentionCore`, the layer is plain single-process code with a
+few fields the core sets from outside (`zoo.parallel.engine`): ``ep_group`` shards the experts over
+expert-parallel ranks (tokens then travel by all-to-all), ``stats_group`` sums the routing
+statistics over ranks that hold other tokens of the same sequences (sequence and context parallel).
+
+Shapes: N tokens, D hidden, E experts (``E_l`` on this rank), k experts per token, F expert width.
+Experts are two 3-D parameters, ``gate_up`` (E, 2F, D) (``[gate; up]`` rows per expert, Hugging
+Face's fused layout; (E, F, D) for an ungated MLP) and ``down`` (E, D, F).
+
+Dispatch is dropless by default: the (token, expert) assignments are sorted by expert once, so each
+expert's tokens are one contiguous slice (no per-expert mask scans), run through the expert as one
+GEMM per slice (or one grouped GEMM where torch has a working one for the device), scaled by their
+gate and summed back per token. A capacity factor drops the assignments over capacity instead.
+
+Load balancing is computed from per-layer sufficient statistics (`stats_width` columns per MoE
+layer: tokens per expert, router probability per expert, sum of squared log-sum-exp, token count,
+dropped assignments). The model carries them to its loss (across pipeline stages too), where
+`balance_losses` turns them into the Switch aux loss (Megatron's per-layer convention or Hugging
+Face's layer-pooled one) and the z-loss, so balancing never depends on a flag the user forgets.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.spec import MoESpec
+
+AuxConvention = Literal["megatron", "hf"]
+
+
+def stats_width(num_experts: int) -> int:
+    """Columns of one MoE layer's statistics row: counts (E), probability sums (E), z sum, tokens, dropped."""
+    return 2 * num_experts + 3
+
+
+class _SumStats(torch.autograd.Function):
+    """Sum a statistics row over ranks holding other tokens of the same sequences. Every rank then
+    computes the same balancing loss; backward hands each rank the gradient of its own part, times
+    ``scale`` where the loss is averaged (not summed) over those ranks afterwards (context parallel)."""
+
+    @staticmethod
+    def forward(ctx: Any, row: torch.Tensor, group: Any, scale: float) -> torch.Tensor:
+        from zoo.parallel import comm
+
+        ctx.scale = scale
+        return comm.all_reduce(row.clone(), group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad * ctx.scale if ctx.scale != 1 else grad, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all with uneven splits (rows), its own conjugate with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.splits, ctx.group = (in_splits, out_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        import torch.distributed as dist
+
+        out_splits, in_splits = ctx.splits
+        out = grad.new_empty((sum(out_splits), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), out_splits, in_splits, group=ctx.group)
+        return out, None, None, None
+
+
+_GROUPED: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward correctly here (CUDA with recent
+    torch; the CPU build's has no backward): probed once per device type and dtype on a tiny case."""
+    key = (device.type, dtype)
+    if key not in _GROUPED:
+        ok = False
+        if hasattr(torch, "_grouped_mm") and device.type == "cuda":
+            try:
+                x = torch.randn(24, 16, device=device, dtype=dtype, requires_grad=True)
+                w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+                offs = torch.tensor([8, 24], device=device, dtype=torch.int32)
+                y = torch._grouped_mm(x, w, offs=offs)
+                y.sum().backward()
+                ref = torch.cat([x[:8] @ w[0], x[8:] @ w[1]])
+                ok = bool(torch.allclose(y.float(), ref.float(), atol=1e-2, rtol=1e-2))
+            except (RuntimeError, TypeError, NotImplementedError):
+                ok = False
+        _GROUPED[key] = ok
+    return _GROUPED[key]
+
+
+class Router(nn.Module):
+    """Token-choice top-k router: ``logits = x W^T`` (fp32), scores by softmax or sigmoid over all
+    experts, top-k chosen on the scores (plus ``expert_bias`` when aux-loss-free balancing is on),
+    gates = the chosen unbiased scores, renormalised to sum to one when ``normalize``."""
+
+    force: tuple[int, ...] | None = None  # tests: every token goes to these experts (idle experts on purpose)
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, *, score: str, normalize: bool,
+                 expert_bias: bool = False) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
+        self.num_experts, self.top_k, self.score, self.normalize = num_experts, top_k, score, normalize
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias moved against the load each step.
+        self.expert_bias: torch.Tensor | None
+        self.register_buffer("expert_bias", torch.zeros(num_experts) if expert_bias else None)
+        self.tokens_per_expert = torch.zeros(num_experts)  # since the last bias update (not state)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, D) -> gates (N, k) fp32, experts (N, k), logits (N, E) fp32, scores (N, E) fp32."""
+        logits = F.linear(x, self.weight).float()
+        scores = torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
+        choose = scores if self.expert_bias is None else scores.detach() + self.expert_bias
+        experts = torch.topk(choose, self.top_k, dim=-1).indices
+        if self.force is not None:
+            experts = torch.tensor(self.force, device=x.device).expand(x.shape[0], self.top_k)
+        gates = scores.gather(1, experts)
+        if self.normalize and self.top_k > 1:
+            gates = gates / (gates.sum(dim=-1, keepdim=True) + (1e-20 if self.score == "sigmoid" else 0.0))
+        if self.expert_bias is not None and torch.is_grad_enabled():
+            counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
+            self.tokens_per_expert = self.tokens_per_expert.to(counts.device) + counts
+        return gates, experts, logits, scores
+
+    @torch.no_grad()
+    def update_bias(self, rate: float, group: Any = None) -> None:
+        """Once per optimizer step: ``bias += rate * sign(mean load - load)`` with the loads summed
+        over ``group`` (every rank that routed other tokens through this layer)."""
+        if self.expert_bias is None:
+            return
+        from zoo.parallel import comm
+
+        counts = comm.all_reduce(self.tokens_per_expert.to(self.expert_bias.device).clone(), group)
+        if counts.sum() > 0:
+            self.expert_bias += rate * torch.sign(counts.mean() - counts)
+        self.tokens_per_expert = torch.zeros_like(counts)
+
+
+class MoE(nn.Module):
+    """Routed experts (and an optional gated shared expert) replacing a block's MLP.
+
+    ``forward(x)`` maps (B, T, D) to (B, T, D) and leaves this call's statistics row (see
+    `stats_width`) in ``self.stats``, which the model accumulates and hands to its loss.
+    """
+
+    def __init__(self, spec: MoESpec, *, hidden: int, ffn_hidden: int, num_experts: int, top_k: int,
+                 shared_ffn_hidden: int = 0, capacity_factor: float | None = None,
+                 drop_policy: Literal["probs", "position"] = "probs", expert_bias: bool = False,
+                 bias_update_rate: float = 1e-3) -> None:
+        super().__init__()
+        from zoo.nn import ACTIVATIONS
+
+        if spec.expert.bias:
+            raise ValueError("MoESpec: expert MLPs with biases are not supported (no MoE model has them)")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be positive (or None: dropless)")
+        self.spec, self.num_experts, self.top_k = spec, num_experts, top_k
+        self.capacity_factor, self.drop_policy, self.bias_update_rate = capacity_factor, drop_policy, bias_update_rate
+        self.gated, self.activation, self.act = spec.expert.gated, spec.expert.activation, ACTIVATIONS[spec.expert.activation]
+        self.router = Router(hidden, num_experts, top_k, score="softmax" if spec.router == "softmax_topk" else "sigmoid",
+                             normalize=spec.normalize_topk, expert_bias=expert_bias)
+        self.gate_up = nn.Parameter(torch.empty(num_experts, ffn_hidden * (2 if self.gated else 1), hidden))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden))
+        self.shared: nn.Module | None = None
+        self.shared_gate: nn.Linear | None = None
+        if spec.shared_expert is not None:
+            from zoo.nn.layers import MLP
+
+            self.shared = MLP(spec.shared_expert, hidden=hidden, ffn_hidden=shared_ffn_hidden)
+            self.shared_gate = nn.Linear(hidden, 1, bias=False)
+        # Set from outside (zoo.parallel.engine); read only here.
+        self.ep_group: Any = None
+        self.ep_size, self.ep_rank = 1, 0
+        self.stats_group: Any = None
+        self.stats_scale = 1.0
+        self.stats: torch.Tensor | None = None
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.ep_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        flat = x.reshape(-1, d)
+        gates, experts, logits, scores = self.router(flat)
+        n, k = experts.shape
+        flat_e = experts.reshape(-1)
+        order = torch.argsort(flat_e, stable=True) if self.drop_policy == "position" or self.capacity_factor is None \
+            else _by_expert_then_gate(flat_e, gates.detach().reshape(-1))
+        counts = torch.bincount(flat_e, minlength=self.num_experts)
+        dropped = torch.zeros((), device=x.device)
+        if self.capacity_factor is not None:  # keep the first `capacity` of each expert's slice
+            capacity = math.ceil(n * k / self.num_experts * self.capacity_factor)
+            starts = torch.cumsum(counts, 0) - counts
+            pos = torch.arange(order.numel(), device=x.device) - starts.repeat_interleave(counts)
+            keep = pos < capacity
+            dropped = (~keep).sum().float()
+            order = order[keep]
+            counts = counts.clamp(max=capacity)
+        token = order // k
+        picked = gates.reshape(-1)[order]  # gate of each kept assignment (gradients reach the router)
+        xs = flat.index_select(0, token)
+        ys = self._dispatch(xs, counts) if self.ep_size > 1 else self._experts(xs, counts, self.gate_up, self.down)
+        ys = (ys.float() * picked[:, None]).to(x.dtype)
+        out = flat.new_zeros(n, d).index_add_(0, token, ys)
+        y = out.view(b, t, d)
+        if self.shared is not None:
+            assert self.shared_gate is not None
+            y = y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        self.stats = self._statistics(experts, logits, scores, n, dropped)
+        return y
+
+    def _statistics(self, experts: torch.Tensor, logits: torch.Tensor, scores: torch.Tensor, n: int,
+                    dropped: torch.Tensor) -> torch.Tensor:
+        """[tokens per expert (E) | router probability summed over tokens (E) | sum of lse^2 | N | dropped].
+        The probabilities are the softmax over all experts (sigmoid scores normalised to sum to one),
+        unbiased: the Switch loss's P_i, as Megatron and HF compute it."""
+        with torch.no_grad():
+            counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
+        probs = scores if self.router.score == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
+        z = torch.logsumexp(logits, dim=-1).square().sum()
+        tail = torch.stack([torch.full((), float(n), device=logits.device), dropped.float()])
+        row = torch.cat([counts, probs.sum(0), z[None], tail])
+        if self.stats_group is not None:
+            row = _SumStats.apply(row, self.stats_group, self.stats_scale)
+        return row
+
+    def _experts(self, xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """Rows of ``xs`` sorted by (local) expert, ``counts`` per expert -> expert outputs, same order."""
+        from zoo.nn import gated_activation
+
+        if xs.is_cuda and _grouped_mm_works(xs.device, xs.dtype):
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)
+            h = gated_activation(h, self.activation) if self.gated else self.act(h)
+            return torch._grouped_mm(h, down.transpose(1, 2), offs=offs)
+        outs = []
+        sizes = counts.tolist()  # one host read per layer: the slice boundaries
+        for e, chunk in enumerate(xs.split(sizes)):
+            if sizes[e] == 0:  # an idle expert costs nothing
+                continue
+            outs.append(self._mlp(chunk, gate_up[e], down[e]))
+        if not outs:  # no tokens here at all: an empty pass still gives the experts a (zero) gradient
+            return self._mlp(xs[:0], gate_up[0], down[0])
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        from zoo.nn import gated_activation
+
+        h = x @ gate_up.t()
+        h = gated_activation(h, self.activation) if self.gated else self.act(h)
+        return h @ down.t()
+
+    def _dispatch(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert parallel: assignments sorted by global expert go to the rank holding it (counts
+        exchanged first), run there sorted by local expert, and come back in the same order."""
+        import torch.distributed as dist
+
+        ep, el = self.ep_size, self.local_experts
+        send_counts = counts.view(ep, el)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.ep_group)
+        in_splits = send_counts.sum(1).tolist()
+        out_splits = recv_counts.sum(1).tolist()
+        recv = _AllToAll.apply(xs, out_splits, in_splits, self.ep_group)  # (source rank, expert) order
+        local_expert = torch.arange(el, device=xs.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
+        perm = torch.argsort(local_expert, stable=True)  # -> expert-major
+        ys = self._experts(recv.index_select(0, perm), recv_counts.sum(0), self.gate_up, self.down)
+        back = torch.empty_like(ys).index_copy(0, perm, ys) if ys.shape[0] else ys
+        return _AllToAll.apply(back, in_splits, out_splits, self.ep_group)
+
+    @torch.no_grad()
+    def shard_experts(self, group: Any, size: int, rank: int) -> None:
+        """Keep experts ``[rank * E/size, (rank + 1) * E/size)`` (called by the core before training)."""
+        if self.num_experts % size:
+            raise ValueError(f"ep={size} does not divide the {self.num_experts} experts")
+        el = self.num_experts // size
+        for name in ("gate_up", "down"):
+            full = getattr(self, name)
+            setattr(self, name, nn.Parameter(full[rank * el:(rank + 1) * el].clone(), requires_grad=full.requires_grad))
+        self.ep_group, self.ep_size, self.ep_rank = group, size, rank
+
+
+def _by_expert_then_gate(experts: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """Assignments sorted by expert, highest gate first within each (the "probs" drop policy keeps
+    an expert's most confident tokens)."""
+    by_gate = torch.argsort(-gates, stable=True)
+    return by_gate[torch.argsort(experts[by_gate], stable=True)]
+
+
+def balance_losses(stats: torch.Tensor, *, num_experts: int, top_k: int, convention: AuxConvention = "megatron"
+                   ) -> dict[str, torch.Tensor]:
+    """Balancing terms from the MoE layers' statistics ``stats`` (L, `stats_width`).
+
+    ``aux``: the Switch load-balancing loss (Fedus et al. 2021). ``megatron``: per layer
+    ``E * sum_i f_i P_i`` with ``f_i`` the fraction of the N*k assignments routed to expert i and
+    ``P_i`` its mean router probability, summed over layers (1 per layer when perfectly balanced).
+    ``hf``: Hugging Face's ``load_balancing_loss_func``, every layer's tokens pooled into one set and
+    counts divided by tokens, not assignments (k per layer pooled when balanced).
+    ``z``: the router z-loss (Zoph et al. 2022), ``mean(logsumexp(logits)^2)`` summed over layers.
+    ``load``: max over layers of (tokens of the busiest expert / mean tokens per expert);
+    ``dropped``: assignments dropped by the capacity factor."""
+    e = num_experts
+    counts, probs = stats[:, :e], stats[:, e:2 * e]
+    z_sum, n, dropped = stats[:, 2 * e], stats[:, 2 * e + 1], stats[:, 2 * e + 2]
+    n = n.clamp(min=1)
+    if convention == "megatron":
+        aux = (e * (counts / (n[:, None] * top_k)) * (probs / n[:, None])).sum()
+    elif convention == "hf":
+        rows = n.sum()
+        aux = e * ((counts.sum(0) / rows) * (probs.sum(0) / rows)).sum()
+    else:
+        raise ValueError(f"aux loss convention {convention!r}: one of megatron, hf")
+    mean = counts.sum(1) / e
+    load = (counts.max(1).values / mean.clamp(min=1e-9)).max()
+    return {"aux": aux, "z": (z_sum / n).sum(), "load": load.detach(), "dropped": dropped.sum().detach(),
+            "layer_load": (counts.max(1).values / mean.clamp(min=1e-9)).detach()}
+
+
+__all__ = ["MoE", "Router", "balance_losses", "stats_width"]

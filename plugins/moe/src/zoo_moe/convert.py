@@ -1,0 +1,117 @@
+"""Hugging Face layouts of Mixtral (`MixtralForCausalLM`) and Qwen2-MoE (`Qwen2MoeForCausalLM`).
+
+Attention, norms, embeddings and head are LLaMA's rules (`zoo_gpt.convert`). Experts come in two
+layouts, detected from the keys and never mixed:
+
+- per expert (released checkpoints; what ``save_pretrained`` writes): Mixtral
+  ``block_sparse_moe.experts.{e}.w1|w3|w2.weight``, Qwen2-MoE ``mlp.experts.{e}.gate_proj|up_proj|down_proj.weight``;
+- fused (transformers 5 in memory): ``mlp.experts.gate_up_proj`` (E, 2F, D) and ``down_proj`` (E, D, F),
+  which are exactly our ``moe.gate_up`` and ``moe.down``.
+
+Export writes the per-expert layout, which every transformers version reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any, Literal
+
+from zoo.checkpoint import ExternalFormat
+from zoo.checkpoint.mapping import Fuse, MappingError, MappingTable, Rename, StackExperts
+from zoo.errors import UsageError
+from zoo_gpt.convert import from_hf_config as llama_from_hf
+from zoo_gpt.convert import table as llama_table
+from zoo_moe.plugin import MoEConfig
+
+Layout = Literal["per_expert", "fused"]
+L = "model.layers.{i}."
+
+
+def _attention(cfg: MoEConfig) -> list[Any]:
+    """LLaMA's rules without its MLP (Qwen2's o_proj has no bias, which LLaMA's attention_bias would add)."""
+    import dataclasses
+
+    qwen = cfg.layer_spec.startswith("qwen2_moe")
+    as_llama = dataclasses.replace(cfg, layer_spec="llama_attn_bias" if qwen else "llama")
+    return [r for r in llama_table(as_llama).rules if ".mlp." not in getattr(r, "ours", "")
+            and not getattr(r, "ours", "").endswith("attn.proj.bias")]
+
+
+def table(cfg: MoEConfig, layout: Layout = "per_expert") -> MappingTable:
+    qwen = cfg.layer_spec.startswith("qwen2_moe")
+    moe = L + ("mlp." if qwen or layout == "fused" else "block_sparse_moe.")
+    rules: list[Any] = [*_attention(cfg), Rename("layers.{i}.moe.router.weight", moe + "gate.weight")]
+    if layout == "fused":
+        rules += [Rename("layers.{i}.moe.gate_up", moe + "experts.gate_up_proj"),
+                  Rename("layers.{i}.moe.down", moe + "experts.down_proj")]
+    elif qwen:
+        rules += [StackExperts("layers.{i}.moe.gate_up", (moe + "experts.{e}.gate_proj.weight", moe + "experts.{e}.up_proj.weight")),
+                  StackExperts("layers.{i}.moe.down", moe + "experts.{e}.down_proj.weight")]
+    else:
+        rules += [StackExperts("layers.{i}.moe.gate_up", (moe + "experts.{e}.w1.weight", moe + "experts.{e}.w3.weight")),
+                  StackExperts("layers.{i}.moe.down", moe + "experts.{e}.w2.weight")]
+    if qwen:
+        rules += [Fuse("layers.{i}.moe.shared.fc.weight", (moe + "shared_expert.gate_proj.weight", moe + "shared_expert.up_proj.weight")),
+                  Rename("layers.{i}.moe.shared.proj.weight", moe + "shared_expert.down_proj.weight"),
+                  Rename("layers.{i}.moe.shared_gate.weight", moe + "shared_expert_gate.weight")]
+    return MappingTable(rules=tuple(rules))
+
+
+def import_table(cfg: MoEConfig, keys: Collection[str]) -> MappingTable:
+    """The table for the expert layout these keys use; a file mixing both is refused."""
+    fused = sorted(k for k in keys if ".experts.gate_up_proj" in k or ".experts.down_proj" in k)
+    per = sorted(k for k in keys if ".experts.0." in k)
+    if fused and per:
+        raise MappingError(f"the checkpoint mixes expert layouts: per-expert keys ({per[0]!r}, ...) and fused keys "
+                           f"({fused[0]!r}, ...); convert it to one layout")
+    return table(cfg, "fused" if fused else "per_expert")
+
+
+def to_hf_config(cfg: MoEConfig) -> dict[str, Any]:
+    from zoo_gpt.convert import to_hf_config as llama_to_hf
+
+    base = {k: v for k, v in llama_to_hf(cfg).items() if k not in ("attention_bias", "mlp_bias")}
+    hf_coef = cfg.aux_loss_coeff if cfg.aux_loss_convention == "hf" else 0.001
+    if cfg.layer_spec.startswith("qwen2_moe"):
+        return {**base, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                "moe_intermediate_size": cfg.ffn_hidden_size, "shared_expert_intermediate_size": cfg.shared_ffn_hidden_size,
+                "intermediate_size": cfg.shared_ffn_hidden_size, "num_experts": cfg.num_experts,
+                "num_experts_per_tok": cfg.top_k, "norm_topk_prob": cfg.layer_spec == "qwen2_moe_norm",
+                "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": True, "router_aux_loss_coef": hf_coef,
+                "use_sliding_window": False}
+    if cfg.layer_spec != "mixtral":
+        raise UsageError(f"model.layer_spec={cfg.layer_spec!r} has no Hugging Face architecture (mixtral, qwen2_moe only)")
+    return {**base, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.top_k, "router_aux_loss_coef": hf_coef, "router_jitter_noise": 0.0,
+            "sliding_window": None}
+
+
+def from_hf_config(hf: dict[str, Any]) -> MoEConfig:
+    kind = hf.get("model_type")
+    if kind not in ("mixtral", "qwen2_moe"):
+        raise UsageError(f"model_type {kind!r} is not Mixtral or Qwen2-MoE")
+    if hf.get("router_jitter_noise"):
+        raise UsageError("router_jitter_noise > 0 is not supported (it scales the experts' input too, as in HF)")
+    qwen = kind == "qwen2_moe"
+    if qwen and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
+        raise UsageError("Qwen2-MoE with dense layers (mlp_only_layers, decoder_sparse_step > 1) is not supported")
+    if hf.get("use_sliding_window") or (not qwen and hf.get("sliding_window")):
+        raise UsageError("sliding-window attention is not supported")
+    base = llama_from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False,
+                          "intermediate_size": hf["moe_intermediate_size"] if qwen else hf["intermediate_size"]})
+    fields = {f: getattr(base, f) for f in base.__dataclass_fields__ if f != "layer_spec"}
+    spec = ("qwen2_moe_norm" if hf.get("norm_topk_prob") else "qwen2_moe") if qwen else "mixtral"
+    return MoEConfig(**fields, num_experts=hf["num_experts"] if qwen else hf["num_local_experts"],
+                     top_k=hf["num_experts_per_tok"], shared_ffn_hidden_size=hf.get("shared_expert_intermediate_size", 0),
+                     aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)), aux_loss_convention="hf",
+                     layer_spec=spec)
+
+
+HF = ExternalFormat(
+    name="hf",
+    architectures={"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2-moe"},
+    table=table,
+    to_config=to_hf_config,
+    from_config=from_hf_config,
+    import_table=import_table,
+)

@@ -1,0 +1,156 @@
+"""Declarations of the Mixtral and Qwen2-MoE families (light: no torch). The model is in `model.py`.
+
+A MoE decoder is LLaMA's decoder (`zoo_gpt`: RMSNorm, RoPE, grouped-query attention) with each
+block's MLP replaced by the core's `zoo.nn.moe.MoE`; its config extends `zoo_gpt`'s with the
+experts, the router and load balancing. ``ffn_hidden_size`` is one routed expert's width.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+from zoo import Family, MetricSpec, PipelineSpec, SequenceSpec, Throughput, hookimpl
+from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, MoESpec, NormSpec
+from zoo_gpt.plugin import GPTConfig
+
+
+@dataclass(kw_only=True)
+class MoEConfig(GPTConfig):
+    num_experts: int
+    top_k: int  # experts per token
+    shared_ffn_hidden_size: int = 0  # the shared expert's width (specs with a shared expert)
+    # Load balancing, on by default: the Switch aux loss (coefficient applied to what the convention
+    # computes: "megatron" sums per-layer losses that are 1 when balanced; "hf" pools all layers as
+    # transformers' load_balancing_loss_func does) and the router z-loss.
+    aux_loss_coeff: float = 1e-2
+    aux_loss_convention: Literal["megatron", "hf"] = "megatron"
+    z_loss_coeff: float = 1e-3
+    # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the top-k choice, moved by
+    # bias_update_rate * sign(mean load - load) once per optimizer step.
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+    # None: dropless. Otherwise each expert takes at most ceil(tokens * top_k / experts * factor)
+    # assignments per micro-batch and rank, keeping the highest gates ("probs") or the earliest ("position").
+    capacity_factor: float | None = None
+    drop_policy: Literal["probs", "position"] = "probs"
+    layer_spec: str = "mixtral"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
+        if self.aux_loss_convention not in ("megatron", "hf"):
+            raise ValueError(f"aux_loss_convention={self.aux_loss_convention!r}: one of 'megatron', 'hf'")
+        if self.drop_policy not in ("probs", "position"):
+            raise ValueError(f"drop_policy={self.drop_policy!r}: one of 'probs', 'position'")
+        if self.aux_loss_coeff == 0 and not self.expert_bias:
+            # Said, never silent (transformers drops balancing unless output_router_logits is set).
+            warnings.warn("MoE load balancing is off (aux_loss_coeff=0 and expert_bias=false): experts may collapse",
+                          stacklevel=2)
+
+
+_NORM = NormSpec(kind="rmsnorm")
+_SWIGLU = MLPSpec(activation="silu", gated=True, bias=False)
+
+
+def _spec(*, attn_bias: bool, router: Literal["softmax_topk", "sigmoid_topk"] = "softmax_topk", normalize: bool,
+          shared: bool) -> ModelSpec:
+    moe = MoESpec(expert=_SWIGLU, router=router, normalize_topk=normalize, shared_expert=_SWIGLU if shared else None)
+    # (Qwen2's attention biases are q/k/v only)
+    attn = AttentionSpec(causal=True, bias=attn_bias, out_bias=False if attn_bias else None, positions="rope")
+    block = BlockSpec(norm=_NORM, mixer=attn, ffn=moe)
+    return ModelSpec(blocks={"E": block}, embedding="token", positions="none", final_norm=_NORM, head="lm")
+
+
+SPECS = {
+    # Mixtral: softmax over experts, top-k, renormalised; SwiGLU experts.
+    "mixtral": _spec(attn_bias=False, normalize=True, shared=False),
+    # DeepSeek-V3-style scoring on Mixtral's block: sigmoid scores, top-k renormalised.
+    "mixtral_sigmoid": _spec(attn_bias=False, router="sigmoid_topk", normalize=True, shared=False),
+    # Qwen2-MoE: q/k/v biases, top-k of the softmax without renormalisation, a shared expert behind
+    # a sigmoid gate; "_norm" renormalises (norm_topk_prob=true).
+    "qwen2_moe": _spec(attn_bias=True, normalize=False, shared=True),
+    "qwen2_moe_norm": _spec(attn_bias=True, normalize=True, shared=True),
+}
+
+
+def _cfg(layers: int, hidden: int, heads: int, kv: int, ffn: int, experts: int, top_k: int, *, vocab: int, ctx: int,
+         theta: float, eps: float = 1e-5, shared: int = 0, spec: str = "mixtral", tie: bool = False) -> MoEConfig:
+    return MoEConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+                     head_dim=hidden // heads, ffn_hidden_size=ffn, max_seq_length=ctx, norm_eps=eps,
+                     tie_embeddings=tie, rope_theta=theta, num_experts=experts, top_k=top_k,
+                     shared_ffn_hidden_size=shared, layer_spec=spec)
+
+
+def mixtral_tiny() -> MoEConfig:
+    return _cfg(2, 128, 4, 2, 256, 8, 2, vocab=2048, ctx=256, theta=10000.0)
+
+
+def mixtral_8x7b() -> MoEConfig:
+    return _cfg(32, 4096, 32, 8, 14336, 8, 2, vocab=32000, ctx=32768, theta=1e6)
+
+
+def mixtral_8x22b() -> MoEConfig:
+    return _cfg(56, 6144, 48, 8, 16384, 8, 2, vocab=32768, ctx=65536, theta=1e6)
+
+
+def qwen2_moe_tiny() -> MoEConfig:
+    return _cfg(2, 128, 4, 2, 64, 8, 4, vocab=2048, ctx=256, theta=10000.0, eps=1e-6, shared=256, spec="qwen2_moe")
+
+
+def qwen15_moe_a27b() -> MoEConfig:  # Qwen1.5-MoE-A2.7B (Qwen2MoeForCausalLM)
+    return _cfg(24, 2048, 16, 16, 1408, 60, 4, vocab=151936, ctx=8192, theta=1e6, eps=1e-6, shared=5632,
+                spec="qwen2_moe")
+
+
+def qwen2_moe_57b() -> MoEConfig:  # Qwen2-57B-A14B
+    return _cfg(28, 3584, 28, 4, 2560, 64, 8, vocab=151936, ctx=32768, theta=1e6, eps=1e-6, shared=20480,
+                spec="qwen2_moe")
+
+
+METRICS = (
+    MetricSpec(name="aux_loss", aux_loss=True),  # coefficient applied
+    MetricSpec(name="z_loss", aux_loss=True),
+    MetricSpec(name="expert_load", reduce="max"),  # busiest expert's tokens / mean tokens per expert, worst layer
+    MetricSpec(name="dropped", reduce="sum"),  # (token, expert) assignments over capacity
+)
+
+_COMMON = dict(
+    task="causal_lm",
+    config=MoEConfig,
+    specs=SPECS,
+    build="zoo_moe.model:build",
+    loss="zoo_moe.model:loss",
+    example_batch="zoo_gpt.model:example_batch",
+    generate="zoo_moe.model:generate",
+    default_dataset="python-docs",
+    checkpoint_formats={"hf": "zoo_moe.convert:HF"},
+    # Attention and the shared expert split like LLaMA's; routed experts are never TP-split (ETP=1,
+    # as torchtitan): they are sharded over parallel.ep instead.
+    tp_plan={"embed": "vocab_embedding", "layers.*.attn.qkv": "column", "layers.*.attn.proj": "row",
+             "layers.*.moe.shared.fc": "column_gated", "layers.*.moe.shared.proj": "row", "head": "vocab_head"},
+    tp_local={"layers.*.attn": ("h", "kv")},
+    # The routing statistics travel with the hidden state to the stage that computes the loss.
+    pipeline=PipelineSpec(layers="layers", first=("embed",), last=("norm", "head"), input_key="tokens",
+                          carries=("moe_stats",)),
+    sequence=SequenceSpec(dim=1, keys=("tokens", "labels", "loss_mask", "position_ids", "segment_ids"),
+                          positions="position_ids", loss_mask="loss_mask"),
+    metrics=METRICS,
+    throughput=Throughput(flops_per_unit="zoo_moe.model:flops_per_token"),
+    recipe={"train.seq_length": 128, "train.micro_batch_size": 16, "optimizer.lr": 2e-3, "optimizer.weight_decay": 0.1,
+            "schedule.warmup_steps": 30, "train.steps": 300, "train.eval_interval": 100, "logging.interval": 20},
+)
+
+
+@hookimpl
+def zoo_families() -> list[Family]:
+    return [
+        Family(name="mixtral", description="Mixtral sparse MoE decoder: LLaMA attention, top-2 of 8 SwiGLU experts, "
+               "load balancing on, expert parallelism",
+               flavors={"tiny": mixtral_tiny, "8x7B": mixtral_8x7b, "8x22B": mixtral_8x22b}, **_COMMON),
+        Family(name="qwen2-moe", aliases=("qwen2_moe",),
+               description="Qwen2-MoE decoder: many small experts (top-k, not renormalised) plus a gated shared expert",
+               flavors={"tiny": qwen2_moe_tiny, "A2.7B": qwen15_moe_a27b, "57B-A14B": qwen2_moe_57b}, **_COMMON),
+    ]

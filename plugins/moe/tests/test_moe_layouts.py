@@ -1,0 +1,135 @@
+"""Expert parallelism equals one process (gloo, fp32): EP alone, with DP + ZeRO-1, TP + sequence
+parallelism, PP, and a 4-process combination; idle experts never hang a collective; a run that
+starts from a Hugging Face Mixtral resumes across EP sizes on the same curve; bad layouts fail
+with one clear line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zoo.testing import assert_same_training, run_distributed
+
+
+def _train(layout: dict, family: str, zero: bool, force: tuple[int, ...] | None = None) -> dict:
+    from zoo.nn.moe import Router
+    from zoo.testing import train_layout
+
+    Router.force = force
+    return train_layout(layout, family, 2, zero, steps=2, micro=4, seq_length=16)
+
+
+_REFS: dict = {}
+
+
+def _reference(family: str, force: tuple[int, ...] | None = None) -> dict:
+    if (family, force) not in _REFS:
+        try:
+            _REFS[(family, force)] = _train({}, family, False, force)
+        finally:
+            from zoo.nn.moe import Router
+
+            Router.force = None
+    return _REFS[(family, force)]
+
+
+LAYOUTS = [
+    # (ep2 alone: test_idle_experts_train_under_ep2_without_hanging)
+    (4, {"ep": 2}, "qwen2-moe", True),  # EP x DP with ZeRO-1 (experts' state over their EDP ranks)
+    (2, {"ep": 2, "tp": 2, "sequence_parallel": True}, "qwen2-moe", False),  # EP over the TP ranks; shared expert TP-split
+    (4, {"ep": 2, "pp": 2}, "mixtral", False),  # routing statistics carried across the stage boundary
+    (4, {"ep": 4, "tp": 2, "sequence_parallel": True}, "mixtral", True),  # EP spans TP and DP ranks, ZeRO-1
+]
+
+
+@pytest.mark.parametrize(("world", "layout", "family", "zero"), LAYOUTS,
+                         ids=[f"{f}-w{w}-" + "-".join(f"{k}{v}" if v is not True else k for k, v in lay.items())
+                              + ("-zero" if z else "") for w, lay, f, z in LAYOUTS])
+def test_expert_parallel_layouts_equal_one_process(world, layout, family, zero):
+    ref = _reference(family)
+    for got in run_distributed(_train, world, layout, family, zero, timeout=240):
+        assert_same_training(got, ref)
+
+
+def test_idle_experts_train_under_ep2_without_hanging():
+    # Every token goes to experts 0 and 1, both on EP rank 0: rank 1's experts see no token at all.
+    ref = _reference("mixtral", (0, 1))
+    got = run_distributed(_train, 2, {"ep": 2}, "mixtral", False, (0, 1), timeout=120)
+    for g in got:
+        assert_same_training(g, ref)
+        assert g["grads"]["layers.0.moe.down"][4:].abs().sum() == 0  # idle experts: zero gradient, not none
+        assert g["grads"]["layers.0.moe.down"][:2].abs().sum() > 0
+
+
+def test_bad_layouts_fail_with_one_clear_line():
+    from zoo.errors import ConfigError
+    from zoo.registry import get_registry
+    from zoo.testing import layout_for
+
+    fam = get_registry().get("mixtral").family
+    with pytest.raises(ConfigError, match="ep=3 does not divide model.num_experts=8"):
+        layout_for(fam, 3, ep=3)
+    with pytest.raises(ConfigError, match="tp=2 with a mixture of experts needs parallel.sequence_parallel=true"):
+        layout_for(fam, 2, tp=2)
+    with pytest.raises(ConfigError, match="etp=2: expert tensor parallelism is not supported"):
+        layout_for(fam, 4, ep=2, etp=2)
+    with pytest.raises(ConfigError, match="fsdp with ep > 1"):
+        layout_for(fam, 2, ep=2, fsdp=2)
+
+
+def _zoo(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("ZOO_PLUGINS", None)
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
+    return subprocess.run([sys.executable, *launch, "-m", "zoo", *args], capture_output=True, text=True, timeout=600, env=env)
+
+
+def _run(run_dir: Path, *extra: str) -> list[str]:
+    return ["train", "--model", "mixtral", "--run-dir", str(run_dir), "train.seq_length=32", "train.micro_batch_size=4",
+            "train.global_batch_size=8", "train.steps=4", "checkpoint.interval=2", "logging.interval=1",
+            "train.eval_interval=0", "logging.progress=false", "logging.tensorboard=false", "logging.plot=false", *extra]
+
+
+def _curve(run_dir: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b))
+
+
+def test_training_from_hugging_face_under_ep2_resumes_at_ep1_on_the_same_curve(tmp_path):
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from zoo_moe.plugin import mixtral_tiny
+
+    c = mixtral_tiny()
+    torch.manual_seed(0)
+    MixtralForCausalLM(MixtralConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size, num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, num_local_experts=c.num_experts,
+        num_experts_per_tok=c.top_k, max_position_embeddings=c.max_seq_length, rope_theta=c.rope_theta,
+        rms_norm_eps=c.norm_eps)).save_pretrained(tmp_path / "hf")  # the Hub's per-expert layout
+    load = f"checkpoint.load=hf:{tmp_path / 'hf'}"
+    one = _zoo(1, *_run(tmp_path / "one", load))
+    assert one.returncode == 0, one.stdout + one.stderr
+    # Each EP rank reads only its four experts of the HF files; ZeRO-1 shards their optimizer state.
+    ep2 = _zoo(2, *_run(tmp_path / "ep2", load, "parallel.ep=2", "parallel.zero=1"))
+    assert ep2.returncode == 0, ep2.stdout + ep2.stderr
+    assert _close(_curve(tmp_path / "ep2"), _curve(tmp_path / "one"))
+    index = json.loads((tmp_path / "ep2" / "checkpoints" / "step_00000002" / "index.json").read_text())
+    assert len(index["tensors"]["layers.1.moe.gate_up"]["pieces"]) == 2  # one piece per EP rank
+    # The ep2 checkpoint continued by one process: the uninterrupted curve.
+    run = tmp_path / "resumed"
+    (run / "checkpoints").mkdir(parents=True)
+    import shutil
+
+    shutil.copytree(tmp_path / "ep2" / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000002")
+    out = _zoo(1, *_run(run))
+    assert out.returncode == 0 and "resuming from" in out.stdout, out.stdout + out.stderr
+    assert _close(_curve(run), _curve(tmp_path / "one")[2:])

@@ -1,0 +1,200 @@
+"""Mixtral and Qwen2-MoE against Hugging Face (tiny random configs, fp32): logits, the aux loss
+under HF's convention, both on-disk expert layouts and their round trips; the router and the
+dispatcher against formulas written out token by token."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+from zoo_moe import convert
+from zoo_moe.model import build
+from zoo_moe.plugin import SPECS
+
+from zoo.checkpoint.mapping import MappingError, from_external, to_external
+from zoo.nn.moe import MoE, balance_losses
+from zoo.spec import MLPSpec, MoESpec
+
+
+def _hf(kind: str, **over):
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  num_experts_per_tok=2, max_position_embeddings=64)
+    if kind == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=4, **common, **over))
+    else:
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=16,
+                                                   shared_expert_intermediate_size=40, num_experts=4, **common, **over))
+    torch.manual_seed(0)
+    for p in model.parameters():  # large enough that routing differences would show
+        torch.nn.init.normal_(p, std=0.2)
+    return model.eval()
+
+
+def _ours(hf):
+    cfg = convert.from_hf_config(hf.config.to_dict())
+    sd = hf.state_dict()
+    state = from_external(convert.import_table(cfg, list(sd)), sd, cfg)
+    model = build(cfg, SPECS[cfg.layer_spec]).eval()
+    model.load_state_dict(state, strict=True)
+    return model, cfg, state
+
+
+@pytest.mark.parametrize(("kind", "over"), [("mixtral", {}), ("qwen", {}), ("qwen", {"norm_topk_prob": True})],
+                         ids=["mixtral", "qwen2-moe", "qwen2-moe-norm-topk"])
+def test_logits_and_aux_loss_match_hugging_face(kind, over):
+    hf = _hf(kind, **over)
+    ours, cfg, _ = _ours(hf)
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(x, output_router_logits=True)
+        assert (ours(x) - ref.logits).abs().max().item() <= 1e-5
+        _, stats = ours(x, labels=x)
+    terms = balance_losses(stats, num_experts=cfg.num_experts, top_k=cfg.top_k, convention="hf")
+    assert terms["aux"].item() == pytest.approx(ref.aux_loss.item(), rel=1e-6)
+
+
+def test_mixtral_both_expert_layouts_round_trip_bitwise_and_a_mix_is_refused(tmp_path):
+    hf = _hf("mixtral")
+    _, cfg, state = _ours(hf)  # from transformers 5's fused in-memory layout
+    fused = hf.state_dict()
+    assert any(".mlp.experts.gate_up_proj" in k for k in fused)
+    back = to_external(convert.table(cfg, "fused"), state, cfg)
+    assert back.keys() == fused.keys() and all(torch.equal(back[k], fused[k]) for k in fused)
+    # The Hub layout, as save_pretrained writes it: one tensor per expert and projection.
+    hf.save_pretrained(tmp_path / "hub")
+    from safetensors.torch import load_file
+
+    hub = load_file(tmp_path / "hub" / "model.safetensors")
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in hub
+    from_hub = from_external(convert.import_table(cfg, list(hub)), hub, cfg)
+    assert all(torch.equal(from_hub[k], state[k]) for k in state)
+    exported = to_external(convert.table(cfg), state, cfg)
+    assert exported.keys() == hub.keys() and all(torch.equal(exported[k], hub[k]) for k in hub)
+    mixed = {**hub, "model.layers.0.mlp.experts.gate_up_proj": fused["model.layers.0.mlp.experts.gate_up_proj"]}
+    with pytest.raises(MappingError, match="mixes expert layouts"):
+        convert.import_table(cfg, list(mixed))
+
+
+def test_zoo_convert_reads_a_saved_mixtral_and_writes_one_transformers_loads(tmp_path, capsys):
+    from transformers import MixtralForCausalLM
+
+    from zoo.cli import main
+
+    hf = _hf("mixtral")
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "zoo")]) == 0
+    assert main(["convert", "--to", "hf", str(tmp_path / "zoo"), str(tmp_path / "back")]) == 0
+    capsys.readouterr()
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    again = MixtralForCausalLM.from_pretrained(tmp_path / "back").eval()
+    x = torch.randint(0, 64, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, hf(x).logits)
+
+
+def _layer(spec: MoESpec, **kw) -> MoE:
+    torch.manual_seed(3)
+    layer = MoE(spec, hidden=16, ffn_hidden=24, num_experts=6, top_k=2, **kw)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return layer
+
+
+def _by_token(layer: MoE, x: torch.Tensor, keep: set[tuple[int, int]] | None = None) -> torch.Tensor:
+    """The MoE written token by token: y_t = sum_k gate_tk * expert_k(x_t) (independent of the sort)."""
+    flat = x.reshape(-1, x.shape[-1])
+    logits = flat @ layer.router.weight.t()
+    scores = torch.softmax(logits, -1) if layer.router.score == "softmax" else torch.sigmoid(logits)
+    out = torch.zeros_like(flat)
+    for t in range(flat.shape[0]):
+        top = torch.topk(scores[t], layer.top_k).indices
+        g = scores[t, top]
+        if layer.router.normalize:
+            g = g / g.sum()
+        for e, w in zip(top.tolist(), g):
+            if keep is not None and (t, e) not in keep:
+                continue
+            gate, up = (layer.gate_up[e] @ flat[t]).chunk(2)
+            out[t] += w * (layer.down[e] @ (torch.nn.functional.silu(gate) * up))
+    return out.view_as(x)
+
+
+SWIGLU = MLPSpec(activation="silu", gated=True, bias=False)
+
+
+@pytest.mark.parametrize("router", ["softmax_topk", "sigmoid_topk"])
+def test_dropless_dispatch_equals_the_per_token_formula(router):
+    layer = _layer(MoESpec(expert=SWIGLU, router=router, normalize_topk=True))
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():
+        assert torch.allclose(layer(x), _by_token(layer, x), atol=1e-5)
+        assert layer.stats[-1].item() == 0  # nothing dropped
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_factor_drops_what_the_policy_says(policy):
+    layer = _layer(MoESpec(expert=SWIGLU, normalize_topk=True), capacity_factor=0.5, drop_policy=policy)
+    x = torch.randn(2, 12, 16)
+    flat = x.reshape(-1, 16)
+    with torch.no_grad():
+        scores = torch.softmax(flat @ layer.router.weight.t(), -1)
+        top = torch.topk(scores, 2)
+        gate = top.values / top.values.sum(-1, keepdim=True)  # what Megatron's "probs" policy ranks by
+        capacity = math.ceil(24 * 2 / 6 * 0.5)
+        keep = set()
+        for e in range(6):
+            mine = [(t, gate[t, top.indices[t].tolist().index(e)].item()) for t in range(24) if e in top.indices[t].tolist()]
+            if policy == "probs":
+                mine.sort(key=lambda a: -a[1])
+            keep |= {(t, e) for t, _ in mine[:capacity]}
+        got = layer(x)
+        assert layer.stats[-1].item() == 48 - len(keep) > 0
+        assert torch.allclose(got, _by_token(layer, x, keep), atol=1e-5)
+
+
+def test_megatron_aux_loss_is_one_per_layer_when_balanced_and_the_z_loss_is_the_mean_squared_lse():
+    e, k, n = 4, 2, 8
+    stats = torch.zeros(2, 2 * e + 3)
+    stats[:, :e] = n * k / e  # every expert gets its share
+    stats[:, e:2 * e] = n / e  # uniform probabilities
+    stats[:, 2 * e + 1] = n
+    assert balance_losses(stats, num_experts=e, top_k=k)["aux"].item() == pytest.approx(2.0)
+    assert balance_losses(stats, num_experts=e, top_k=k, convention="hf")["aux"].item() == pytest.approx(k)
+    layer = _layer(MoESpec(expert=SWIGLU))
+    x = torch.randn(1, 7, 16)
+    with torch.no_grad():
+        layer(x)
+        z = balance_losses(layer.stats[None], num_experts=6, top_k=2)["z"]
+        lse = torch.logsumexp(x.reshape(-1, 16) @ layer.router.weight.t(), -1)
+    assert z.item() == pytest.approx(lse.square().mean().item(), rel=1e-6)
+
+
+def test_expert_bias_moves_against_the_load_and_only_steers_the_choice():
+    layer = _layer(MoESpec(expert=SWIGLU, router="sigmoid_topk"), expert_bias=True)
+    x = torch.randn(4, 8, 16)
+    layer(x)  # training forward: loads counted
+    counts = layer.router.tokens_per_expert.clone()
+    layer.router.update_bias(0.1)
+    assert torch.equal(layer.router.expert_bias, 0.1 * torch.sign(counts.mean() - counts))
+    assert layer.router.tokens_per_expert.sum() == 0
+    gates, experts, _, scores = layer.router(x.reshape(-1, 16))
+    unbiased = scores.gather(1, experts)
+    assert torch.allclose(gates, unbiased / unbiased.sum(-1, keepdim=True))  # gates are the unbiased scores
+
+
+def test_bad_moe_configs_fail_with_one_clear_line():
+    from zoo_moe.plugin import mixtral_tiny
+
+    cfg = mixtral_tiny()
+    with pytest.raises(ValueError, match="top_k=9 must be between 1 and num_experts=8"):
+        type(cfg)(**{**cfg.__dict__, "top_k": 9})
+    with pytest.warns(UserWarning, match="load balancing is off"):
+        type(cfg)(**{**cfg.__dict__, "aux_loss_coeff": 0.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        type(cfg)(**{**cfg.__dict__, "aux_loss_coeff": 0.0, "expert_bias": True})  # balanced by the bias: no warning
