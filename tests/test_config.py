@@ -143,7 +143,7 @@ def test_layout_derives_dp_and_accumulation():
     lay = plan(8, ["parallel.tp=2", "parallel.pp=2", "train.micro_batch_size=2", "train.global_batch_size=16"])
     assert (lay.tp, lay.pp, lay.dp, lay.cp) == (2, 2, 2, 1)
     assert lay.grad_accum == 16 // (2 * 2)
-    assert lay.expert_dp == 8 // (2 * 1 * 2)
+    assert (lay.etp, lay.expert_dp) == (1, 8 // (1 * 1 * 2))  # experts are never TP-split: etp=1, edp = world / (ep * pp)
     assert "world 8 = tp=2 x cp=1 x dp=2 x pp=2" in lay.describe()
 
 

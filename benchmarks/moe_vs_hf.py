@@ -1,0 +1,189 @@
+"""zoo's Mixtral against Hugging Face's MixtralForCausalLM: training tokens/s, live peak memory, and
+how much of the MoE layer is dispatch (everything but the expert GEMMs).
+
+Both models get the identical config (8 experts, top-2, 4 layers, hidden 512, expert width 1024 by
+default), the same batch, the same AdamW and thread count, in fp32 and bf16 autocast. HF trains with
+`output_router_logits=True` (otherwise it drops load balancing) and its `labels=` loss; zoo with the
+family's loss (aux + z terms included, logits never materialised) under `zoo train`'s default
+recompute scope. Each measurement runs in a fresh process with a fixed mmap threshold, so peak RSS
+follows live memory (see benchmarks/llama_vs_hf.py).
+
+    python benchmarks/moe_vs_hf.py            # full size
+    python benchmarks/moe_vs_hf.py --quick    # smaller, faster
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+LIVE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+
+
+def hf_config(a: argparse.Namespace) -> dict:
+    return dict(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
+                num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, num_local_experts=a.experts,
+                num_experts_per_tok=a.top_k, max_position_embeddings=a.seq, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def build(a: argparse.Namespace):
+    import torch
+
+    torch.manual_seed(0)
+    if a.impl == "hf":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        hf = MixtralForCausalLM(MixtralConfig(**hf_config(a), attn_implementation="sdpa", router_aux_loss_coef=0.01))
+
+        def hf_loss(m, x, y):  # labels= path: logits upcast, CE, + coef * aux (output_router_logits=True)
+            return m(input_ids=x, labels=y, output_router_logits=True).loss
+
+        return hf, hf_loss
+    from zoo.config import TrainConfig
+    from zoo.nn import recompute
+    from zoo_moe.convert import from_hf_config
+    from zoo_moe.model import build as zoo_build
+    from zoo_moe.model import loss
+    from zoo_moe.plugin import SPECS
+
+    cfg = from_hf_config({"model_type": "mixtral", **hf_config(a), "router_aux_loss_coef": 0.01})
+    mode = TrainConfig().recompute
+    model = zoo_build(cfg, SPECS[cfg.layer_spec])
+
+    def zoo_loss(m, x, y):
+        with recompute.scope(mode):
+            ce, metrics = loss(m, {"tokens": x, "labels": y})
+            return ce + metrics["aux_loss"] + metrics["z_loss"]
+
+    return model, zoo_loss
+
+
+def worker(a: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(a.threads)
+    model, loss_of = build(a)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    x = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=torch.Generator().manual_seed(1))
+    inputs, labels = x[:, :-1], x[:, 1:]
+    dtype = torch.bfloat16 if a.precision == "bf16" else None
+
+    def step() -> float:
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = loss_of(model, inputs, labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    for _ in range(a.warmup):
+        step()
+    times = []
+    for _ in range(a.steps):
+        t = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    print(json.dumps({"tokens_per_s": a.batch * a.seq / times[len(times) // 2], "loss": loss,
+                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def dispatch(a: argparse.Namespace) -> None:
+    """One zoo MoE layer, forward + backward: whole layer vs its expert GEMMs alone (the same
+    per-expert slices, timed by themselves); the rest is routing, sorting, gathers and scatters."""
+    import torch
+
+    from zoo.nn.moe import MoE
+    from zoo.spec import MLPSpec, MoESpec
+
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    layer = MoE(MoESpec(expert=MLPSpec(activation="silu", gated=True, bias=False)), hidden=a.hidden, ffn_hidden=a.ffn,
+                num_experts=a.experts, top_k=a.top_k)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(a.batch, a.seq, a.hidden, requires_grad=True)
+    with torch.no_grad():
+        _, experts, _, _ = layer.router(x.reshape(-1, a.hidden))
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=a.experts)
+    xs = x.detach().reshape(-1, a.hidden)[order // a.top_k].clone().requires_grad_(True)
+
+    def whole() -> None:
+        layer(x).sum().backward()
+
+    def gemms() -> None:
+        layer._experts(xs, counts, layer.gate_up, layer.down).sum().backward()
+
+    out = {}
+    for name, fn in (("layer_s", whole), ("gemm_s", gemms)):
+        for _ in range(2):
+            fn()
+        ts = []
+        for _ in range(7):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        out[name] = sorted(ts)[3]
+    out["dispatch_fraction"] = 1 - out["gemm_s"] / out["layer_s"]
+    print(json.dumps(out))
+
+
+def run_child(extra: list[str], a: argparse.Namespace) -> dict:
+    keep = {k: v for k, v in vars(a).items() if k not in ("worker", "dispatch", "impl", "precision", "quick")}
+    cmd = [sys.executable, __file__, *extra, *[f"--{k.replace('_', '-')}={v}" for k, v in keep.items()]]
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), **LIVE_ENV}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--ffn", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dispatch", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--impl", default="zoo", help=argparse.SUPPRESS)
+    p.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        return worker(a)
+    if a.dispatch:
+        return dispatch(a)
+    if a.quick:
+        a.layers, a.seq, a.steps = 2, 256, 3
+    print(f"# {platform.processor() or platform.machine()}, {a.threads} threads; {a.layers} layers, hidden {a.hidden}, "
+          f"{a.experts} experts top-{a.top_k} (width {a.ffn}), seq {a.seq}, batch {a.batch}")
+    for precision in ("fp32", "bf16"):
+        res = {impl: run_child(["--worker", f"--impl={impl}", f"--precision={precision}"], a) for impl in ("hf", "zoo")}
+        z, h = res["zoo"], res["hf"]
+        print(f"{precision}: zoo {z['tokens_per_s']:,.0f} tok/s vs HF {h['tokens_per_s']:,.0f} -> "
+              f"{z['tokens_per_s'] / h['tokens_per_s']:.2f}x; peak RSS zoo {z['peak_rss_mb']:,.0f} MB vs HF "
+              f"{h['peak_rss_mb']:,.0f} MB -> {z['peak_rss_mb'] / h['peak_rss_mb']:.2f}x")
+    d = run_child(["--dispatch"], a)
+    print(f"dispatch: MoE layer fwd+bwd {d['layer_s'] * 1e3:.1f} ms, expert GEMMs {d['gemm_s'] * 1e3:.1f} ms -> "
+          f"dispatch overhead {d['dispatch_fraction']:.0%} of the layer")
+
+
+if __name__ == "__main__":
+    main()
