@@ -45,12 +45,13 @@ def build(a: argparse.Namespace):
             return m(input_ids=x, labels=y, output_router_logits=True).loss
 
         return hf, hf_loss
-    from zoo.config import TrainConfig
-    from zoo.nn import recompute
     from zoo_moe.convert import from_hf_config
     from zoo_moe.model import build as zoo_build
     from zoo_moe.model import loss
     from zoo_moe.plugin import SPECS
+
+    from zoo.config import TrainConfig
+    from zoo.nn import recompute
 
     cfg = from_hf_config({"model_type": "mixtral", **hf_config(a), "router_aux_loss_coef": 0.01})
     mode = TrainConfig().recompute
