@@ -254,10 +254,13 @@ class MoE(nn.Module):
             return torch._grouped_mm(h, down.transpose(1, 2), offs=offs)
         outs = []
         sizes = counts.tolist()  # one host read per layer: the slice boundaries
+        # unbind, not gate_up[e]: its backward stacks the experts' gradients once, where indexing
+        # would add one zero-filled (E, ...) gradient per expert
+        gate_ups, downs = gate_up.unbind(0), down.unbind(0)
         for e, chunk in enumerate(xs.split(sizes)):
             if sizes[e] == 0:  # an idle expert costs nothing
                 continue
-            outs.append(self._mlp(chunk, gate_up[e], down[e]))
+            outs.append(self._mlp(chunk, gate_ups[e], downs[e]))
         if not outs:  # no tokens here at all: an empty pass still gives the experts a (zero) gradient
             return self._mlp(xs[:0], gate_up[0], down[0])
         return torch.cat(outs) if len(outs) > 1 else outs[0]
