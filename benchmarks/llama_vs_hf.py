@@ -67,6 +67,14 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     model, loss_of = build(args.impl, args)
+    print(json.dumps(time_training(model, loss_of, args)))
+
+
+def time_training(model, loss_of, args: argparse.Namespace) -> dict:
+    """Median step time of AdamW training on one fixed batch (``args``: vocab, batch, seq, precision,
+    warmup, steps): tokens/s, the last loss and peak RSS. Also used by benchmarks/moe_vs_hf.py."""
+    import torch
+
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1))
@@ -91,9 +99,9 @@ def worker(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - t)
     times.sort()
     median = times[len(times) // 2]
-    print(json.dumps({"tokens_per_s": args.batch * args.seq / median, "step_s": median, "loss": loss,
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "rss_over_model_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_rss}))
+    return {"tokens_per_s": args.batch * args.seq / median, "step_s": median, "loss": loss,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "rss_over_model_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_rss}
 
 
 def gemm_peak(args: argparse.Namespace) -> None:

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -67,33 +66,11 @@ def build(a: argparse.Namespace):
 
 def worker(a: argparse.Namespace) -> None:
     import torch
+    from llama_vs_hf import time_training  # the same timed AdamW loop as the LLaMA benchmark
 
     torch.set_num_threads(a.threads)
     model, loss_of = build(a)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-    x = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=torch.Generator().manual_seed(1))
-    inputs, labels = x[:, :-1], x[:, 1:]
-    dtype = torch.bfloat16 if a.precision == "bf16" else None
-
-    def step() -> float:
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            loss = loss_of(model, inputs, labels)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    for _ in range(a.warmup):
-        step()
-    times = []
-    for _ in range(a.steps):
-        t = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - t)
-    times.sort()
-    print(json.dumps({"tokens_per_s": a.batch * a.seq / times[len(times) // 2], "loss": loss,
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(json.dumps(time_training(model, loss_of, a)))
 
 
 def dispatch(a: argparse.Namespace) -> None:

@@ -6,11 +6,12 @@ decodes its samples through the same VAE; sizes the VAE cannot take are one clea
 from __future__ import annotations
 
 import json
-import subprocess
 
 import numpy as np
 import pytest
 import torch
+
+from zoo.testing import run_zoo
 
 pytest.importorskip("diffusers")
 
@@ -33,15 +34,6 @@ def encoders(tmp_path_factory):
     return root
 
 
-def _zoo(capsys, *args: str) -> subprocess.CompletedProcess:
-    """``zoo ARGS`` in this process (no interpreter start per call): its exit status and stderr."""
-    from zoo.cli import main
-
-    capsys.readouterr()
-    rc = main(list(args))
-    return subprocess.CompletedProcess(args, rc, "", capsys.readouterr().err)
-
-
 def _first_sample(path, split: str = "train") -> dict:
     from zoo.data.energon.dataset import WebDataset, make_sample
 
@@ -54,7 +46,7 @@ def test_prepared_latents_and_embeddings_equal_the_libraries_own(encoders, tmp_p
     from sklearn.datasets import load_digits
     from transformers import AutoTokenizer, T5EncoderModel
 
-    out = _zoo(capsys, "prepare", "images", str(tmp_path / "img"), "--dataset", "digits", "--shard-size", "200",
+    out = run_zoo(capsys, "prepare", "images", str(tmp_path / "img"), "--dataset", "digits", "--shard-size", "200",
                "--vae", str(encoders / "vae"), "--text-encoder", str(encoders / "t5"))
     assert out.returncode == 0, out.stderr
     meta = json.loads((tmp_path / "img" / ".nv-meta" / "encoders.json").read_text())
@@ -76,7 +68,7 @@ def test_prepared_latents_and_embeddings_equal_the_libraries_own(encoders, tmp_p
     assert s["txt"] == f"a handwritten {digits.target[i]}" and np.allclose(s["t5.npy"], emb.numpy(), atol=1e-6)
 
     # Clips: every frame through the VAE, (C, T, H/f, W/f).
-    out = _zoo(capsys, "prepare", "video", str(tmp_path / "vid"), "--count", "20", "--vae", str(encoders / "vae"))
+    out = run_zoo(capsys, "prepare", "video", str(tmp_path / "vid"), "--count", "20", "--vae", str(encoders / "vae"))
     assert out.returncode == 0, out.stderr
     clip = _first_sample(tmp_path / "vid")
     frames = torch.from_numpy(clip["npy"][0]).float()[:, None].expand(-1, 3, -1, -1)
@@ -86,7 +78,7 @@ def test_prepared_latents_and_embeddings_equal_the_libraries_own(encoders, tmp_p
     assert np.allclose(clip["latent.npy"], want.transpose(0, 1).numpy(), atol=1e-5)
 
     # A size the VAE cannot halve: one line naming the sample, nothing written.
-    bad = _zoo(capsys, "prepare", "images", str(tmp_path / "bad"), "--dataset", "digits", "--size", "9", "--vae",
+    bad = run_zoo(capsys, "prepare", "images", str(tmp_path / "bad"), "--dataset", "digits", "--size", "9", "--vae",
                str(encoders / "vae"))
     assert bad.returncode != 0 and "digit00000: 9x9 pixels do not divide by the VAE's downsampling factor 2" \
         in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
@@ -96,18 +88,18 @@ def test_prepared_latents_and_embeddings_equal_the_libraries_own(encoders, tmp_p
     args = ("train", "--model", "dit", "--run-dir", str(tmp_path / "run"), f"data.path={tmp_path / 'img'}",
             "model.in_channels=4", "model.sample_size=4", "train.steps=2", "train.micro_batch_size=8",
             "train.eval_interval=0", "logging.interval=1")
-    unset = _zoo(capsys, *args)
+    unset = run_zoo(capsys, *args)
     assert unset.returncode == 2 and f"set model.vae={encoders / 'vae'}" in unset.stderr
-    ok = _zoo(capsys, *args, f"model.vae={encoders / 'vae'}")
+    ok = run_zoo(capsys, *args, f"model.vae={encoders / 'vae'}")
     assert ok.returncode == 0, ok.stderr
-    gen = _zoo(capsys, "generate", "--checkpoint", str(tmp_path / "run"), "--class", "3", "--num-steps", "2", "--height",
+    gen = run_zoo(capsys, "generate", "--checkpoint", str(tmp_path / "run"), "--class", "3", "--num-steps", "2", "--height",
                "16", "--width", "8", "--output", str(tmp_path / "g.png"))
     assert gen.returncode == 0, gen.stderr
     from PIL import Image
 
     # 16x8 pixels (8x4 latents) decoded, upscaled 2x for the grid (+ 2 px border each side)
     assert Image.open(tmp_path / "g.png").size == (8 * 4 + 4, 16 * 4 + 4)
-    wrong = _zoo(capsys, "generate", "--checkpoint", str(tmp_path / "run"), "--class", "3", "--height", "6", "--output",
+    wrong = run_zoo(capsys, "generate", "--checkpoint", str(tmp_path / "run"), "--class", "3", "--height", "6", "--output",
                  str(tmp_path / "h.png"))
     assert wrong.returncode == 2 and "--height 6: must be divisible by the patch size 2 x the VAE's downsampling " \
         "factor 2 = 4" in wrong.stderr and not (tmp_path / "h.png").exists()

@@ -36,13 +36,3 @@ def curve(run_dir: Path) -> list[float]:
 
     return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
-
-def zoo_here(capsys, *args: str) -> subprocess.CompletedProcess[str]:
-    """``zoo ARGS`` in this process (no interpreter start and torch import per call): exit status,
-    stdout and stderr, as `zoo` returns them."""
-    from zoo.cli import main
-
-    capsys.readouterr()
-    rc = main(list(args))
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(list(args), rc, out.out, out.err)

@@ -163,9 +163,11 @@ def test_low_precision_parameters_with_fp32_masters_train_and_resume_exactly(tmp
     import shutil
 
     from _gpt_helpers import curve as _curve
-    from _gpt_helpers import small_run, zoo_here
+    from _gpt_helpers import small_run
 
-    zoo = functools.partial(zoo_here, capsys)  # in this process: six runs, no interpreter starts
+    from zoo.testing import run_zoo
+
+    zoo = functools.partial(run_zoo, capsys)  # in this process: six runs, no interpreter starts
 
     args = ("train.steps=6", "checkpoint.interval=3", f"train.precision={dtype}", f"train.param_dtype={dtype}",
             "parallel.zero=1")

@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _gpt_helpers import small_run, zoo, zoo_here
+from _gpt_helpers import small_run, zoo
+
+from zoo.testing import run_zoo
 
 
 @pytest.fixture(autouse=True)
@@ -25,7 +27,7 @@ def _zoo_in_process(capsys, monkeypatch):
     test's killed run is still a process of its own."""
     import functools
 
-    monkeypatch.setitem(globals(), "zoo", functools.partial(zoo_here, capsys))
+    monkeypatch.setitem(globals(), "zoo", functools.partial(run_zoo, capsys))
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -334,8 +334,7 @@ def balance_losses(stats: torch.Tensor, *, num_experts: int, top_k: int, convent
         raise ValueError(f"aux loss convention {convention!r}: one of megatron, hf")
     mean = counts.sum(1) / e
     load = (counts.max(1).values / mean.clamp(min=1e-9)).max()
-    return {"aux": aux, "z": (z_sum / n).sum(), "load": load.detach(), "dropped": dropped.sum().detach(),
-            "layer_load": (counts.max(1).values / mean.clamp(min=1e-9)).detach()}
+    return {"aux": aux, "z": (z_sum / n).sum(), "load": load.detach(), "dropped": dropped.sum().detach()}
 
 
 __all__ = ["MoE", "Router", "balance_losses", "stats_width"]

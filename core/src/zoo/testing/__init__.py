@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["DistributedTestError", "assert_same_training", "layout_for", "run_distributed", "train_layout"]
+__all__ = ["DistributedTestError", "assert_same_training", "layout_for", "run_distributed", "run_zoo", "train_layout"]
 
 
 # After the first failure, how long to wait for messages still in flight (an earlier failure's
@@ -249,3 +249,16 @@ def assert_same_training(got: Mapping[str, Any], ref: Mapping[str, Any], *, rtol
     for name, g in ref["grads"].items():
         err = float((got["grads"][name].double() - g.double()).norm() / g.double().norm().clamp(min=1e-30))
         assert err <= rtol, f"{name}: relative error {err:.2e}"
+
+
+def run_zoo(capsys: Any, *args: str) -> Any:
+    """``zoo ARGS`` in this process (no interpreter start and torch import per call), under pytest's
+    ``capsys``: a `subprocess.CompletedProcess` with the exit status, stdout and stderr."""
+    import subprocess
+
+    from zoo.cli import main
+
+    capsys.readouterr()
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), rc, out.out, out.err)
