@@ -126,7 +126,7 @@ def test_layouts_a_family_cannot_run_are_refused_before_training(tmp_path, capsy
     cases = [
         (("--model", "mixer", "parallel.tp=2", "--world-size", "2"), "family 'mixer' declares no tp_plan"),
         (("--model", "mixer", "parallel.pp=2", "--world-size", "2"), "family 'mixer' declares no pipeline spec"),
-        (("--model", "mixer", "parallel.cp=2", "--world-size", "2"), "family 'mixer' declares no sequence spec"),
+        (("--model", "mixer", "parallel.cp=2", "--world-size", "2"), "family 'mixer' does not support context parallelism"),
         (("--model", "llama", "parallel.ep=2", "--world-size", "2"), "ep=2 but the model has no experts"),
         (("--model", "llama", "parallel.pp=2", "parallel.vpp=2", "model.num_layers=4", "--world-size", "2"),
          "needs the micro-batches per step (1) to be a multiple of pp=2"),

@@ -58,6 +58,9 @@ class SSMSpec(MixerSpec):
     conv_bias: bool = True
     proj_bias: bool = False
     gated_norm: bool = False  # Mamba-2 normalises y * silu(z) before out_proj
+    # ... per group of B/C heads, as mamba-ssm and Megatron (TP-invariant); False: over the whole
+    # inner width, as transformers' Mamba2 torch path did before v5 (its CUDA path was per group)
+    norm_per_group: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +82,7 @@ class MoESpec(FeedForwardSpec):
     normalize_topk: bool = True  # renormalise the top-k weights to sum to one (Mixtral)
     aux_loss: Literal["none", "switch"] = "switch"  # load balancing (Fedus et al. 2021)
     shared_expert: MLPSpec | None = None
+    shared_gate: bool = True  # the shared expert's output scaled by sigmoid(x W) (Qwen2-MoE; not NemotronH)
 
 
 @dataclass(frozen=True, kw_only=True)

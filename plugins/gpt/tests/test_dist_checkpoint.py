@@ -16,6 +16,18 @@ import pytest
 import torch
 from _gpt_helpers import curve, small_run, torchrun, zoo
 
+
+@pytest.fixture(autouse=True)
+def _zoo_in_process(capsys, monkeypatch):
+    """Single-process `zoo` runs in this process (no interpreter start and torch import per run);
+    torchrun jobs and the runs a test kills are processes of their own."""
+    import functools
+
+    from zoo.testing import run_zoo
+
+    monkeypatch.setitem(globals(), "zoo", functools.partial(run_zoo, capsys))
+
+
 ARGS = ("train.steps=6", "checkpoint.interval=3", "optimizer.grad_clip=0.5", "train.global_batch_size=16",
         "train.micro_batch_size=4", "model.num_layers=4")
 
@@ -89,6 +101,7 @@ else:  # the n-th directory sync: after the shards, before/after COMPLETE, after
     dc._fsync_dir = cv._fsync_dir = sync
 
 from zoo.cli import main
+
 sys.exit(main(sys.argv[3:]))
 """
 

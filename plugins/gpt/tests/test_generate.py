@@ -12,6 +12,17 @@ import zoo as zoo_api
 from zoo.nn.sampling import filter_logits, generate_tokens
 
 
+@pytest.fixture(autouse=True)
+def _zoo_in_process(capsys, monkeypatch):
+    """Single-process `zoo` runs in this process (no interpreter start and torch import per run);
+    torchrun jobs and the runs a test kills are processes of their own."""
+    import functools
+
+    from zoo.testing import run_zoo
+
+    monkeypatch.setitem(globals(), "zoo", functools.partial(run_zoo, capsys))
+
+
 def _perturbed(model):
     torch.manual_seed(0)
     with torch.no_grad():

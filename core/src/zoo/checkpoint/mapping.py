@@ -387,9 +387,11 @@ class _Renamed(Mapping[str, Any]):
 
 
 def _strip_prefix(table: MappingTable, theirs: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    """Each (missing, present) pair in turn: when no key starts with ``missing``, keys starting with
+    ``present`` are read as starting with ``missing``."""
     for missing, present in table.import_prefixes:
         if theirs and not any(k.startswith(missing) for k in theirs):
-            return _Renamed(theirs, lambda k, m=missing, p=present: m + k[len(p):] if k.startswith(p) else k)
+            theirs = _Renamed(theirs, lambda k, m=missing, p=present: m + k[len(p):] if k.startswith(p) else k)
     return theirs
 
 

@@ -117,8 +117,8 @@ class MappingTable:
     rules: tuple[Rule, ...]
     counts: Mapping[str, str] = field(default_factory=lambda: {"i": "num_layers", "e": "num_experts"})
     # Optional prefixes of theirs that are stripped on import (GPT-2 files saved from the base model
-    # lack "transformer."; the table is written with it). Tried in order: the first that makes all
-    # keys known wins.
+    # lack "transformer."; the table is written with it). Applied in order, each (missing, present)
+    # pair only when no key starts with ``missing``.
     import_prefixes: tuple[tuple[str, str], ...] = ()
 
 

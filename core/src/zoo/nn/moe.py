@@ -185,7 +185,7 @@ class MoE(nn.Module):
             from zoo.nn.layers import MLP
 
             self.shared = MLP(spec.shared_expert, hidden=hidden, ffn_hidden=shared_ffn_hidden)
-            self.shared_gate = nn.Linear(hidden, 1, bias=False)
+            self.shared_gate = nn.Linear(hidden, 1, bias=False) if spec.shared_gate else None
         # Set from outside (zoo.parallel.engine); read only here.
         self.ep_group: Any = None
         self.ep_size, self.ep_rank = 1, 0
@@ -223,8 +223,8 @@ class MoE(nn.Module):
         out = flat.new_zeros(n, d).index_add_(0, token, ys)
         y = out.view(b, t, d)
         if self.shared is not None:
-            assert self.shared_gate is not None
-            y = y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+            shared = self.shared(x)
+            y = y + (torch.sigmoid(self.shared_gate(x)) * shared if self.shared_gate is not None else shared)
         self.stats = self._statistics(experts, logits, scores, n, dropped)
         return y
 

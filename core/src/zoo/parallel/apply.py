@@ -10,7 +10,16 @@ the same model for any TP size. How each parameter is split is the layer's `TPSh
   rank whole groups); ``column_gated``: a fused ``[gate; up]`` whose halves are split per rank and
   re-joined as ``[gate_r; up_r]``; ``column_context``: a column split whose input is a replicated
   side input (cross-attention keys/values from text), never the sequence-sharded residual stream;
-  ``row``: input columns split, partial sums all-reduced;
+  ``column_segments``: the output packs segments (sizes in the module's ``tp_segments``), each split
+  contiguously, so a rank holds whole heads and groups of every segment (Mamba-2's [z, x, B, C, dt]);
+  ``row``: input columns split, partial sums all-reduced; ``row_allreduce``: the same, whose whole
+  output feeds every rank's channels (Mamba-1's x_proj: dt, B, C), so its gradient, partial per
+  rank, is all-reduced on the way back too (and sequence parallelism leaves it alone);
+  ``column_local``: a column split of such a replicated input, with no communication of its own
+  (the preceding ``row_allreduce`` sums its input gradient; Mamba-1's dt_proj);
+- ``channels``: the module's own parameters (not its children's) split along dim 0, by
+  ``tp_segments`` when it has them; a depthwise ``nn.Conv1d`` keeps its channel count consistent.
+  For per-channel state (Mamba's conv, A_log, D, dt_bias, gated norm): no communication;
 - ``vocab_embedding`` / ``vocab_head``: vocabulary rows split; a tied head shares the embedding's
   shard, and the loss is computed vocab-parallel (`zoo.nn.linear_cross_entropy`).
 """
@@ -52,19 +61,28 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], local: Mapp
         style = next((s for p, s in plan.items() if _matches(name, p)), None)
         if style is None:
             continue
-        if style in ("column", "column_gated", "vocab_head", "column_context"):
+        if style == "channels":
+            _split_channels(name, mod, group)
+            continue
+        if style in ("column", "column_gated", "vocab_head", "column_context", "column_segments", "column_local"):
             assert isinstance(mod, nn.Linear), f"{name}: {style} needs nn.Linear, found {type(mod).__name__}"
+            segments = tuple(getattr(mod, "tp_segments", ())) if style == "column_segments" else ()
+            if style == "column_segments" and not segments:
+                raise ValueError(f"tp_plan: {name} is column_segments but declares no tp_segments")
             new: nn.Module = ColumnParallelLinear(mod.in_features, mod.out_features, bias=mod.bias is not None,
-                                                  group=group, gated=style == "column_gated", vocab=style == "vocab_head")
+                                                  group=group, gated=style == "column_gated", vocab=style == "vocab_head",
+                                                  segments=segments)
             if style == "vocab_head" and id(mod.weight) in embeddings:  # tied: share the embedding's shard
                 new.weight = embeddings[id(mod.weight)].weight
             else:
                 new.load_full(mod.weight, mod.bias)
-            new.takes_context = style == "column_context"  # type: ignore[assignment]
-        elif style == "row":
-            assert isinstance(mod, nn.Linear), f"{name}: row needs nn.Linear"
+            new.takes_context = style in ("column_context", "column_local")  # type: ignore[assignment]
+            new.local = style == "column_local"  # type: ignore[assignment]
+        elif style in ("row", "row_allreduce"):
+            assert isinstance(mod, nn.Linear), f"{name}: {style} needs nn.Linear"
             new = RowParallelLinear(mod.in_features, mod.out_features, bias=mod.bias is not None, group=group)
             new.load_full(mod.weight, mod.bias)
+            new.takes_context = new.feeds_split = style == "row_allreduce"  # type: ignore[assignment]
         elif style == "vocab_embedding":
             assert isinstance(mod, nn.Embedding), f"{name}: vocab_embedding needs nn.Embedding"
             new = VocabParallelEmbedding(mod.num_embeddings, mod.embedding_dim, group=group)
@@ -82,6 +100,34 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], local: Mapp
                         raise ValueError(f"{name}.{a}={value} does not split over tp={n}")
                     setattr(mod, a, value // n)
     return model
+
+
+class _Channels:
+    """The `tp_shards` of a module whose own parameters `_split_channels` cut."""
+
+    def __init__(self, shards: dict[str, TPShard]) -> None:
+        self.shards = shards
+
+    def __call__(self) -> dict[str, TPShard]:
+        return self.shards
+
+
+@torch.no_grad()
+def _split_channels(name: str, mod: nn.Module, group: Any) -> None:
+    n, r = comm._size(group), comm._rank(group)
+    segments = tuple(getattr(mod, "tp_segments", ()))
+    shards = {}
+    for pname, p in list(mod.named_parameters(recurse=False)):
+        shard = TPShard("segments" if segments else "rows", n, r, group, segments)
+        try:
+            piece = shard.cut(p.data)
+        except ValueError as e:
+            raise ValueError(f"{name}.{pname}: {e}") from None
+        setattr(mod, pname, nn.Parameter(piece, requires_grad=p.requires_grad))
+        shards[pname] = shard
+    if isinstance(mod, nn.Conv1d) and mod.groups == mod.in_channels == mod.out_channels:  # depthwise
+        mod.in_channels = mod.out_channels = mod.groups = mod.weight.shape[0]
+    mod.tp_shards = _Channels(shards)  # type: ignore[assignment]
 
 
 def tensor_parallel_shards(model: nn.Module) -> dict[str, TPShard]:

@@ -89,7 +89,14 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
     layers, heads, kv_heads = field("num_layers"), field("num_heads"), field("num_kv_heads")
     vocab, experts = field("vocab_size"), field("num_experts")
     stages = p.pp * p.vpp
-    if p.pp_layers is not None:
+    pp_layers = tuple(p.pp_layers) if p.pp_layers is not None else None
+    declared = getattr(model, "pipeline_stages", None)  # a hybrid pattern's "|" cuts
+    if pp_layers is None and declared is not None and stages > 1:
+        if len(declared) != stages:
+            raise ConfigError(f"model.pattern cuts {len(declared)} pipeline stages ('|'), parallel.pp*vpp = "
+                              f"{p.pp}*{p.vpp} = {stages}: make them agree (or give parallel.pp_layers)")
+        pp_layers = tuple(declared)
+    elif p.pp_layers is not None:
         if p.pp == 1:
             raise ConfigError("parallel: pp_layers is set but pp=1")
         if len(p.pp_layers) != stages or min(p.pp_layers) < 1:
@@ -102,8 +109,11 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
     elif layers is not None and p.vpp > 1 and layers % stages:
         raise ConfigError(f"parallel: vpp={p.vpp} with pp={p.pp} does not divide model.num_layers={layers} evenly "
                           "(or give parallel.pp_layers)")
-    if heads is not None and heads % p.tp:
-        raise ConfigError(f"parallel: tp={p.tp} does not divide model.num_heads={heads}")
+    # Sizes that tensor parallelism splits: attention heads, and what the config declares (Mamba heads, groups)
+    split = {"num_heads": heads, **(getattr(model, "tp_split_sizes", None) or {})}
+    for name, value in split.items():
+        if value and value % p.tp:
+            raise ConfigError(f"parallel: tp={p.tp} does not divide model.{name}={value}")
     if kv_heads is not None and p.tp > 1 and kv_heads % p.tp and p.tp % kv_heads:
         raise ConfigError(f"parallel: tp={p.tp} and model.num_kv_heads={kv_heads} must divide one another")
     if vocab is not None and vocab % p.tp:
@@ -149,7 +159,7 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
         world_size=world_size, tp=p.tp, cp=p.cp, ep=p.ep, dp=dp, pp=p.pp, vpp=p.vpp,
         etp=etp, expert_dp=expert_dp, grad_accum=accum, global_batch_size=gbs,
         sequence_parallel=p.sequence_parallel, zero=p.zero, order=p.order,
-        pp_layers=tuple(p.pp_layers) if p.pp_layers is not None else None, pp_schedule=p.pp_schedule,
+        pp_layers=pp_layers, pp_schedule=p.pp_schedule,
         fsdp=p.fsdp if p.fsdp > 1 else 0, fsdp_dtype=train.precision,
     )
 
@@ -163,7 +173,8 @@ def _check_family(run: RunConfig, fam: Family) -> None:
         what = f"parallel.pp={p.pp}" if p.pp > 1 else "parallel.sequence_parallel"
         raise ConfigError(f"{what}: family {fam.name!r} declares no pipeline spec (its layer list)")
     if p.cp > 1 and fam.sequence is None:
-        raise ConfigError(f"parallel.cp={p.cp}: family {fam.name!r} declares no sequence spec")
+        raise ConfigError(f"parallel.cp={p.cp}: family {fam.name!r} does not support context parallelism "
+                          "(it declares no sequence spec); use cp=1")
     if p.cp > 1 and run.data.reset_attention_mask:
         raise ConfigError("parallel.cp > 1 with data.reset_attention_mask: ring attention has no document masking")
     if run.train.precision == "fp16" and (p.tp > 1 or p.pp > 1) and not p.zero:

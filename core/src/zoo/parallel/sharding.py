@@ -14,8 +14,10 @@ shards (its gradient is summed over TP) and whether it is the second copy of a t
 by local name and by parameter.
 
 Styles: ``rows`` (dim 0 split contiguously: column-parallel weights and biases, vocabulary rows),
-``cols`` (dim 1 split: row-parallel weights) and ``gated_rows`` (a fused ``[gate; up]`` whose halves
-are split per rank and re-joined as ``[gate_r; up_r]``).
+``cols`` (dim 1 split: row-parallel weights), ``gated_rows`` (a fused ``[gate; up]`` whose halves
+are split per rank and re-joined as ``[gate_r; up_r]``) and ``segments`` (its generalisation: dim 0
+packs segments of the given sizes, e.g. Mamba-2's ``[z, x, B, C, dt]``, each split contiguously and
+re-joined in order, so every rank holds whole heads and groups of each).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from typing import Any, Literal
 
 import torch
 
-Style = Literal["rows", "cols", "gated_rows"]
-STYLES: tuple[str, ...] = ("rows", "cols", "gated_rows")
+Style = Literal["rows", "cols", "gated_rows", "segments"]
+STYLES: tuple[str, ...] = ("rows", "cols", "gated_rows", "segments")
 
 # (slices of the local tensor, offset of that region in the global tensor)
 Region = tuple[tuple[slice, ...], tuple[int, ...]]
@@ -42,17 +44,24 @@ class TPShard:
     size: int
     rank: int
     group: Any = field(default=None, compare=False, repr=False)
+    segments: tuple[int, ...] = ()  # "segments": the global sizes along dim 0, in order
 
     def __post_init__(self) -> None:
         if self.style not in STYLES:
             raise ValueError(f"unknown tensor-parallel style {self.style!r}; one of {', '.join(STYLES)}")
         if not 0 <= self.rank < self.size:
             raise ValueError(f"tensor-parallel rank {self.rank} outside size {self.size}")
+        if (self.style == "segments") != bool(self.segments):
+            raise ValueError("segment sizes are given with the segments style, and only with it")
 
     def local_shape(self, global_shape: Sequence[int]) -> tuple[int, ...]:
         shape = list(global_shape)
         dim = 1 if self.style == "cols" else 0
-        if shape[dim] % (self.size * (2 if self.style == "gated_rows" else 1)):
+        if self.style == "segments":
+            if sum(self.segments) != shape[0] or any(n % self.size for n in self.segments):
+                raise ValueError(f"segments {self.segments} of dim 0 of {tuple(global_shape)} do not each split "
+                                 f"over tp={self.size}")
+        elif shape[dim] % (self.size * (2 if self.style == "gated_rows" else 1)):
             raise ValueError(f"dim {dim} of {tuple(global_shape)} does not split {self.style} over tp={self.size}")
         shape[dim] //= self.size
         return tuple(shape)
@@ -72,10 +81,15 @@ class TPShard:
             return [(whole, (0, r * shape[1], *zero[2:]))]
         if self.style == "rows":
             return [(whole, (r * shape[0], *zero[1:]))]
-        half = shape[0] // 2  # local [gate_r; up_r], global [gate_0 .. gate_n; up_0 .. up_n]
+        # local [seg0_r; seg1_r; ...], global [seg0_0 .. seg0_n; seg1_0 .. seg1_n; ...]
+        sizes = self.segments if self.style == "segments" else (shape[0] * self.size // 2,) * 2
         rest = tuple(slice(None) for _ in shape[1:])
-        return [((slice(0, half), *rest), (r * half, *zero[1:])),
-                ((slice(half, shape[0]), *rest), (self.size * half + r * half, *zero[1:]))]
+        out, local_at, global_at = [], 0, 0
+        for n in sizes:
+            piece = n // self.size
+            out.append(((slice(local_at, local_at + piece), *rest), (global_at + r * piece, *zero[1:])))
+            local_at, global_at = local_at + piece, global_at + n
+        return out
 
     def cut(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of the full tensor (a new contiguous tensor)."""

@@ -26,26 +26,29 @@ def _tp(group: Any) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _shard(style: str, group: Any) -> TPShard:
+def _shard(style: str, group: Any, segments: tuple[int, ...] = ()) -> TPShard:
     n, r = _tp(group)
-    return TPShard(style, n, r, group)  # type: ignore[arg-type]
+    return TPShard(style, n, r, group, segments)  # type: ignore[arg-type]
 
 
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with W split along its output rows: each rank computes a slice of y.
 
     ``gated``: the weight is a fused ``[gate; up]`` whose halves are split per rank (each rank
-    holds ``[gate_r; up_r]``, so a gated activation works on its slice). ``vocab``: the output is a
+    holds ``[gate_r; up_r]``, so a gated activation works on its slice); ``segments``: the output
+    packs segments of these sizes, each split the same way (Mamba's in_proj). ``vocab``: the output is a
     vocabulary (an LM head): `zoo.nn.linear_cross_entropy` then computes the loss vocab-parallel
     instead of gathering the logits."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, group: Any, gated: bool = False,
-                 vocab: bool = False, gather_output: bool = False, sequence_parallel: bool = False) -> None:
+                 vocab: bool = False, gather_output: bool = False, sequence_parallel: bool = False,
+                 segments: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         self.vocab = vocab
         self.seq_dim = 0
-        self.shard = _shard("gated_rows" if gated else "rows", group)
+        self.local = False  # input gradient summed elsewhere (`zoo.parallel.apply`'s column_local)
+        self.shard = _shard("segments" if segments else "gated_rows" if gated else "rows", group, segments)
         local = self.shard.local_shape((out_features, in_features))
         self.weight = nn.Parameter(torch.empty(local))
         self.bias = nn.Parameter(torch.zeros(local[0])) if bias else None
@@ -60,7 +63,10 @@ class ColumnParallelLinear(nn.Module):
             self.bias.copy_(self.shard.cut(bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = comm.gather_seq(x, self.group, self.seq_dim) if self.sequence_parallel else comm.copy_to(x, self.group)
+        if self.sequence_parallel:
+            x = comm.gather_seq(x, self.group, self.seq_dim)
+        elif not self.local:
+            x = comm.copy_to(x, self.group)
         y = F.linear(x, self.weight, self.bias)
         return comm.gather_from(y, self.group, -1) if self.gather_output else y
 
@@ -73,6 +79,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
         self.seq_dim = 0
+        self.feeds_split = False  # `zoo.parallel.apply`'s row_allreduce
         self.shard = _shard("cols", group)
         self.weight = nn.Parameter(torch.empty(self.shard.local_shape((out_features, in_features))))
         # Replicated and added once; under sequence parallelism it is added to this rank's sequence
@@ -92,7 +99,12 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = comm.scatter_to(x, self.group, -1)
         y = F.linear(x, self.weight)
-        y = comm.reduce_scatter_seq(y, self.group, self.seq_dim) if self.sequence_parallel else comm.reduce_from(y, self.group)
+        if self.feeds_split:  # consumers on every rank use the whole output: their gradients are partial
+            y = comm.copy_to(comm.reduce_from(y, self.group), self.group)
+        elif self.sequence_parallel:
+            y = comm.reduce_scatter_seq(y, self.group, self.seq_dim)
+        else:
+            y = comm.reduce_from(y, self.group)
         return y + self.bias if self.bias is not None else y
 
 

@@ -1,0 +1,146 @@
+"""zoo's Mamba-1 and Mamba-2 against Hugging Face's pure-PyTorch paths (`MambaForCausalLM`,
+`Mamba2ForCausalLM` without CUDA kernels): training tokens/s and peak memory at sequence lengths
+512, 2048 and 8192, and generation tokens/s with each side's recurrent cache.
+
+Both sides get the identical config (2 layers, hidden 256, vocab 1024, batch 1 by default; Mamba-2
+with 8 heads of 64, state 64, chunk 64), the same batch, AdamW and thread count, fp32. zoo's model
+is built from HF's config by the plugin's own reader. Each measurement runs in a fresh process (its
+peak RSS is that model's alone) with a time limit: a side that runs out of time or memory is
+reported as such. (The default allocator: a low mmap threshold, which the LLaMA benchmark uses to
+make RSS follow live memory, turns every scan chunk's allocation into page faults and slows both
+sides ~5x.)
+
+    python benchmarks/mamba_vs_hf.py            # 512, 2048, 8192
+    python benchmarks/mamba_vs_hf.py --quick    # 512 and 2048, fewer steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+
+def hf_model(a: argparse.Namespace):
+    import transformers as tf
+
+    if a.kind == "mamba":
+        return tf.MambaForCausalLM(tf.MambaConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
+                                                  state_size=16))
+    return tf.Mamba2ForCausalLM(tf.Mamba2Config(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
+                                                state_size=64, num_heads=2 * a.hidden // 64, head_dim=64, n_groups=1,
+                                                chunk_size=64))
+
+
+def build(a: argparse.Namespace):
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    hf = hf_model(a)
+    if a.impl == "hf":
+        return hf, lambda m, x, y: F.cross_entropy(m(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
+    from zoo_mamba.convert import from_hf_config
+    from zoo_mamba.model import build as zoo_build
+    from zoo_mamba.plugin import SPECS
+
+    cfg = from_hf_config(hf.config.to_dict())
+    cfg.chunk_size = 64
+    del hf
+    return zoo_build(cfg, SPECS[cfg.layer_spec]), lambda m, x, y: m(x, labels=y)
+
+
+def worker(a: argparse.Namespace) -> None:
+    import torch
+    from llama_vs_hf import time_training  # the same timed AdamW loop as the LLaMA benchmark
+
+    torch.set_num_threads(a.threads)
+    model, loss_of = build(a)
+    if a.generate:
+        model.eval()
+        prompt = torch.randint(0, a.vocab, (1, 16), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            def run() -> None:
+                if a.impl == "hf":
+                    model.generate(prompt, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False,
+                                   use_cache=True, pad_token_id=0)
+                else:
+                    from zoo.nn.sampling import generate_tokens
+
+                    generate_tokens(model, context=16 + a.new_tokens, prompt=prompt, max_new_tokens=a.new_tokens,
+                                    temperature=0.0)
+            run()
+            t = time.perf_counter()
+            run()
+        print(json.dumps({"tokens_per_s": a.new_tokens / (time.perf_counter() - t)}))
+        return
+    a.batch, a.precision = 1, "fp32"
+    print(json.dumps(time_training(model, loss_of, a)))
+
+
+def run_child(a: argparse.Namespace, **over: object) -> dict | str:
+    keep = {k: v for k, v in vars(a).items() if k not in ("worker", "quick", "lengths", "generate")} | over
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in keep.items() if not isinstance(v, bool)]
+    flags += [f"--{k}" for k, v in keep.items() if v is True]
+    cmd = [sys.executable, __file__, "--worker", *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.limit)
+    except subprocess.TimeoutExpired:
+        return f"> {a.limit:.0f} s"
+    if out.returncode != 0:
+        return "out of memory" if out.returncode in (-9, 137) or "MemoryError" in out.stderr else \
+            "failed: " + out.stderr.strip().splitlines()[-1]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--limit", type=float, default=180.0, help="seconds each measurement may take")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--generate", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--kind", default="mamba", help=argparse.SUPPRESS)
+    p.add_argument("--impl", default="zoo", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        return worker(a)
+    lengths = (512, 2048) if a.quick else (512, 2048, 8192)
+    if a.quick:
+        a.steps, a.limit = 2, 90.0
+    print(f"# {platform.processor() or platform.machine()}, {a.threads} threads; {a.layers} layers, hidden {a.hidden}, "
+          f"vocab {a.vocab}, batch 1, fp32; each measurement limited to {a.limit:.0f} s")
+    for kind in ("mamba", "mamba2"):
+        for seq in lengths:
+            res = {impl: run_child(a, kind=kind, impl=impl, seq=seq) for impl in ("hf", "zoo")}
+            z, h = res["zoo"], res["hf"]
+            line = f"{kind} T={seq}: zoo " + (f"{z['tokens_per_s']:,.0f} tok/s, {z['peak_rss_mb']:,.0f} MB"
+                                              if isinstance(z, dict) else z)
+            line += "; HF " + (f"{h['tokens_per_s']:,.0f} tok/s, {h['peak_rss_mb']:,.0f} MB" if isinstance(h, dict) else h)
+            if isinstance(z, dict) and isinstance(h, dict):
+                line += (f" -> {z['tokens_per_s'] / h['tokens_per_s']:.2f}x tokens/s, "
+                         f"{z['peak_rss_mb'] / h['peak_rss_mb']:.2f}x memory")
+            print(line, flush=True)
+        gen = {impl: run_child(a, kind=kind, impl=impl, generate=True) for impl in ("hf", "zoo")}
+        z, h = gen["zoo"], gen["hf"]
+        if isinstance(z, dict) and isinstance(h, dict):
+            print(f"{kind} generation ({a.new_tokens} tokens after 16, greedy, cached): zoo {z['tokens_per_s']:,.0f} "
+                  f"tok/s vs HF {h['tokens_per_s']:,.0f} -> {z['tokens_per_s'] / h['tokens_per_s']:.2f}x", flush=True)
+        else:
+            print(f"{kind} generation: zoo {z}; HF {h}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""Selective state-space mixers in pure PyTorch: Mamba-1 (Gu & Dao 2023) and Mamba-2's SSD (Dao &
+Gu 2024), with chunked scans whose memory is bounded by the chunk, and a recurrent state for decoding.
+
+Shapes: B batch, T sequence, D model width, I inner width (expand x D), N state size; Mamba-2 splits
+I into H heads of P channels and shares B/C over G groups of H/G heads.
+
+Mamba-1's decay ``exp(dt A)`` is a (I, N) matrix per step, so no (T x T) matrix form is cheap: the
+scan runs chunk by chunk, a log-depth (Hillis-Steele) scan of the pairs ``(exp(dt A), dt B x)``
+inside each chunk, carrying the state between chunks. Mamba-2's decay is a scalar per head, so each
+chunk is a masked "attention" with decays (``ssd_minimal``), and the chunks pass their states on in a
+sequential loop over chunks, linear in T (the minimal code's dense chunk x chunk einsum is quadratic).
+
+Under autograd each chunk is recomputed in backward (`_Recomputed`), so what a layer keeps
+for backward is its inputs and one state per chunk: Mamba-1's (B, chunk, I, N) scan tensors, and HF's
+(B, I, T, N) ones, exist for one chunk at a time. `mamba_ssm`/`causal_conv1d` kernels are used on
+CUDA when they import (`_kernels`), never required.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.spec import SSMSpec
+
+
+def _kernels() -> Any:
+    """mamba_ssm's fused chunk scan for Mamba-2 on CUDA, or None (it is optional)."""
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined  # type: ignore[import-not-found]
+    except (ImportError, RuntimeError):
+        return None
+    return mamba_chunk_scan_combined
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution: x (B, T, C), weight (C, 1, K), ``state`` the K-1 inputs before
+    x (B, C, K-1; zeros when None). Returns y (B, T, C) and the K-1 last inputs (the next state)."""
+    k = weight.shape[-1]
+    xt = x.transpose(1, 2)
+    xp = F.pad(xt, (k - 1, 0)) if state is None else torch.cat([state.to(xt.dtype), xt], dim=-1)
+    y = F.conv1d(xp, weight, bias, groups=xt.shape[1])
+    return y.transpose(1, 2), xp[:, :, xp.shape[-1] - (k - 1):]
+
+
+class _Recomputed(torch.autograd.Function):
+    """``fn(*args)`` keeping only ``args`` for backward, which reruns ``fn`` with autograd on. (What
+    `torch.utils.checkpoint` promises; its non-reentrant form kept each chunk's intermediates here,
+    measured at ~16 full (B, T, I, N)-sized tensors, and its reentrant one refuses `autograd.grad`.)"""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Any, *args: torch.Tensor) -> Any:
+        ctx.fn = fn
+        ctx.save_for_backward(*args)
+        with torch.no_grad():
+            return fn(*args)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        wants = ctx.needs_input_grad[1:]
+        args = [a.detach().requires_grad_(w) for a, w in zip(ctx.saved_tensors, wants)]
+        with torch.enable_grad():
+            outs = ctx.fn(*args)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        inputs = [a for a in args if a.requires_grad]
+        got = iter(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+                   if pairs and inputs else [None] * len(inputs))
+        return (None, *(next(got) if w else None for w in wants))
+
+
+def _run(fn: Any, *args: torch.Tensor) -> Any:
+    """``fn(*args)``, recomputed in backward when autograd records it."""
+    if torch.is_grad_enabled() and any(a.requires_grad for a in args):
+        return _Recomputed.apply(fn, *args)
+    return fn(*args)
+
+
+def _scan_chunk(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of Mamba-1: x, dt (B, Q, I); a (I, N); b, c (B, Q, N); h0 (B, I, N) fp32."""
+    decay = torch.exp(dt[..., None] * a)  # (B, Q, I, N), in (0, 1]: products underflow, never overflow
+    inp = (dt * x)[..., None] * b[:, :, None, :]
+    inp = torch.cat([inp[:, :1] + decay[:, :1] * h0[:, None], inp[:, 1:]], dim=1)  # the carried state
+    step, q = 1, x.shape[1]
+    while step < q:  # inclusive scan of (decay, inp) under (a1, b1) . (a2, b2) = (a1 a2, a2 b1 + b2)
+        inp = torch.cat([inp[:, :step], decay[:, step:] * inp[:, :-step] + inp[:, step:]], dim=1)
+        if step * 2 < q:
+            decay = torch.cat([decay[:, :step], decay[:, step:] * decay[:, :-step]], dim=1)
+        step *= 2
+    y = (inp @ c[..., None]).squeeze(-1)  # (B, Q, I)
+    return y, inp[:, -1]
+
+
+def selective_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *,
+                   state: torch.Tensor | None = None, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-1: ``h_t = exp(dt_t a) h_{t-1} + dt_t b_t x_t``, ``y_t = <h_t, c_t>`` per channel.
+
+    x, dt (B, T, I) (dt after softplus); a (I, N) negative; b, c (B, T, N). Computed in fp32.
+    Returns y (B, T, I) fp32 and the last state (B, I, N)."""
+    x, dt, b, c, a = x.float(), dt.float(), b.float(), c.float(), a.float()
+    h = state.float() if state is not None else x.new_zeros(x.shape[0], x.shape[2], a.shape[1])
+    ys = []
+    for s in range(0, x.shape[1], chunk):
+        y, h = _run(_scan_chunk, x[:, s:s + chunk], dt[:, s:s + chunk], a, b[:, s:s + chunk], c[:, s:s + chunk], h)
+        ys.append(y)
+    return torch.cat(ys, dim=1), h
+
+
+def _segsum(a: torch.Tensor) -> torch.Tensor:
+    """a (..., Q) -> (..., Q, Q) with [l, s] = a[s+1] + ... + a[l] for s <= l, -inf above: each
+    entry a sum of its own terms (a difference of cumulative sums would lose digits)."""
+    q = a.shape[-1]
+    rep = a[..., None, :].expand(*a.shape[:-1], q, q)  # [l, s] = a[s]... transposed below
+    strict = torch.ones(q, q, dtype=torch.bool, device=a.device).tril(-1)
+    sums = rep.transpose(-1, -2).masked_fill(~strict, 0).cumsum(dim=-2)  # [l, s] = sum_{s<k<=l} a[k]
+    return sums.masked_fill(~torch.ones_like(strict).tril(), float("-inf"))
+
+
+def _ssd_chunks(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h0: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SSD over whole chunks. x (B, K, G, R, Q, P) already times dt; a (B, K, G, R, Q) = dt A;
+    b, c (B, K, G, Q, N); h0 (B, G, R, P, N). Returns y like x and the last state."""
+    acum = a.cumsum(dim=-1)
+    decay = torch.exp(_segsum(a))  # (B, K, G, R, Q, Q), zero above the diagonal
+    scores = (c @ b.transpose(-1, -2))[:, :, :, None]  # (B, K, G, 1, Q, Q): shared by a group's heads
+    y = (scores * decay) @ x  # within each chunk
+    to_end = torch.exp(acum[..., -1:] - acum)  # decay from each position to its chunk's end
+    states = (x * to_end[..., None]).transpose(-1, -2) @ b[:, :, :, None]  # (B, K, G, R, P, N)
+    chunk_decay = torch.exp(acum[..., -1])[..., None, None]  # (B, K, G, R, 1, 1)
+    entering = []
+    h = h0
+    # State passing, linear in the number of chunks (unbound once: indexing chunk k in the loop
+    # would make backward fill a zero tensor of the whole sequence per chunk).
+    for decay_k, states_k in zip(chunk_decay.unbind(1), states.unbind(1)):
+        entering.append(h)
+        h = decay_k * h + states_k
+    start = torch.stack(entering, dim=1)  # (B, K, G, R, P, N)
+    y = y + (c[:, :, :, None] @ start.transpose(-1, -2)) * torch.exp(acum)[..., None]
+    return y, h
+
+
+def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *,
+             state: torch.Tensor | None = None, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2: ``S_t = exp(dt_t a_h) S_{t-1} + dt_t x_t (x) b_t``, ``y_t = S_t c_t`` per head.
+
+    x (B, T, H, P); dt (B, T, H) after softplus and clamping; a (H,) negative; b, c (B, T, G, N).
+    Computed in fp32, chunk by chunk (T padded to a multiple of ``chunk`` with steps that change
+    nothing). Returns y (B, T, H, P) fp32 and the last state (B, H, P, N)."""
+    bsz, t, h, p = x.shape
+    g, n = b.shape[2:]
+    q = min(chunk, t)
+    pad = (-t) % q
+    k = (t + pad) // q
+    r = h // g
+
+    def chunked(v: torch.Tensor) -> torch.Tensor:  # (B, T, ...) -> (B, K, Q, ...)
+        v = F.pad(v, (0, 0) * (v.dim() - 2) + (0, pad)) if pad else v
+        return v.reshape(bsz, k, q, *v.shape[2:])
+
+    dt = dt.float()
+    xs = chunked(x.float() * dt[..., None]).reshape(bsz, k, q, g, r, p).permute(0, 1, 3, 4, 2, 5)
+    av = chunked(dt * a.float()).reshape(bsz, k, q, g, r).permute(0, 1, 3, 4, 2)
+    bs = chunked(b.float()).permute(0, 1, 3, 2, 4)
+    cs = chunked(c.float()).permute(0, 1, 3, 2, 4)
+    fused = _kernels() if x.is_cuda and state is None else None
+    if fused is not None:  # mamba_ssm's Triton kernels (its own backward), same inputs and outputs
+        y, last = fused(x, dt, a, b, c, chunk_size=chunk, return_final_states=True)
+        return y.float(), last.float()
+    h0 = state.float().reshape(bsz, g, r, p, n) if state is not None else x.new_zeros(bsz, g, r, p, n, dtype=torch.float32)
+    y, last = _run(_ssd_chunks, xs, av, bs, cs, h0)
+    y = y.permute(0, 1, 4, 2, 3, 5).reshape(bsz, k * q, h, p)[:, :t]
+    return y, last.reshape(bsz, h, p, n)
+
+
+class GatedRMSNorm(nn.Module):
+    """``RMSNorm(y * silu(z))`` over groups of ``group_size`` channels (mamba-ssm's RMSNormGated with
+    norm_before_gate=False). Per group, the norm does not depend on how TP splits the groups."""
+
+    def __init__(self, dim: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size, self.eps = group_size, eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = y.dtype
+        v = y.float() * F.silu(z.float())
+        v = v.unflatten(-1, (-1, self.group_size))
+        v = v * torch.rsqrt(v.square().mean(-1, keepdim=True) + self.eps)
+        return self.weight * v.flatten(-2).to(dtype)
+
+
+class SSMCache:
+    """Recurrent decoding state of the SSM layers: per layer the conv inputs (B, C, K-1) and the
+    SSM state, both None until a first forward fills them."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.conv: list[torch.Tensor | None] = [None] * num_layers
+        self.ssm: list[torch.Tensor | None] = [None] * num_layers
+
+
+def _dt_bias(size: int, dt_min: float = 1e-3, dt_max: float = 0.1, floor: float = 1e-4) -> torch.Tensor:
+    """Inverse softplus of dt ~ log-uniform [dt_min, dt_max] (clamped at ``floor``), as mamba-ssm."""
+    dt = torch.exp(torch.rand(size) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+class Mamba1Mixer(nn.Module):
+    """Mamba-1: in_proj -> [x, z]; x -> causal conv -> SiLU -> x_proj -> (dt, B, C); selective scan;
+    ``(y + D x) * silu(z)`` -> out_proj. ``layer`` indexes the decoding cache."""
+
+    def __init__(self, spec: SSMSpec, *, hidden: int, inner: int, state: int, conv: int, dt_rank: int,
+                 chunk: int, layer: int) -> None:
+        super().__init__()
+        self.inner, self.state, self.dt_rank, self.chunk, self.layer = inner, state, dt_rank, chunk, layer
+        self.in_proj = nn.Linear(hidden, 2 * inner, bias=spec.proj_bias)
+        self.in_proj.tp_segments = (inner, inner)  # type: ignore[assignment]  # x | z, each split over TP
+        self.conv1d = nn.Conv1d(inner, inner, conv, groups=inner, padding=conv - 1, bias=spec.conv_bias)
+        self.x_proj = nn.Linear(inner, dt_rank + 2 * state, bias=False)
+        self.dt_proj = nn.Linear(dt_rank, inner, bias=True)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, state + 1, dtype=torch.float32)).repeat(inner, 1))
+        self.D = nn.Parameter(torch.ones(inner))
+        self.out_proj = nn.Linear(inner, hidden, bias=spec.proj_bias)
+        with torch.no_grad():
+            self.dt_proj.bias.copy_(_dt_bias(inner))
+
+    def forward(self, u: torch.Tensor, cache: SSMCache | None = None) -> torch.Tensor:
+        inner = self.in_proj.weight.shape[0] // 2  # this rank's channels under TP
+        xs, z = self.in_proj(u).split([inner, inner], dim=-1)
+        conv_state = cache.conv[self.layer] if cache is not None else None
+        xs, conv_state = causal_conv1d(xs, self.conv1d.weight, self.conv1d.bias, conv_state)
+        xs = F.silu(xs)
+        dt, b, c = self.x_proj(xs).split([self.dt_rank, self.state, self.state], dim=-1)
+        dt = F.softplus(self.dt_proj(dt).float())
+        a = -torch.exp(self.A_log.float())
+        h0 = cache.ssm[self.layer] if cache is not None else None
+        y, h = selective_scan(xs, dt, a, b, c, state=h0, chunk=self.chunk)
+        if cache is not None:
+            cache.conv[self.layer], cache.ssm[self.layer] = conv_state, h
+        y = (y + xs.float() * self.D.float()) * F.silu(z.float())
+        return self.out_proj(y.to(u.dtype))
+
+
+class Mamba2Mixer(nn.Module):
+    """Mamba-2: in_proj -> [z, x, B, C, dt]; [x, B, C] -> causal conv -> SiLU; SSD chunk scan with a
+    scalar decay per head; ``y + D x``; gated RMSNorm with z (per group, or over the whole inner
+    width when ``spec.norm_per_group`` is false, as transformers < 5 did); out_proj."""
+
+    def __init__(self, spec: SSMSpec, *, hidden: int, heads: int, head_dim: int, groups: int, state: int, conv: int,
+                 chunk: int, eps: float, dt_limit: tuple[float, float], layer: int) -> None:
+        super().__init__()
+        if heads % groups:
+            raise ValueError(f"Mamba-2: {heads} heads do not split into {groups} groups")
+        inner = heads * head_dim
+        self.heads, self.head_dim, self.groups, self.state = heads, head_dim, groups, state
+        self.chunk, self.dt_limit, self.layer = chunk, dt_limit, layer
+        self.in_proj = nn.Linear(hidden, 2 * inner + 2 * groups * state + heads, bias=spec.proj_bias)
+        # z | x | B | C | dt: each segment split over TP, so every rank holds whole heads and groups
+        self.in_proj.tp_segments = (inner, inner, groups * state, groups * state, heads)  # type: ignore[assignment]
+        channels = inner + 2 * groups * state
+        self.conv1d = nn.Conv1d(channels, channels, conv, groups=channels, padding=conv - 1, bias=spec.conv_bias)
+        self.conv1d.tp_segments = (inner, groups * state, groups * state)  # type: ignore[assignment]
+        self.dt_bias = nn.Parameter(_dt_bias(heads))
+        self.A_log = nn.Parameter(torch.log(torch.empty(heads).uniform_(1, 16)))
+        self.D = nn.Parameter(torch.ones(heads))
+        self.norm = GatedRMSNorm(inner, inner // groups if spec.norm_per_group else inner, eps)
+        self.out_proj = nn.Linear(inner, hidden, bias=spec.proj_bias)
+
+    def forward(self, u: torch.Tensor, cache: SSMCache | None = None) -> torch.Tensor:
+        h, p, g, n = self.heads, self.head_dim, self.groups, self.state  # this rank's, under TP
+        z, xbc, dt = self.in_proj(u).split([h * p, h * p + 2 * g * n, h], dim=-1)
+        bsz, t, _ = z.shape  # (under sequence parallelism in_proj gathers the whole sequence)
+        conv_state = cache.conv[self.layer] if cache is not None else None
+        xbc, conv_state = causal_conv1d(xbc, self.conv1d.weight, self.conv1d.bias, conv_state)
+        xs, b, c = F.silu(xbc).split([h * p, g * n, g * n], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)
+        a = -torch.exp(self.A_log.float())
+        xs = xs.reshape(bsz, t, h, p)
+        h0 = cache.ssm[self.layer] if cache is not None else None
+        y, last = ssd_scan(xs, dt, a, b.reshape(bsz, t, g, n), c.reshape(bsz, t, g, n), state=h0, chunk=self.chunk)
+        if cache is not None:
+            cache.conv[self.layer], cache.ssm[self.layer] = conv_state, last
+        y = y + xs.float() * self.D.float()[:, None]
+        y = self.norm(y.reshape(bsz, t, h * p), z)
+        return self.out_proj(y.to(u.dtype))

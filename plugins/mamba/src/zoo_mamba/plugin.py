@@ -1,0 +1,263 @@
+"""Declarations of the Mamba-1, Mamba-2 and hybrid families (light: no torch). The model is in `model.py`,
+the mixers and scans in the core (`zoo.nn.ssm`), so any family can put an SSM layer in its blocks.
+
+A model is a stack of single-purpose residual layers ``x + f(norm(x))`` named by one symbol each, as
+Megatron's hybrid models: ``M`` a Mamba mixer, ``*`` self-attention, ``-`` an MLP, ``E`` a mixture of
+experts (the core's `zoo.nn.moe.MoE`), and ``|`` a pipeline-stage cut. ``pattern`` spells the stack;
+empty means ``M`` x ``num_layers`` (plain Mamba).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+from zoo import Family, MetricSpec, PipelineSpec, Throughput, hookimpl
+from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, SSMSpec
+
+SYMBOLS = {"M": "Mamba mixer", "*": "self-attention", "-": "MLP", "E": "mixture of experts"}
+
+
+@dataclass(kw_only=True)
+class MambaConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    pattern: str = ""  # one symbol per layer (see SYMBOLS), "|" between pipeline stages; "" = all "M"
+    max_seq_length: int = 2048  # longest prompt + generation (SSM layers have no limit of their own)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    # Mamba mixers (M). Mamba-1 splits expand * hidden channels; Mamba-2 makes heads of ssm_head_dim
+    # and shares B/C over ssm_groups groups of heads.
+    ssm_state_size: int = 16
+    conv_kernel: int = 4
+    expand: int = 2
+    dt_rank: int = 0  # Mamba-1's low-rank dt projection; 0: ceil(hidden / 16)
+    ssm_head_dim: int = 64
+    ssm_groups: int = 1
+    chunk_size: int = 64  # scan chunk: memory of a layer's scan is bounded by it, not by the sequence
+    dt_min: float = 0.0  # Mamba-2 clamps softplus(dt + dt_bias) to [dt_min, dt_max]
+    dt_max: float = math.inf
+    # Attention layers (*), as LLaMA's without positions by default (NemotronH), and MLP layers (-).
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    rope_theta: float = 10000.0
+    ffn_hidden_size: int = 0
+    # MoE layers (E): the core's layer, balancing on by default (see zoo_moe for the options' meaning).
+    num_experts: int | None = None
+    top_k: int = 2
+    moe_ffn_hidden_size: int = 0
+    shared_ffn_hidden_size: int = 0
+    aux_loss_coeff: float = 1e-2
+    z_loss_coeff: float = 1e-3
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+    layer_spec: str = "mamba2"
+
+    def __post_init__(self) -> None:
+        if not self.pattern:
+            self.pattern = "M" * self.num_layers
+        unknown = sorted(set(self.pattern) - set(SYMBOLS) - {"|"})
+        if unknown:
+            raise ValueError(f"pattern={self.pattern!r}: unknown symbol(s) {', '.join(map(repr, unknown))}; "
+                             f"one of {', '.join(f'{k!r} ({v})' for k, v in SYMBOLS.items())}, '|' (stage cut)")
+        if len(self.symbols) != self.num_layers:
+            raise ValueError(f"pattern={self.pattern!r} has {len(self.symbols)} layers, num_layers={self.num_layers}")
+        if any(not part for part in self.pattern.split("|")):
+            raise ValueError(f"pattern={self.pattern!r}: every pipeline stage ('|') needs at least one layer")
+        if self.dt_rank == 0:
+            self.dt_rank = math.ceil(self.hidden_size / 16)
+        if "*" in self.symbols and (self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads):
+            raise ValueError(f"attention layers need num_heads ({self.num_heads}) a positive multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if "*" in self.symbols and self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_heads
+        if "-" in self.symbols and self.ffn_hidden_size <= 0:
+            raise ValueError("MLP layers ('-') need ffn_hidden_size")
+        if "E" in self.symbols:
+            if not self.num_experts or self.moe_ffn_hidden_size <= 0:
+                raise ValueError("MoE layers ('E') need num_experts and moe_ffn_hidden_size")
+            if not 1 <= self.top_k <= self.num_experts:
+                raise ValueError(f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
+            if self.aux_loss_coeff == 0 and not self.expert_bias:
+                warnings.warn("MoE load balancing is off (aux_loss_coeff=0 and expert_bias=false)", stacklevel=2)
+        elif self.num_experts is not None:
+            raise ValueError(f"num_experts={self.num_experts} but pattern={self.pattern!r} has no MoE layer ('E')")
+        if self.ssm_inner % self.ssm_head_dim and self.layer_spec.startswith("mamba2"):
+            raise ValueError(f"expand*hidden_size={self.ssm_inner} is not a multiple of ssm_head_dim={self.ssm_head_dim}")
+        if self.ssm_heads % self.ssm_groups and self.layer_spec != "mamba1":
+            raise ValueError(f"{self.ssm_heads} Mamba-2 heads do not split into ssm_groups={self.ssm_groups} groups")
+
+    @property
+    def symbols(self) -> str:
+        return self.pattern.replace("|", "")
+
+    @property
+    def ssm_inner(self) -> int:
+        return self.expand * self.hidden_size
+
+    @property
+    def ssm_heads(self) -> int:
+        return self.ssm_inner // self.ssm_head_dim
+
+    @property
+    def moe_layers(self) -> int:
+        return self.symbols.count("E")
+
+    @property
+    def tp_split_sizes(self) -> dict[str, int]:
+        """What tensor parallelism splits (the core checks that tp divides each): whole heads and groups."""
+        out = {"ffn_hidden_size": self.ffn_hidden_size} if "-" in self.symbols else {}
+        if "M" in self.symbols and self.layer_spec == "mamba1":
+            out["ssm_inner"] = self.ssm_inner
+        elif "M" in self.symbols:
+            out |= {"ssm_heads": self.ssm_heads, "ssm_groups": self.ssm_groups}
+        return out
+
+    @property
+    def pipeline_stages(self) -> tuple[int, ...] | None:
+        """Layers per pipeline stage when the pattern has cuts (the core's default for parallel.pp_layers)."""
+        return tuple(len(p) for p in self.pattern.split("|")) if "|" in self.pattern else None
+
+    # The names the attention layer and the mapping tables read (LLaMA's).
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+_RMS = NormSpec(kind="rmsnorm")
+
+
+def _hybrid(ssm: SSMSpec) -> dict[str, BlockSpec]:
+    """NemotronH's layers: Mamba-2, attention without positions, squared-ReLU MLP and MoE, no biases."""
+    relu2 = MLPSpec(activation="relu2", gated=False, bias=False)
+    return {
+        "M": BlockSpec(norm=_RMS, mixer=ssm, ffn=None),
+        "*": BlockSpec(norm=_RMS, mixer=AttentionSpec(causal=True, bias=False, positions="none"), ffn=None),
+        "-": BlockSpec(norm=_RMS, mixer=None, ffn=relu2),
+        "E": BlockSpec(norm=_RMS, mixer=None, ffn=MoESpec(expert=relu2, router="sigmoid_topk", normalize_topk=True,
+                                                         shared_expert=relu2, shared_gate=False)),
+    }
+
+
+_MAMBA2 = SSMSpec(kind="mamba2", gated_norm=True)
+
+
+def _spec(blocks: dict[str, BlockSpec]) -> ModelSpec:
+    return ModelSpec(blocks=blocks, embedding="token", positions="none", final_norm=_RMS, head="lm")
+
+
+SPECS = {
+    "mamba1": _spec({"M": BlockSpec(norm=_RMS, mixer=SSMSpec(kind="mamba1"), ffn=None)}),
+    "mamba2": _spec({"M": BlockSpec(norm=_RMS, mixer=_MAMBA2, ffn=None)}),
+    # transformers < 5's torch path: the gated norm over the whole inner width (differs when groups > 1)
+    "mamba2_whole_norm": _spec({"M": BlockSpec(norm=_RMS, mixer=SSMSpec(kind="mamba2", gated_norm=True,
+                                                                        norm_per_group=False), ffn=None)}),
+    "nemotron_h": _spec(_hybrid(_MAMBA2)),
+}
+
+
+def _mamba1(layers: int, hidden: int, *, vocab: int = 50280) -> MambaConfig:
+    return MambaConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, chunk_size=16, layer_spec="mamba1")
+
+
+def _mamba2(layers: int, hidden: int, *, vocab: int = 50288, state: int = 128) -> MambaConfig:
+    return MambaConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, ssm_state_size=state,
+                       ssm_head_dim=64, chunk_size=256, layer_spec="mamba2")
+
+
+def mamba_tiny() -> MambaConfig:
+    # Mamba-1's scan does log2(chunk) passes over a chunk: short chunks are cheaper (8: 0.22 s a step
+    # of 8 x 64 tokens here, 32: 0.38 s)
+    return MambaConfig(vocab_size=2048, hidden_size=128, num_layers=4, max_seq_length=1024, chunk_size=8,
+                       layer_spec="mamba1")
+
+
+def mamba2_tiny() -> MambaConfig:
+    return MambaConfig(vocab_size=2048, hidden_size=128, num_layers=4, max_seq_length=1024, ssm_state_size=32,
+                       ssm_head_dim=32, ssm_groups=2, chunk_size=32, layer_spec="mamba2")
+
+
+def hybrid_tiny() -> MambaConfig:
+    return MambaConfig(vocab_size=2048, hidden_size=128, num_layers=6, pattern="M-M|*-M", max_seq_length=1024,
+                       ssm_state_size=32, ssm_head_dim=32, ssm_groups=2, chunk_size=32, num_heads=4, num_kv_heads=2,
+                       ffn_hidden_size=256, tie_embeddings=False, layer_spec="nemotron_h")
+
+
+def hybrid_moe_tiny() -> MambaConfig:
+    return MambaConfig(vocab_size=2048, hidden_size=128, num_layers=6, pattern="M-M|*EM", max_seq_length=1024,
+                       ssm_state_size=32, ssm_head_dim=32, ssm_groups=2, chunk_size=32, num_heads=4, num_kv_heads=2,
+                       ffn_hidden_size=256, num_experts=4, top_k=2, moe_ffn_hidden_size=128, shared_ffn_hidden_size=128,
+                       tie_embeddings=False, layer_spec="nemotron_h")
+
+
+_MOE_METRICS = (
+    MetricSpec(name="aux_loss", aux_loss=True),
+    MetricSpec(name="z_loss", aux_loss=True),
+    MetricSpec(name="expert_load", reduce="max"),
+    MetricSpec(name="dropped", reduce="sum"),
+)
+
+# Every rank holds whole heads and groups: in_proj's segments and the conv's channels split per
+# segment, the per-head/per-channel parameters by rows, out_proj by columns; Mamba-1's x_proj is
+# row-parallel and all-reduced (dt, B, C are whole on every rank), dt_proj column-parallel from it.
+_TP = {"embed": "vocab_embedding", "head": "vocab_head",
+       "layers.*.ssm.in_proj": "column_segments", "layers.*.ssm.conv1d": "channels", "layers.*.ssm": "channels",
+       "layers.*.ssm.norm": "channels", "layers.*.ssm.x_proj": "row_allreduce", "layers.*.ssm.dt_proj": "column_local",
+       "layers.*.ssm.out_proj": "row",
+       "layers.*.attn.qkv": "column", "layers.*.attn.proj": "row", "layers.*.mlp.fc": "column", "layers.*.mlp.proj": "row",
+       "layers.*.moe.shared.fc": "column", "layers.*.moe.shared.proj": "row"}
+# Mamba-2's mixer counts its own heads and groups (Mamba-1's reads its width off in_proj).
+_TP_LOCAL = {"layers.*.ssm": ("heads", "groups"), "layers.*.attn": ("h", "kv")}
+
+_COMMON = dict(
+    task="causal_lm",
+    config=MambaConfig,
+    specs=SPECS,
+    build="zoo_mamba.model:build",
+    loss="zoo_mamba.model:loss",
+    example_batch="zoo_gpt.model:example_batch",
+    generate="zoo_mamba.model:generate",
+    default_dataset="python-docs",
+    checkpoint_formats={"hf": "zoo_mamba.convert:HF"},
+    tp_plan=_TP,
+    # No sequence spec: the scans need the whole sequence on one rank, so context parallelism is
+    # refused (sequence parallelism still works: in_proj gathers the sequence, out_proj scatters it).
+    throughput=Throughput(flops_per_unit="zoo_mamba.model:flops_per_token"),
+    recipe={"train.seq_length": 128, "train.micro_batch_size": 16, "optimizer.lr": 3e-3, "optimizer.weight_decay": 0.1,
+            "schedule.warmup_steps": 30, "train.steps": 300, "train.eval_interval": 100, "logging.interval": 20},
+)
+_PIPE = PipelineSpec(layers="layers", first=("embed",), last=("norm", "head"), input_key="tokens")
+
+
+@hookimpl
+def zoo_families() -> list[Family]:
+    return [
+        Family(name="mamba", aliases=("mamba1",),
+               description="Mamba-1: selective-scan SSM decoder (pure-PyTorch chunked scan, recurrent decoding)",
+               flavors={"tiny": mamba_tiny, "130m": lambda: _mamba1(24, 768), "370m": lambda: _mamba1(48, 1024),
+                        "790m": lambda: _mamba1(48, 1536), "1.4b": lambda: _mamba1(48, 2048),
+                        "2.8b": lambda: _mamba1(64, 2560)},
+               pipeline=_PIPE, tp_local={}, **_COMMON),
+        Family(name="mamba2",
+               description="Mamba-2: SSD decoder (scalar decay per head, grouped B/C, gated RMSNorm)",
+               flavors={"tiny": mamba2_tiny, "130m": lambda: _mamba2(24, 768), "370m": lambda: _mamba2(48, 1024),
+                        "780m": lambda: _mamba2(48, 1536), "1.3b": lambda: _mamba2(48, 2048),
+                        "2.7b": lambda: _mamba2(64, 2560)},
+               pipeline=_PIPE, tp_local=_TP_LOCAL, **_COMMON),
+        Family(name="hybrid", aliases=("nemotron-h", "nemotron_h"),
+               description="Hybrid decoder from a layer pattern (M Mamba-2, * attention, - MLP, E MoE, | stage cut), "
+                           "NemotronH's layers",
+               flavors={"tiny": hybrid_tiny, "moe-tiny": hybrid_moe_tiny},
+               # The MoE layers' routing statistics travel with the hidden state to the loss.
+               pipeline=PipelineSpec(layers="layers", first=("embed",), last=("norm", "head"), input_key="tokens",
+                                     carries=("moe_stats",)),
+               metrics=_MOE_METRICS, tp_local=_TP_LOCAL, **_COMMON),
+    ]

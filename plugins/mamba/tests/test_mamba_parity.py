@@ -1,0 +1,194 @@
+"""Mamba-1, Mamba-2 and NemotronH against Hugging Face (tiny random configs, fp32): logits, round
+trips of the weights, the original mamba_ssm key names; the chunked scans against the recurrence
+written out step by step; cached decoding against the full forward; bad patterns and configs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from zoo_mamba import convert
+from zoo_mamba.model import build
+from zoo_mamba.plugin import SPECS, MambaConfig
+
+from zoo.checkpoint.mapping import MappingError, from_external, to_external
+from zoo.nn.ssm import selective_scan, ssd_scan
+
+VOCAB = 64
+
+
+def _hf(kind: str, **over):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, layer_norm_epsilon=1e-5)
+    if kind == "mamba":
+        model = tf.MambaForCausalLM(tf.MambaConfig(num_hidden_layers=2, state_size=8, **common, **over))
+    elif kind == "mamba2":
+        model = tf.Mamba2ForCausalLM(tf.Mamba2Config(num_hidden_layers=2, state_size=8, num_heads=8, head_dim=8,
+                                                     n_groups=2, chunk_size=8, **common, **over))
+    else:
+        model = tf.NemotronHForCausalLM(tf.NemotronHConfig(
+            layers_block_type=["linear_attention", "mlp", "full_attention", "moe", "linear_attention"], ssm_state_size=8,
+            mamba_num_heads=8, mamba_head_dim=8, n_groups=2, chunk_size=8, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, intermediate_size=48, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            moe_shared_expert_intermediate_size=24, max_position_embeddings=64, **common, **over))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias", "D")) or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))  # off their init values, so a swapped tensor shows
+            else:
+                torch.nn.init.normal_(p, std=0.15)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    return model.eval()
+
+
+def _ours(hf, state=None):
+    cfg = convert.from_hf_config(hf.config.to_dict())
+    sd = hf.state_dict() if state is None else state
+    ours = from_external(convert.import_table(cfg, list(sd)), sd, cfg)
+    model = build(cfg, SPECS[cfg.layer_spec]).eval()
+    model.load_state_dict(ours, strict=True)
+    return model, cfg, ours
+
+
+@pytest.mark.parametrize("kind", ["mamba", "mamba2", "nemotron_h"])
+def test_logits_match_hugging_face_and_weights_round_trip_bitwise(kind):
+    hf = _hf(kind)
+    ours, cfg, state = _ours(hf)
+    x = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(1))  # 21: not a multiple of chunk 8
+    with torch.no_grad():
+        ref = hf(x).logits
+        assert (ours(x) - ref).abs().max().item() <= 1e-5
+    sd = hf.state_dict()
+    back = to_external(convert.table(cfg, "fused"), state, cfg)
+    if kind != "nemotron_h":  # transformers holds NemotronH as model.* (accepted on import; written as backbone.*)
+        assert back.keys() - {"lm_head.weight"} == sd.keys() - {"lm_head.weight"}
+        assert all(torch.equal(back[k], sd[k]) for k in back)
+    hf_config = convert.to_hf_config(cfg)
+    again = convert.from_hf_config(hf_config)
+    assert again == cfg
+
+
+def test_nemotron_h_hub_layout_reads_and_writes_bitwise(tmp_path):
+    hf = _hf("nemotron_h")
+    _, cfg, state = _ours(hf)
+    hf.save_pretrained(tmp_path / "hub")
+    from safetensors.torch import load_file
+
+    hub = load_file(tmp_path / "hub" / "model.safetensors")
+    assert "backbone.layers.3.mixer.experts.2.up_proj.weight" in hub  # as released: per expert, backbone.*
+    _, _, from_hub = _ours(hf, hub)
+    assert all(torch.equal(from_hub[k], state[k]) for k in state)
+    exported = to_external(convert.table(cfg), state, cfg)
+    assert exported.keys() == hub.keys() and all(torch.equal(exported[k], hub[k]) for k in hub)
+    mixed = {**hub, "backbone.layers.3.mixer.experts.up_proj": torch.zeros(4, 16, 32)}
+    with pytest.raises(MappingError, match="mixes expert layouts"):
+        convert.import_table(cfg, list(mixed))
+
+
+def test_mamba_ssm_original_key_names_are_read():
+    hf = _hf("mamba")
+    _, _, state = _ours(hf)
+    original = {k.replace("backbone.embeddings.", "backbone.embedding."): v for k, v in hf.state_dict().items()}
+    assert "backbone.embedding.weight" in original
+    _, _, again = _ours(hf, original)
+    assert all(torch.equal(again[k], state[k]) for k in state)
+
+
+def _recurrence_mamba1(x, dt, a, b, c):
+    h = torch.zeros(x.shape[0], x.shape[2], a.shape[1], dtype=torch.float64)
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.exp(dt[:, t, :, None] * a) * h + (dt[:, t] * x[:, t])[..., None] * b[:, t, None, :]
+        ys.append((h * c[:, t, None, :]).sum(-1))
+    return torch.stack(ys, 1), h
+
+
+def _recurrence_mamba2(x, dt, a, b, c, h):
+    r = x.shape[2] // b.shape[2]
+    b, c = b.repeat_interleave(r, 2), c.repeat_interleave(r, 2)
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.exp(dt[:, t] * a)[..., None, None] * h + (dt[:, t, :, None] * x[:, t])[..., None] * b[:, t, :, None, :]
+        ys.append((h * c[:, t, :, None, :]).sum(-1))
+    return torch.stack(ys, 1), h
+
+
+@pytest.mark.parametrize("length", [1, 37, 64])
+def test_chunked_scans_equal_the_sequential_recurrence(length):
+    g = torch.Generator().manual_seed(length)
+
+    def rnd(*shape, scale=1.0):
+        return scale * torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    x, b, c = rnd(2, length, 6), rnd(2, length, 5), rnd(2, length, 5)
+    dt = torch.rand(2, length, 6, generator=g, dtype=torch.float64)
+    a = -torch.rand(6, 5, generator=g, dtype=torch.float64) * 4
+    ref_y, ref_h = _recurrence_mamba1(x, dt, a, b, c)
+    x2, b2, c2 = rnd(2, length, 4, 3), rnd(2, length, 2, 5), rnd(2, length, 2, 5)
+    dt2 = torch.rand(2, length, 4, generator=g, dtype=torch.float64)
+    a2, h0 = -torch.rand(4, generator=g, dtype=torch.float64) * 4, rnd(2, 4, 3, 5)
+    ref2_y, ref2_h = _recurrence_mamba2(x2, dt2, a2, b2, c2, h0)
+    for chunk in (4, 16, 64):  # lengths 37 and 1 are not multiples of any of them
+        y, h = selective_scan(x, dt, a, b, c, chunk=chunk)
+        assert (y - ref_y).abs().max() <= 1e-5 * ref_y.abs().max() and (h - ref_h).abs().max() <= 1e-5 * ref_h.abs().max()
+        y, h = ssd_scan(x2, dt2, a2, b2, c2, state=h0, chunk=chunk)
+        assert (y - ref2_y).abs().max() <= 1e-5 * ref2_y.abs().max()
+        assert (h - ref2_h).abs().max() <= 1e-5 * ref2_h.abs().max()
+
+
+def test_scan_gradients_flow_through_the_recomputed_chunks():
+    torch.manual_seed(0)
+    x, dt, b, c = (torch.randn(1, 20, 4, dtype=torch.float64, requires_grad=True) for _ in range(4))
+    a = -torch.rand(4, dtype=torch.float64)
+
+    def grads(scan):
+        out = scan(x.view(1, 20, 4, 1), dt.sigmoid(), a, b.view(1, 20, 1, 4), c.view(1, 20, 1, 4))
+        return torch.autograd.grad(out[0].sum(), (x, dt, b, c))
+
+    ref = grads(lambda *args: _recurrence_mamba2(*args, torch.zeros(1, 4, 1, 4, dtype=torch.float64)))
+    for got, want in zip(grads(lambda *args: ssd_scan(*args, chunk=8)), ref):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("flavor", ["mamba_tiny", "mamba2_tiny", "hybrid_moe_tiny"])
+def test_cached_decoding_equals_the_full_forward(flavor):
+    from zoo_mamba import plugin
+
+    torch.manual_seed(0)
+    cfg = getattr(plugin, flavor)()
+    model = build(cfg, SPECS[cfg.layer_spec]).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 45))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = model.new_cache(2, 45)
+        steps = [model(tokens[:, :40], cache=cache)]  # a prompt longer than a chunk, then one token at a time
+        steps += [model(tokens[:, i:i + 1], cache=cache) for i in range(40, 45)]
+    assert (torch.cat(steps, 1) - full).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize(("over", "message"), [
+    ({"pattern": "M-X*"}, r"unknown symbol\(s\) 'X'"),
+    ({"pattern": "M-M"}, "has 3 layers, num_layers=4"),
+    ({"pattern": "M-M-|"}, "every pipeline stage"),
+])
+def test_bad_patterns_fail_with_one_clear_line(over, message):
+    with pytest.raises(ValueError, match=message):
+        MambaConfig(vocab_size=64, hidden_size=32, num_layers=4, ffn_hidden_size=64, num_heads=2, num_kv_heads=2, **over)
+
+
+def test_unsupported_hugging_face_configs_are_refused():
+    from zoo.errors import UsageError
+
+    with pytest.raises(UsageError, match="use_bias=True is not supported"):
+        convert.from_hf_config({**convert.to_hf_config(MambaConfig(vocab_size=64, hidden_size=32, num_layers=2,
+                                                                   layer_spec="mamba1")), "use_bias": True})
+    with pytest.raises(UsageError, match="num_heads=3"):
+        convert.from_hf_config({**convert.to_hf_config(MambaConfig(vocab_size=64, hidden_size=32, num_layers=2,
+                                                                   ssm_head_dim=16)), "num_heads": 3})
+    assert math.isinf(convert.from_hf_config(convert.to_hf_config(MambaConfig(vocab_size=64, hidden_size=32,
+                                                                              num_layers=2, ssm_head_dim=16))).dt_max)
