@@ -337,4 +337,13 @@ def balance_losses(stats: torch.Tensor, *, num_experts: int, top_k: int, convent
     return {"aux": aux, "z": (z_sum / n).sum(), "load": load.detach(), "dropped": dropped.sum().detach()}
 
 
-__all__ = ["MoE", "Router", "balance_losses", "stats_width"]
+def balance_metrics(stats: torch.Tensor, *, num_experts: int, top_k: int, convention: str, aux_coeff: float,
+                    z_coeff: float) -> dict[str, torch.Tensor]:
+    """A MoE family's metrics from its carried statistics: ``aux_loss`` and ``z_loss`` (coefficients
+    applied; the core backpropagates them), ``expert_load`` and ``dropped``."""
+    terms = balance_losses(stats, num_experts=num_experts, top_k=top_k, convention=convention)
+    return {"aux_loss": aux_coeff * terms["aux"], "z_loss": z_coeff * terms["z"], "expert_load": terms["load"],
+            "dropped": terms["dropped"]}
+
+
+__all__ = ["MoE", "Router", "balance_losses", "balance_metrics", "stats_width"]

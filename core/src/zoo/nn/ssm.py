@@ -216,7 +216,7 @@ class Mamba1Mixer(nn.Module):
     def __init__(self, spec: SSMSpec, *, hidden: int, inner: int, state: int, conv: int, dt_rank: int,
                  chunk: int, layer: int) -> None:
         super().__init__()
-        self.inner, self.state, self.dt_rank, self.chunk, self.layer = inner, state, dt_rank, chunk, layer
+        self.state, self.dt_rank, self.chunk, self.layer = state, dt_rank, chunk, layer
         self.in_proj = nn.Linear(hidden, 2 * inner, bias=spec.proj_bias)
         self.in_proj.tp_segments = (inner, inner)  # type: ignore[assignment]  # x | z, each split over TP
         self.conv1d = nn.Conv1d(inner, inner, conv, groups=inner, padding=conv - 1, bias=spec.conv_bias)

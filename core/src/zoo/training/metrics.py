@@ -33,11 +33,8 @@ def count_tokens(batch: Mapping[str, Any]) -> int:
     return 0
 
 
-def lm_flops_per_token(model: torch.nn.Module, run: RunConfig) -> float:
-    """Training FLOPs per token: 6 x (weights used in matmuls) + attention (PaLM, Chowdhery et al.
-    2022 app. B). Counts every `nn.Linear` weight once (a tied head counts once, embedding lookups
-    are free) and adds ``12 * layers * hidden * seq`` for the attention scores and values when the
-    config names ``num_layers`` and ``hidden_size``."""
+def linear_weights(model: torch.nn.Module) -> int:
+    """Elements of every `nn.Linear` weight, each counted once (a tied head counts once)."""
     from torch import nn
 
     seen, n = set(), 0
@@ -45,6 +42,15 @@ def lm_flops_per_token(model: torch.nn.Module, run: RunConfig) -> float:
         if isinstance(mod, nn.Linear) and id(mod.weight) not in seen:
             seen.add(id(mod.weight))
             n += mod.weight.numel()
+    return n
+
+
+def lm_flops_per_token(model: torch.nn.Module, run: RunConfig) -> float:
+    """Training FLOPs per token: 6 x (weights used in matmuls) + attention (PaLM, Chowdhery et al.
+    2022 app. B). Counts every `nn.Linear` weight once (a tied head counts once, embedding lookups
+    are free) and adds ``12 * layers * hidden * seq`` for the attention scores and values when the
+    config names ``num_layers`` and ``hidden_size``."""
+    n = linear_weights(model)
     cfg = run.model
     attn = 0.0
     if isinstance(getattr(cfg, "num_layers", None), int) and isinstance(getattr(cfg, "hidden_size", None), int):
@@ -145,4 +151,4 @@ class MetricsLog:
                           title=title, log_scale=log_scale)
 
 
-__all__ = ["UNIT_LABELS", "MetricsLog", "count_tokens", "lm_flops_per_token", "measured_peak_flops"]
+__all__ = ["UNIT_LABELS", "MetricsLog", "count_tokens", "linear_weights", "lm_flops_per_token", "measured_peak_flops"]

@@ -74,10 +74,6 @@ def import_table(cfg: MambaConfig, keys: Collection[str]) -> MappingTable:
     return table(cfg, "fused" if fused else "per_expert")
 
 
-def _time_step_limit(cfg: MambaConfig) -> list[float]:
-    return [cfg.dt_min, cfg.dt_max]
-
-
 def to_hf_config(cfg: MambaConfig) -> dict[str, Any]:
     base = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "layer_norm_epsilon": cfg.norm_eps,
             "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings, "conv_kernel": cfg.conv_kernel,
@@ -89,7 +85,7 @@ def to_hf_config(cfg: MambaConfig) -> dict[str, Any]:
     if cfg.layer_spec == "mamba2":
         return {**base, "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2", "num_hidden_layers": cfg.num_layers,
                 "state_size": cfg.ssm_state_size, "num_heads": cfg.ssm_heads, "head_dim": cfg.ssm_head_dim,
-                "n_groups": cfg.ssm_groups, "chunk_size": cfg.chunk_size, "time_step_limit": _time_step_limit(cfg),
+                "n_groups": cfg.ssm_groups, "chunk_size": cfg.chunk_size, "time_step_limit": [cfg.dt_min, cfg.dt_max],
                 "use_bias": False, "hidden_act": "silu", "residual_in_fp32": True}
     if cfg.layer_spec != "nemotron_h":
         raise UsageError(f"model.layer_spec={cfg.layer_spec!r} has no Hugging Face architecture")

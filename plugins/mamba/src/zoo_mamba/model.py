@@ -16,7 +16,7 @@ from torch import nn
 
 from zoo.nn import KVCache, Rotary, linear_cross_entropy, make_norm
 from zoo.nn.layers import MLP, SelfAttention
-from zoo.nn.moe import MoE, balance_losses, stats_width
+from zoo.nn.moe import MoE, balance_metrics, stats_width
 from zoo.nn.ssm import Mamba1Mixer, Mamba2Mixer, SSMCache
 from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, MoESpec, SSMSpec
 from zoo_mamba.plugin import MambaConfig
@@ -156,20 +156,17 @@ def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Any, dict[st
     if cfg.moe_layers == 0:  # the family declares the MoE metrics; this pattern has no "E"
         zero = ce * 0.0  # (auxiliary losses are tensors the core backpropagates)
         return ce, {"aux_loss": zero, "z_loss": zero, "expert_load": zero, "dropped": zero}
-    terms = balance_losses(stats, num_experts=cfg.num_experts, top_k=cfg.top_k, convention="megatron")
-    return ce, {"aux_loss": cfg.aux_loss_coeff * terms["aux"], "z_loss": cfg.z_loss_coeff * terms["z"],
-                "expert_load": terms["load"], "dropped": terms["dropped"]}
+    return ce, balance_metrics(stats, num_experts=cfg.num_experts, top_k=cfg.top_k, convention="megatron",
+                               aux_coeff=cfg.aux_loss_coeff, z_coeff=cfg.z_loss_coeff)
 
 
 def flops_per_token(model: nn.Module, run: Any) -> float:
     """6 x the matmul weights a token passes through (experts: top-k of them), + attention scores
     on the attention layers, + the scans (about 9 multiply-adds per inner channel and state, x 3)."""
+    from zoo.training.metrics import linear_weights
+
     cfg = run.model
-    seen, n = set(), 0
-    for mod in model.modules():
-        if isinstance(mod, nn.Linear) and id(mod.weight) not in seen:
-            seen.add(id(mod.weight))
-            n += mod.weight.numel()
+    n = linear_weights(model)
     if cfg.moe_layers:
         n += cfg.moe_layers * cfg.top_k * cfg.hidden_size * cfg.moe_ffn_hidden_size * 2
     attn = 12.0 * cfg.symbols.count("*") * cfg.num_heads * cfg.head_dim * run.train.seq_length

@@ -17,7 +17,7 @@ from torch import nn
 
 from zoo.nn import KVCache, make_norm
 from zoo.nn.layers import SelfAttention
-from zoo.nn.moe import MoE, balance_losses, stats_width
+from zoo.nn.moe import MoE, balance_metrics, stats_width
 from zoo.spec import AttentionSpec, BlockSpec, ModelSpec, MoESpec
 from zoo_gpt.model import GPT
 from zoo_moe.plugin import MoEConfig
@@ -89,9 +89,8 @@ def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Any, dict[st
         return out, {}
     ce, stats = out
     cfg = model.cfg
-    terms = balance_losses(stats, num_experts=cfg.num_experts, top_k=cfg.top_k, convention=cfg.aux_loss_convention)
-    return ce, {"aux_loss": cfg.aux_loss_coeff * terms["aux"], "z_loss": cfg.z_loss_coeff * terms["z"],
-                "expert_load": terms["load"], "dropped": terms["dropped"]}
+    return ce, balance_metrics(stats, num_experts=cfg.num_experts, top_k=cfg.top_k, convention=cfg.aux_loss_convention,
+                               aux_coeff=cfg.aux_loss_coeff, z_coeff=cfg.z_loss_coeff)
 
 
 def flops_per_token(model: nn.Module, run: Any) -> float:
