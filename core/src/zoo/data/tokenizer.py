@@ -62,8 +62,9 @@ class Tokenizer:
             self._tok.save(str(directory / "tokenizer.json"))  # type: ignore[attr-defined]
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE (GPT-2 style) trained on ``texts``; deterministic for the same input."""
+def train_bpe(texts: Iterable[str], vocab_size: int, *, special_tokens: Sequence[str] = ()) -> Tokenizer:
+    """A byte-level BPE (GPT-2 style) trained on ``texts``; deterministic for the same input.
+    The end-of-document token has id 0, ``special_tokens`` (a VLM's ``<image>``) the next ids."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -72,7 +73,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD, *special_tokens], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
     return Tokenizer(tok, eod_id=tok.token_to_id(EOD), vocab_size=tok.get_vocab_size(), source="bpe")

@@ -1,6 +1,6 @@
-"""Decoder layers shared by families: self-attention with a fused, per-KV-group q|k|v projection
-(GPT-2, LLaMA, the MoE decoders, a hybrid stack's ``*`` layers) and the position-wise MLP (a
-model's feed-forward, an MoE's shared expert).
+"""Transformer layers shared by families: self-attention with a fused, per-KV-group q|k|v projection
+(GPT-2, LLaMA, the MoE decoders, a hybrid stack's ``*`` layers, CLIP's towers), the position-wise
+MLP (a model's feed-forward, an MoE's shared expert) and the pre-norm layer made of the two.
 
 The fused q|k|v projection is laid out per KV group, ``[q heads of group g, k_g, v_g]`` for each g,
 so a contiguous tensor-parallel split hands every rank whole groups; the fused gate|up projection is
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zoo.nn import ACTIVATIONS, AttentionCore, KVCache, apply_rotary, gated_activation
-from zoo.spec import AttentionSpec, MLPSpec
+from zoo.nn import ACTIVATIONS, AttentionCore, KVCache, apply_rotary, gated_activation, make_norm
+from zoo.spec import AttentionSpec, BlockSpec, MLPSpec
 
 
 class SelfAttention(nn.Module):
@@ -59,4 +59,24 @@ class MLP(nn.Module):
         return self.proj(self.act(self.fc(x)))
 
 
-__all__ = ["MLP", "SelfAttention"]
+class TransformerLayer(nn.Module):
+    """``x + attn(norm(x))`` then ``x + mlp(norm(x))``: a GPT-2/LLaMA decoder layer, a CLIP encoder
+    layer (its spec non-causal for images). ``layer`` indexes the KV cache."""
+
+    def __init__(self, spec: BlockSpec, *, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn_hidden: int,
+                 eps: float, layer: int) -> None:
+        super().__init__()
+        assert isinstance(spec.mixer, AttentionSpec) and isinstance(spec.ffn, MLPSpec)
+        self.attn_norm = make_norm(spec.norm, hidden, eps)
+        self.attn = SelfAttention(spec.mixer, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                  layer=layer)
+        self.mlp_norm = make_norm(spec.norm, hidden, eps)
+        self.mlp = MLP(spec.ffn, hidden=hidden, ffn_hidden=ffn_hidden)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: KVCache | None = None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, cache, segment_ids)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+__all__ = ["MLP", "SelfAttention", "TransformerLayer"]

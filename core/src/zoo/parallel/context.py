@@ -62,6 +62,29 @@ class SequenceShard(torch.nn.Module):
         return scatter_seq(t, self.group, self.dim)
 
 
+class BatchGather(torch.nn.Module):
+    """Gathers a per-sample tensor (B, ...) from every data-parallel rank along dim 0, in rank
+    order, once the core sets ``group`` (`zoo.parallel.engine.Parallel`, when dp > 1); identity
+    with None. The backward sums each rank's gradient for this rank's rows (a reduce-scatter),
+    so a loss over the gathered batch (CLIP's global negatives) trains as the one-process loss
+    over the whole global batch. ``rank`` is this rank's index in the gathered rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.group: Any = None
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else dist.get_rank(self.group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return x
+        from zoo.parallel.comm import gather_seq
+
+        return gather_seq(x.contiguous(), self.group, 0)
+
+
 def local_positions(seq_len: int, cp: int, rank: int, device: Any = None) -> torch.Tensor:
     """Global positions held by CP rank ``rank``: chunks ``rank`` and ``2 cp - 1 - rank``."""
     if seq_len % (2 * cp):

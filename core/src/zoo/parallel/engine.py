@@ -81,6 +81,10 @@ class Parallel:
             on_shards -= set(experts)  # (reduced over their expert-data-parallel group instead)
         if lay.cp > 1:
             self._ring_attention(model)
+        if self.dp > 1:
+            for m in model.modules():
+                if isinstance(m, context.BatchGather):
+                    m.group = g.group("dp")
         self.stages: Stages | None = None
         self.embedding_group = None
         if lay.pp > 1:

@@ -178,12 +178,14 @@ def layout_for(family: Any, world_size: int, *, model: Any = None, seq_length: i
 
 
 def train_layout(layout: Mapping[str, Any], family: str, layers: int, zero: bool, *, steps: int = 3, micro: int = 4,
-                 seq_length: int = 16, rows: int = 2) -> dict[str, Any]:
+                 seq_length: int = 16, rows: int = 2, split_rows: bool = False) -> dict[str, Any]:
     """``steps`` AdamW steps of ``family``'s tiny flavor (``layers`` deep) under ``layout`` (on the
     ranks this runs on: call it through `run_distributed`, or directly for one process), through
     `zoo.parallel.engine.Parallel` as `zoo train` does: ``micro`` micro-batches of ``rows`` rows
     from the family's ``example_batch`` per step, each data-parallel rank taking its share. Returns
-    the losses and every gradient gathered to full shape under its single-process name."""
+    the losses and every gradient gathered to full shape under its single-process name.
+    ``split_rows``: every micro-batch is cut into data-parallel slices of rows instead (a loss over
+    a whole micro-batch, CLIP's global negatives, then equals one process's)."""
     import torch
     import torch.distributed as dist
 
@@ -222,7 +224,11 @@ def train_layout(layout: Mapping[str, Any], family: str, layers: int, zero: bool
     for step in range(steps + 1):
         # The same global batch as one process; each data-parallel rank takes its share.
         batch = [example(cfg, batch_size=rows, seq_length=seq_length, generator=gen) for _ in range(micro)]
-        mine = batch[par.dp_rank::par.dp]
+        if split_rows:
+            n = rows // par.dp
+            mine = [{k: v[par.dp_rank * n:(par.dp_rank + 1) * n] for k, v in mb.items()} for mb in batch]
+        else:
+            mine = batch[par.dp_rank::par.dp]
         losses.append(par.forward_backward(mine, loss_fn, seq_length=seq_length).loss.item())
         par.finish_grads()
         if step == steps:

@@ -16,10 +16,6 @@ prepared as an Energon dataset in the cache on first use.
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -222,25 +218,6 @@ def task_encoder(run: Any) -> DiTTaskEncoder:
 # ------------------------------------------------------------------------------ built-in data
 
 
-def _prepared(root: Path, name: str, make: Any) -> Path:
-    """``root/name``, prepared once by ``make(tmpdir)`` (into a temporary sibling, renamed in place)."""
-    target = root / name
-    if (target / ".nv-meta" / "split.yaml").is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}.partial-"))
-    try:
-        make(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another rank or run prepared it meanwhile
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
-
-
 def prepare_digits(out: Path) -> None:
     """scikit-learn's 1,797 digits as an Energon dataset of ImageClassificationSample (png + cls)."""
     from zoo.data.energon.prepare import digit_samples, prepare_webdataset, write_shards
@@ -260,25 +237,16 @@ def prepare_moving_digits(out: Path, *, n: int = 2000, frames: int = 8, size: in
     prepare_video(out, count=n, frames=frames, size=size, force_overwrite=True)
 
 
-def _build_on(run: Any, path: Path, **kw: Any) -> Any:
-    from zoo.data.energon.training import build
-
-    if run.data.path is not None:
-        raise ConfigError("data.path and a built-in dataset: give one (data.dataset names the built-in one)")
-    run = dataclasses.replace(run, data=dataclasses.replace(run.data, path=str(path)))
-    return build(run, **kw)
-
-
 def build_digits(run: Any, **kw: Any) -> Any:
-    from zoo.data.corpus import cache_root
+    from zoo.data.energon.training import build_cached
 
-    return _build_on(run, _prepared(cache_root(run), "energon-digits-v1", prepare_digits), **kw)
+    return build_cached(run, "energon-digits-v1", prepare_digits, **kw)
 
 
 def build_moving(run: Any, **kw: Any) -> Any:
-    from zoo.data.corpus import cache_root
+    from zoo.data.energon.training import build_cached
 
-    return _build_on(run, _prepared(cache_root(run), "energon-moving-digits-v1", prepare_moving_digits), **kw)
+    return build_cached(run, "energon-moving-digits-v1", prepare_moving_digits, **kw)
 
 
 __all__ = ["DiTTaskEncoder", "build_digits", "build_moving", "collate", "prepare_digits", "prepare_moving_digits",

@@ -14,24 +14,15 @@ import torch
 from torch import nn
 
 from zoo.nn import KVCache, Rotary, linear_cross_entropy, make_norm
-from zoo.nn.layers import MLP, SelfAttention
-from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec
+from zoo.nn.layers import TransformerLayer
+from zoo.spec import AttentionSpec, BlockSpec, ModelSpec
 from zoo_gpt.plugin import GPTConfig
 
 
-class Block(nn.Module):
+class Block(TransformerLayer):
     def __init__(self, cfg: GPTConfig, spec: BlockSpec, layer: int) -> None:
-        super().__init__()
-        assert isinstance(spec.mixer, AttentionSpec) and isinstance(spec.ffn, MLPSpec)
-        self.attn_norm = make_norm(spec.norm, cfg.hidden_size, cfg.norm_eps)
-        self.attn = SelfAttention(spec.mixer, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
-                                  head_dim=cfg.head_dim, layer=layer)
-        self.mlp_norm = make_norm(spec.norm, cfg.hidden_size, cfg.norm_eps)
-        self.mlp = MLP(spec.ffn, hidden=cfg.hidden_size, ffn_hidden=cfg.ffn_hidden_size)
-
-    def forward(self, x: torch.Tensor, rope: Any, cache: KVCache | None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, cache, segment_ids)
-        return x + self.mlp(self.mlp_norm(x))
+        super().__init__(spec, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                         head_dim=cfg.head_dim, ffn_hidden=cfg.ffn_hidden_size, eps=cfg.norm_eps, layer=layer)
 
 
 class GPT(nn.Module):

@@ -59,7 +59,7 @@ def cmd_images(args: argparse.Namespace) -> int:
     res = prepare_images(args.output, dataset=args.dataset, folder=args.folder, captions=args.captions,
                          shard_size=args.shard_size, split=_ratio(args.split), size=args.size, repeat=args.repeat,
                          vae=args.vae, text_encoder=args.text_encoder, force_overwrite=args.force_overwrite,
-                         progress=sys.stderr.isatty())
+                         progress=sys.stderr.isatty(), sample_type=args.sample_type)
     _summary(res, time.perf_counter() - t0)
     print(f"next: zoo data info {res.root}")
     return 0
@@ -192,6 +192,8 @@ def add_prepare_parsers(prep: Any) -> None:
     i.add_argument("--captions", help="CSV (file,caption) or JSONL ({file, caption})")
     i.add_argument("--shard-size", type=int, default=100, help="samples per shard")
     i.add_argument("--split", default="8,1,1")
+    i.add_argument("--sample-type", choices=["CaptioningSample", "VQASample"], default="CaptioningSample",
+                   help="digits: captions ('a handwritten 7') or question/answer pairs ('What digit is this?' -> 'seven')")
     i.add_argument("--size", type=int, default=8, help="digits: side in pixels (nearest upscaling)")
     i.add_argument("--repeat", type=int, default=1, help="digits: write the 1797 images this many times")
     i.add_argument("--vae", metavar="DIR", help="a local diffusers AutoencoderKL: also store its latents (latent.npy)")

@@ -109,10 +109,12 @@ def _with_pixels(samples: Iterable[tuple[str, dict[str, bytes]]]) -> Iterable[tu
 def prepare_images(out: str | os.PathLike[str], *, dataset: str | None = None, folder: str | None = None,
                    captions: str | None = None, shard_size: int = 100, split: Sequence[float] = (8, 1, 1),
                    size: int = 8, repeat: int = 1, vae: str | None = None, text_encoder: str | None = None,
-                   force_overwrite: bool = False, progress: bool = False) -> PrepareResult:
+                   force_overwrite: bool = False, progress: bool = False,
+                   sample_type: str = "CaptioningSample") -> PrepareResult:
     """A captioned image dataset, sharded and prepared: the built-in ``digits`` (sample type
     CaptioningSample, field map image=png, caption=txt; the class in ``cls``, a VQA pair in
-    ``json``) or a folder of images with captions. With ``vae`` and/or ``text_encoder`` (local
+    ``json``; with ``sample_type="VQASample"`` typed as that pair: context=json[question],
+    answers=json[answers]) or a folder of images with captions. With ``vae`` and/or ``text_encoder`` (local
     directories) each sample also gets ``latent.npy`` / ``t5.npy`` and the dataset is crude (a
     DiT's task encoder reads the parts); ``.nv-meta/encoders.json`` records the encoders."""
     out = Path(out)
@@ -122,6 +124,11 @@ def prepare_images(out: str | os.PathLike[str], *, dataset: str | None = None, f
         raise DatasetError("give either --dataset digits or --folder DIR")
     if dataset is not None and dataset != "digits":
         raise DatasetError(f"--dataset {dataset!r}: the built-in image dataset is 'digits'")
+    if sample_type not in ("CaptioningSample", "VQASample"):
+        raise DatasetError(f"--sample-type {sample_type!r}: CaptioningSample or VQASample")
+    if sample_type == "VQASample" and (dataset is None or vae or text_encoder):
+        raise DatasetError("--sample-type VQASample: the built-in digits carry a question and answer; a folder of "
+                           "captioned images does not (and encoded datasets are crude)")
     enc_vae, enc_text = _encoders(vae, text_encoder)
     samples: Iterable[Any] = digit_samples(size=size, repeat=repeat) if dataset else folder_samples(Path(folder), Path(captions) if captions else None)  # type: ignore[arg-type]
     if enc_vae is not None or enc_text is not None:
@@ -131,6 +138,9 @@ def prepare_images(out: str | os.PathLike[str], *, dataset: str | None = None, f
         res = prepare_webdataset(out, split=split, crude=True, force_overwrite=True, progress=progress)
         _write_encoders(out, enc_vae, enc_text)
         return res
+    if sample_type == "VQASample":
+        return prepare_webdataset(out, split=split, sample_type="VQASample", force_overwrite=True, progress=progress,
+                                  field_map={"image": "png", "context": "json[question]", "answers": "json[answers]"})
     fmap = {"image": "png", "caption": "txt"} if dataset else {"image": ",".join(
         e for e in ("jpg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm")), "caption": "txt"}
     return prepare_webdataset(out, split=split, sample_type="CaptioningSample", field_map=fmap,

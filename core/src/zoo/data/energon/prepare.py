@@ -303,7 +303,7 @@ def digit_samples(*, size: int = 8, repeat: int = 1) -> Iterable[tuple[str, dict
     for r in range(repeat):
         for i, (im, label) in enumerate(zip(images, d.target)):
             meta = {"label": int(label), "label_name": DIGIT_NAMES[label], "question": "What digit is this?",
-                    "answer": DIGIT_NAMES[label]}
+                    "answer": DIGIT_NAMES[label], "answers": [DIGIT_NAMES[label]]}
             key = f"digit{i:05d}" if repeat == 1 else f"r{r:03d}_digit{i:05d}"
             yield key, {"png": png_bytes(im), "txt": f"a handwritten {label}".encode(), "cls": str(int(label)).encode(),
                         "json": json.dumps(meta).encode()}

@@ -9,7 +9,12 @@ from it, so a resumed run reads exactly the batches an uninterrupted one would.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from zoo.errors import ConfigError
@@ -82,6 +87,37 @@ def build(run: Any, *, split: str, dp_rank: int, dp_size: int, consumed_samples:
     return _Batches(loader)
 
 
+def prepared_once(root: Path, name: str, make: Callable[[Path], Any]) -> Path:
+    """``root/name``, prepared once by ``make(tmpdir)`` into a temporary sibling renamed in place,
+    so a crash leaves no half-prepared dataset and concurrent ranks or runs do not collide."""
+    target = root / name
+    if (target / ".nv-meta" / "split.yaml").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}.partial-"))
+    try:
+        make(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another rank or run prepared it meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def build_cached(run: Any, name: str, make: Callable[[Path], Any], **kw: Any) -> _Batches:
+    """`build` on a built-in dataset: prepared by ``make`` into the run's cache (once), under ``name``."""
+    from zoo.data.corpus import cache_root
+
+    if run.data.path is not None:
+        raise ConfigError("data.path and a built-in dataset: give one (data.dataset names the built-in one)")
+    path = prepared_once(cache_root(run), name, make)
+    run = dataclasses.replace(run, data=dataclasses.replace(run.data, path=str(path)))
+    return build(run, **kw)
+
+
 class DataPosition:
     """The `Stateful` checkpoint item holding every data-parallel rank's loader position."""
 
@@ -113,4 +149,4 @@ class DataPosition:
         self.saved = saved
 
 
-__all__ = ["DataPosition", "build", "task_encoder_for"]
+__all__ = ["DataPosition", "build", "build_cached", "prepared_once", "task_encoder_for"]

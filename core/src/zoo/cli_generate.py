@@ -1,0 +1,117 @@
+"""`zoo generate`: text from language models, images and clips from diffusion models, answers and
+zero-shot labels from image-text models; each family's own entry does the work."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from zoo.errors import UsageError
+
+
+def _registry(args: argparse.Namespace) -> Any:
+    from zoo.cli import _registry as registry
+
+    return registry(args)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from zoo.checkpoint.external import load
+    from zoo.checkpoint.state import resolve_checkpoint
+    from zoo.data.tokenizer import load_tokenizer
+    from zoo.family import resolve
+
+    path = resolve_checkpoint(args.checkpoint)
+    loaded = load(path, weights=args.weights)
+    entry = _registry(args).get(loaded.family)
+    fam = entry.family
+    if args.model is not None and _registry(args).get(args.model).family.name != fam.name:
+        raise UsageError(f"--model {args.model}: {path} holds a {fam.name!r} model")
+    if fam.generate is None:
+        raise UsageError(f"family {fam.name!r} (task {fam.task}) has no generation entry")
+    if fam.task == "diffusion":
+        return _generate_samples(args, resolve(fam.generate, owner=str(entry.plugin)), loaded)
+    tok_source = args.tokenizer or loaded.tokenizer_dir
+    if tok_source is None:
+        raise UsageError(f"{path} holds no tokenizer.json; pass --tokenizer (a tokenizer directory or 'bytes')")
+    tok = load_tokenizer(tok_source)
+    if fam.task != "causal_lm":  # image-text families: the family's entry reads the request and answers in text
+        if args.max_new_tokens < 1:
+            raise UsageError("--max-new-tokens must be at least 1")
+        labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
+        print(resolve(fam.generate, owner=str(entry.plugin))(
+            loaded.model, loaded.config, images=args.image, labels=labels, prompt=args.prompt, tokenizer=tok,
+            max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
+            top_k=args.top_k, top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache))
+        return 0
+    if args.prompt is None:
+        raise UsageError(f"family {fam.name!r}: zoo generate continues a text: give --prompt")
+    ids = tok.encode(args.prompt)
+    if args.max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be at least 1")
+    generate = resolve(fam.generate, owner=str(entry.plugin))
+    out = generate(loaded.model, loaded.config, prompt=torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
+                   temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   seed=args.seed, use_cache=not args.no_cache, eos_id=tok.eod_id)
+    new = out[0, len(ids):].tolist()
+    if tok.eod_id in new:
+        new = new[: new.index(tok.eod_id)]
+    print(args.prompt + tok.decode(new))
+    return 0
+
+
+def _generate_samples(args: argparse.Namespace, generate: Any, loaded: Any) -> int:
+    """A diffusion family: images (a grid, one per --class) or a clip, written to --output."""
+    output = args.output or args.video_save_path
+    if output is None:
+        raise UsageError("--output FILE (.png for images, .gif or .mp4 for a clip) is required for a diffusion model")
+    if args.num_steps < 1:
+        raise UsageError("--num-steps must be at least 1")
+    request = {"labels": args.classes, "num_steps": args.num_steps, "guidance": args.guidance,
+               "guidance_form": args.guidance_form, "solver": args.solver, "seed": args.seed, "height": args.height,
+               "width": args.width, "frames": args.num_video_frames, "num_samples": args.num_samples,
+               "prompt": args.prompt, "text_encoder": args.text_encoder}
+    try:
+        print(f"wrote {generate(loaded.model, loaded.config, output=output, nrow=args.nrow, **{k: v for k, v in request.items() if v is not None})}")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return 0
+
+
+
+def add_generate_parser(sub: Any) -> None:
+    p = sub.add_parser("generate", help="sample text, images or clips from a checkpoint (zoo or Hugging Face directory)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoint directory, run directory or HF directory")
+    p.add_argument("--model", "-m", help="the family the checkpoint must hold (checked; it is read from the checkpoint)")
+    p.add_argument("--prompt", help="text to continue (language models) or to condition on (text-to-video)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (no KV cache)")
+    p.add_argument("--tokenizer", help="tokenizer directory, tokenizer.json or 'bytes' (default: the checkpoint's)")
+    p.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
+                   help="sample with the moving average of the weights (train.ema) or the raw ones; auto: the average if kept")
+    v = p.add_argument_group("image-text models (CLIP, LLaVA)")
+    v.add_argument("--image", nargs="+", help="image file(s): LLaVA answers --prompt about one, CLIP classifies each")
+    v.add_argument("--labels", help="CLIP zero-shot: comma-separated label texts, e.g. 'a 0,a 1,a 2'")
+    d = p.add_argument_group("diffusion models (DiT); DFM's argument names are accepted")
+    d.add_argument("--class", dest="classes", type=int, nargs="+", help="class(es) to draw, one sample each")
+    d.add_argument("--num-steps", "--num_steps", type=int, default=18, help="sampler steps (Heun: 2 evaluations each)")
+    d.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale (1: none)")
+    d.add_argument("--guidance-form", choices=["standard", "dfm"], default="standard",
+                   help="standard: uncond + g (cond - uncond); dfm: cond + g (cond - uncond)")
+    d.add_argument("--solver", choices=["heun", "euler"], default="heun")
+    d.add_argument("--height", type=int, help="latent height (default: the model's sample size)")
+    d.add_argument("--width", type=int, help="latent width")
+    d.add_argument("--num-video-frames", "--num_video_frames", type=int, help="latent frames of a clip")
+    d.add_argument("--num-samples", type=int, help="samples to draw when no --class is given")
+    d.add_argument("--nrow", type=int, help="images per row of the grid")
+    d.add_argument("--output", help="file to write: .png (grid), .gif or .mp4 (clip)")
+    d.add_argument("--video-save-path", "--video_save_path", help="DFM's name for --output")
+    d.add_argument("--text-encoder", help="T5 encoder directory for --prompt (default: the built-in datasets' own)")
+    p.set_defaults(func=cmd_generate)

@@ -1,0 +1,1 @@
+"""zoo-vlm: CLIP and LLaVA-style vision-language models."""
