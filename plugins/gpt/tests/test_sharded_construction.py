@@ -68,3 +68,24 @@ def test_each_rank_materialises_exactly_its_part_of_the_single_process_model(wor
     if world > 1:  # and no rank holds more than its part
         assert max(r["local"] for r in results) < total
         assert sum(r["local"] for r in results) < total * 1.5
+
+
+def test_a_tensor_made_from_data_is_refused_for_recording_not_left_uninitialised():
+    """``torch.tensor(2.66)`` under the meta device takes no dispatched operation: replaying the
+    record would leave the parameter as uninitialised memory (a CLIP temperature of -4e30 once
+    did), so recording refuses and the trainer builds that model in full."""
+    import pytest
+    import torch
+    from torch import nn
+
+    from zoo.parallel.materialize import DeferredInitError, record_build
+
+    def from_data() -> nn.Module:
+        m = nn.Module()
+        m.scale = nn.Parameter(torch.tensor(2.66))
+        return m
+
+    with pytest.raises(DeferredInitError, match=r"scale \(\) was made from data"):
+        record_build(from_data)
+    model, record = record_build(lambda: nn.ParameterDict({"scale": nn.Parameter(torch.full((), 2.66))}))
+    assert record.ops

@@ -145,6 +145,13 @@ def record_build(build: Callable[..., nn.Module], *args: Any) -> tuple[nn.Module
         raise
     except Exception as e:  # a build that needs real values (shape from data, an assert on a value)
         raise DeferredInitError(f"the build cannot run on the meta device: {type(e).__name__}: {e}") from e
+    # A tensor made from Python data (``torch.tensor(2.66)``) takes no recorded operation on the
+    # meta device: replaying would leave it uninitialised, so such a build runs in full instead.
+    written = {k for op in recorder.ops for k in op.writes}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.numel() and InitRecord.key(t) not in written:
+            raise DeferredInitError(f"{name} {tuple(t.shape)} was made from data (torch.tensor?), which the meta "
+                                    "device does not record; initialise it with a factory or nn.init")
     return model, InitRecord(recorder.ops, state, recorder.nbytes, recorder.alive)
 
 

@@ -86,6 +86,7 @@ class LlavaTaskEncoder(TaskEncoder):
         if question is None or not answers:
             raise ValueError(f"{where}: LLaVA trains on VQASample (image, context, answers), got "
                              f"{type(sample).__name__}{' without answers' if question is not None else ''}")
+        image = image_tensor(sample.image, self.cfg, where)
         answer = answers if isinstance(answers, str) else answers[0]
         prompt = self.prompt_ids(question)
         image_id, f = self.cfg.image_token_id, self.cfg.image_features
@@ -103,7 +104,7 @@ class LlavaTaskEncoder(TaskEncoder):
         ids = torch.tensor(ids + [self.tok.eod_id] * pad)
         loss_mask = torch.zeros(self.seq_length)
         loss_mask[len(prompt) - 1: len(prompt) - 1 + len(target)] = 1  # positions predicting the answer
-        return {"images": image_tensor(sample.image, self.cfg, where), "tokens": ids[:-1], "labels": ids[1:],
+        return {"images": image, "tokens": ids[:-1], "labels": ids[1:],
                 "loss_mask": loss_mask}
 
 

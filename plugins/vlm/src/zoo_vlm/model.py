@@ -23,12 +23,24 @@ from zoo_gpt.model import GPT
 from zoo_vlm.plugin import CLIPConfig, LlavaConfig, VisionFields
 
 
-def _init_tower(module: nn.Module, std: float) -> None:
-    for name, p in module.named_parameters():
+def _init_tower(tower: nn.Module, width: int, std: float) -> None:
+    """CLIP's initialisation (as OpenAI's and HF's): input projections of attention and MLP scaled
+    by width^-0.5 and depth, embeddings at ``std``. At small widths a flat 0.02 starves the
+    residual stream and contrastive training sits on a plateau for hundreds of steps."""
+    depth = (2 * len(tower.layers)) ** -0.5
+    for name, p in tower.named_parameters():
         if p.dim() == 1:
             nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
-        else:
+        elif name.endswith(("attn.qkv.weight", "mlp.proj.weight")):
+            nn.init.normal_(p, std=width ** -0.5 * depth)
+        elif name.endswith("attn.proj.weight"):
+            nn.init.normal_(p, std=width ** -0.5)
+        elif name.endswith("mlp.fc.weight"):
+            nn.init.normal_(p, std=(2 * width) ** -0.5)
+        else:  # token, position and patch embeddings
             nn.init.normal_(p, std=std)
+    if isinstance(tower, VisionTower):
+        nn.init.normal_(tower.class_token, std=width ** -0.5)
 
 
 class VisionTower(nn.Module):
@@ -112,11 +124,12 @@ class CLIP(nn.Module):
         self.text = TextTower(cfg, spec.towers["text"])
         self.vision_proj = nn.Linear(cfg.vision_hidden_size, cfg.projection_dim, bias=False)
         self.text_proj = nn.Linear(cfg.text_hidden_size, cfg.projection_dim, bias=False)
-        self.logit_scale = nn.Parameter(torch.tensor(float(cfg.logit_scale_init)))
+        self.logit_scale = nn.Parameter(torch.full((), float(cfg.logit_scale_init)))
         self.gather = BatchGather()  # the other data-parallel ranks' embeddings (set by the core)
-        for tower in (self.vision, self.text, self.vision_proj, self.text_proj):
-            _init_tower(tower, cfg.init_std)
-        nn.init.normal_(self.vision.class_token, std=cfg.vision_hidden_size ** -0.5)
+        _init_tower(self.vision, cfg.vision_hidden_size, cfg.init_std)
+        _init_tower(self.text, cfg.text_hidden_size, cfg.init_std)
+        nn.init.normal_(self.vision_proj.weight, std=cfg.vision_hidden_size ** -0.5)
+        nn.init.normal_(self.text_proj.weight, std=cfg.text_hidden_size ** -0.5)
 
     def embed_images(self, images: torch.Tensor) -> torch.Tensor:
         """(B, C, S, S) -> L2-normalised (B, P)."""
@@ -190,9 +203,11 @@ class Llava(GPT):
         self.vision = VisionTower(cfg, spec.towers["vision"])
         self.projector = Projector(cfg.vision_hidden_size * len(cfg.feature_layers), cfg.hidden_size,
                                    cfg.projector_bias)
-        for tower in (self.vision, self.projector):
-            _init_tower(tower, cfg.init_std)
-        nn.init.normal_(self.vision.class_token, std=cfg.vision_hidden_size ** -0.5)
+        _init_tower(self.vision, cfg.vision_hidden_size, cfg.init_std)
+        for lin in (self.projector.fc, self.projector.proj):
+            nn.init.normal_(lin.weight, std=cfg.init_std)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
         # The tower's layers past the deepest feature layer and its post-LayerNorm never run here:
         # frozen, so no gradient is awaited for them (kept for conversion both ways).
         self.upto = max(cfg.feature_layers)
