@@ -155,7 +155,9 @@ SURFACE = {
     "prepare": ["what"],
     "data": ["what"],
     "generate": ["--checkpoint", "--greedy", "--max-new-tokens", "--no-cache", "--prompt", "--seed", "--temperature",
-                 "--tokenizer", "--top-k", "--top-p", "--weights",
+                 "--tokenizer", "--top-k", "--top-p", "--weights", "--model",
+                 # image-text models (CLIP, LLaVA)
+                 "--image", "--labels",
                  # diffusion models (DFM's snake_case spellings are the aliases listed last)
                  "--class", "--num_steps", "--guidance", "--guidance-form", "--solver", "--height", "--width",
                  "--num_video_frames", "--num-samples", "--nrow", "--output", "--video_save_path", "--text-encoder"],

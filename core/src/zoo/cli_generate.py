@@ -10,9 +10,9 @@ from zoo.errors import UsageError
 
 
 def _registry(args: argparse.Namespace) -> Any:
-    from zoo.cli import _registry as registry
+    from zoo.registry import get_registry
 
-    return registry(args)
+    return get_registry(only=getattr(args, "plugins", None))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
