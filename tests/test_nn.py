@@ -44,12 +44,13 @@ def test_swiglu_matches_formula():
     torch.testing.assert_close(g_a, g_b, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("chunk", [7, 64, 1000])
-def test_linear_cross_entropy_matches_full_logits(chunk):
+@pytest.mark.parametrize("chunk,dropped", [(7, 0.1), (64, 0.3), (1000, 0.3), (7, 0.9)])
+def test_linear_cross_entropy_matches_full_logits(chunk, dropped):
+    # A mask dropping most rows takes the kept-rows path (the head runs on them only).
     torch.manual_seed(0)
     h, w = torch.randn(50, 16), torch.randn(40, 16) * 0.3
     labels = torch.randint(0, 40, (50,))
-    mask = torch.rand(50) > 0.3
+    mask = torch.rand(50) > dropped
 
     def ours(h, w):
         return linear_cross_entropy(h, w, labels, mask, chunk=chunk)
@@ -63,6 +64,14 @@ def test_linear_cross_entropy_matches_full_logits(chunk):
     torch.testing.assert_close(la, lb, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(gh_a, gh_b, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(gw_a, gw_b, atol=1e-6, rtol=1e-5)
+
+
+def test_linear_cross_entropy_of_a_fully_masked_batch_is_zero_with_zero_gradients():
+    h = torch.randn(6, 4, requires_grad=True)
+    w = torch.randn(5, 4, requires_grad=True)
+    loss = linear_cross_entropy(h, w, torch.randint(0, 5, (6,)), torch.zeros(6, dtype=torch.bool))
+    loss.backward()
+    assert loss.item() == 0.0 and not h.grad.any() and not w.grad.any()
 
 
 def test_linear_cross_entropy_scales_with_upstream_gradient_and_autocast():
@@ -198,3 +207,36 @@ def test_modulated_layer_norm_matches_formula_gradcheck_and_recomputes(per_token
         out.square().sum().backward()
         grads[mode] = [p.grad.clone() for p in (*lin.parameters(), *fc.parameters())]
     assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads["elementwise"]))
+
+
+@pytest.mark.parametrize("causal,gqa,packed", [(False, False, False), (True, True, False), (True, False, True)])
+def test_a_last_layer_computing_only_kept_positions_equals_the_full_layer_there(causal, gqa, packed):
+    """`run_layers(..., keep=)`: the last layer computes K of T positions; outputs and every
+    gradient equal the full stack's at those positions (causal and document masks included)."""
+    from zoo.nn import Rotary
+    from zoo.nn.layers import TransformerLayer, run_layers, take_positions
+    from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, NormSpec
+
+    torch.manual_seed(0)
+    spec = BlockSpec(norm=NormSpec(kind="layernorm"), mixer=AttentionSpec(causal=causal, bias=True, positions="rope"),
+                     ffn=MLPSpec(activation="gelu", gated=False, bias=True))
+    layers = torch.nn.ModuleList(TransformerLayer(spec, hidden=16, heads=4, kv_heads=2 if gqa else 4, head_dim=4,
+                                                  ffn_hidden=32, eps=1e-5, layer=i) for i in range(2))
+    x = torch.randn(3, 10, 16, requires_grad=True)
+    rope = Rotary(4, 10000.0, None)(torch.arange(10))
+    segments = torch.tensor([[0] * 4 + [1] * 6, [0] * 10, [0] * 7 + [1] * 3]) if packed else None
+    keep = torch.tensor([[0, 5, 9], [2, 3, 4], [9, 1, 6]])
+    w = torch.randn(3, 3, 16)
+
+    def grads(out):
+        (out * w).sum().backward()
+        g = [x.grad.clone(), *(p.grad.clone() for p in layers.parameters())]
+        x.grad = None
+        layers.zero_grad(set_to_none=True)
+        return out.detach(), g
+
+    out_k, g_k = grads(run_layers(layers, x, rope, None, segments, keep=keep))
+    out_f, g_f = grads(take_positions(run_layers(layers, x, rope, None, segments), keep))
+    torch.testing.assert_close(out_k, out_f, atol=1e-6, rtol=1e-5)
+    for a, b in zip(g_k, g_f, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -81,6 +81,11 @@ def test_clip_embeddings_logits_and_loss_match_hugging_face(hf_clip):
         assert torch.allclose(txt, ref.text_embeds, atol=1e-5, rtol=0)
         assert torch.allclose(model.logit_scale.exp() * txt @ img.t(), ref.logits_per_text, atol=1e-5, rtol=0)
         assert abs(model(px, ids).item() - ref.loss.item()) <= 1e-5
+        # Every end token early: the padding after the last one is dropped before the layers.
+        short = ids.clone()
+        short[1, 6:] = 5
+        ref_short = hf_clip(input_ids=short, pixel_values=px).text_embeds
+        assert torch.allclose(model.embed_texts(short), ref_short, atol=1e-5, rtol=0)
 
 
 def test_clip_temperature_is_clamped_as_in_the_paper(hf_clip):
@@ -185,3 +190,33 @@ def test_bad_inputs_are_one_clear_error_each(hf_llava, hf_clip):
         clip.embed_texts(torch.full((1, 20), 5))
     with pytest.raises(ValueError, match="without its end token"):
         clip.embed_texts(torch.full((1, 8), 7))
+
+
+LAYOUTS = __import__("pathlib").Path(__file__).parent / "data" / "llava_layouts"
+
+
+@pytest.mark.parametrize("release,file", [("tf4.51.3", "model"), ("tf4.55.4", "model"), ("tf4.55.4", "in_memory"),
+                                          ("tf5.23.0", "model"), ("tf5.23.0", "in_memory")])
+def test_llava_files_written_by_released_transformers_load_with_their_logits(release, file, tmp_path):
+    """What transformers 4.51, 4.55 and 5.23 themselves wrote (save_pretrained, and the in-memory
+    state_dict a custom loop saves; see data/llava_layouts/make.py) loads through `zoo convert`'s
+    loader and reproduces the logits and loss that release computed."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from zoo.checkpoint.external import load
+
+    src = LAYOUTS / release
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    shutil.copy(src / f"{file}.safetensors", tmp_path / "model.safetensors")
+    loaded = load(tmp_path)
+    assert loaded.family == "llava"
+    ref = load_file(src / "expected.safetensors")
+    ids = ref["input_ids"]
+    labels = torch.where(ids == loaded.config.image_token_id, -100, ids)
+    with torch.no_grad():
+        model = loaded.model.eval()
+        assert torch.allclose(model(ids, images=ref["pixel_values"]), ref["logits"], atol=1e-5, rtol=0)
+        loss = model(ids[:, :-1], images=ref["pixel_values"], labels=labels[:, 1:])
+        assert abs(loss.item() - ref["loss"].item()) <= 1e-5

@@ -191,7 +191,9 @@ def make_norm(spec: NormSpec, dim: int, eps: float) -> nn.Module:
 ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    # x sigmoid(1.702 x) as silu(1.702 x) / 1.702: one saved tensor and three backward kernels
+    # instead of two and five (CLIP's MLP).
+    "quick_gelu": lambda x: F.silu(x * 1.702) * (1 / 1.702),
     "silu": F.silu,
     "relu": F.relu,
     "relu2": lambda x: F.relu(x).square(),
@@ -316,15 +318,18 @@ class KVCache:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, offset: int = 0,
-              segment_ids: torch.Tensor | None = None, kv_segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+              segment_ids: torch.Tensor | None = None, kv_segment_ids: torch.Tensor | None = None,
+              q_positions: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads, on one process's whole sequence.
 
     q: (B, H, T, hd), k/v: (B, KV, S, hd) with H a multiple of KV. ``offset`` is the number of
     cached positions before q's first one (S = offset + T), so causal masking stays right when
     decoding with a KV cache. ``segment_ids`` (B, T) keeps attention inside documents packed into
     one sample (Megatron's reset_attention_mask, or samples packed for a DiT); ``kv_segment_ids``
-    (B, S) are the keys' when they are not the queries' (cross-attention to packed text). Models call
-    it through `AttentionCore`, which the core can switch to ring attention or recomputation.
+    (B, S) are the keys' when they are not the queries' (cross-attention to packed text).
+    ``q_positions`` (B, T): the queries are those of these positions only (a layer computing a few
+    outputs, `zoo.nn.layers.run_layers`); masks follow their positions. Models call it through
+    `AttentionCore`, which the core can switch to ring attention or recomputation.
     """
     if torch.is_grad_enabled() and q._base is None:
         # K or V still a slice of the fused qkv projection (no rotary applied to it) would keep the
@@ -332,6 +337,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         # copy costs less than what that frees.
         k = k.contiguous() if k._base is not None else k
         v = v.clone(memory_format=torch.contiguous_format) if v._base is not None else v
+    if q_positions is not None:
+        return _attention_at(q, k, v, causal, offset, segment_ids, kv_segment_ids, q_positions)
     return _attention(q, k, v, causal, offset, segment_ids, kv_segment_ids)
 
 
@@ -351,9 +358,10 @@ class AttentionCore(SelectiveCore, ContextParallelSite):
         self.keys_split = not cross  # cross-attention's keys (text) are whole on every CP rank
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, offset: int = 0,
-                segment_ids: torch.Tensor | None = None, kv_segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+                segment_ids: torch.Tensor | None = None, kv_segment_ids: torch.Tensor | None = None,
+                q_positions: torch.Tensor | None = None) -> torch.Tensor:
         if self.cp_group is not None:  # context parallel: this rank holds 2 of the 2*cp sequence chunks
-            if offset or (kv_segment_ids is not None and kv_segment_ids is not segment_ids):
+            if offset or q_positions is not None or (kv_segment_ids is not None and kv_segment_ids is not segment_ids):
                 raise ValueError("context-parallel attention is self-attention without a KV cache")
             from zoo.parallel.context import ring_attention
 
@@ -366,8 +374,9 @@ class AttentionCore(SelectiveCore, ContextParallelSite):
             from torch.utils.checkpoint import checkpoint
 
             return checkpoint(attention, q, k, v, use_reentrant=False, causal=causal, offset=offset,
-                              segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
-        return attention(q, k, v, causal=causal, offset=offset, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+                              segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions)
+        return attention(q, k, v, causal=causal, offset=offset, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                         q_positions=q_positions)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
@@ -387,6 +396,21 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=offset)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def _attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
+                  segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None, at: torch.Tensor) -> torch.Tensor:
+    # q holds the queries of positions ``at`` (B, T') only: the causal and document masks are
+    # those rows of the full masks.
+    s = k.shape[2]
+    mask = None
+    if causal:
+        mask = torch.arange(s, device=q.device)[None, None, None, :] <= (at + offset)[:, None, :, None]
+    if segment_ids is not None:
+        keys = segment_ids if kv_segment_ids is None else kv_segment_ids
+        same = segment_ids.gather(1, at)[:, None, :, None] == keys[:, None, None, :]
+        mask = same if mask is None else mask & same
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 # ----------------------------------------------------------------------------------------- loss
@@ -453,6 +477,12 @@ def linear_cross_entropy(hidden: torch.Tensor, head: nn.Module | torch.Tensor, l
 
     if loss_mask is None:
         loss_mask = torch.ones_like(labels, dtype=torch.bool)
+    else:
+        # Rows the mask drops carry neither loss nor gradient, so the head runs on the kept rows
+        # only: a LLaVA row is mostly image and prompt positions, an SFT row mostly prompt.
+        kept = loss_mask.nonzero().flatten()
+        if kept.numel() < 0.75 * loss_mask.numel():
+            hidden, labels, loss_mask = hidden[kept], labels[kept], loss_mask[kept]
     if isinstance(head, ColumnParallelLinear) and head.vocab and head.shard.size > 1:
         from zoo.parallel import comm
         from zoo.parallel.tensor_parallel import vocab_parallel_cross_entropy

@@ -10,6 +10,9 @@ and divides the head counts ``h``/``kv`` (a family's ``tp_local``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -27,7 +30,9 @@ class SelfAttention(nn.Module):
         self.core = AttentionCore()  # softmax(q k^T) v; the core may make it ring attention or recompute it
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: KVCache | None,
-                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+                segment_ids: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, D) -> (B, T, D), or with ``keep`` (B, K) positions only theirs (B, K, D): keys and
+        values from every position, queries from those."""
         qkv = self.qkv(x)
         b, t = qkv.shape[:2]  # (not x's: under sequence parallelism x holds a slice of the sequence)
         qkv = qkv.view(b, t, self.kv, self.h // self.kv + 2, self.hd)  # per KV group: q..., k, v
@@ -42,8 +47,11 @@ class SelfAttention(nn.Module):
         if cache is not None:
             offset = cache.pos
             k, v = cache.update(self.layer, k, v)
-        y = self.core(q, k, v, causal=self.spec.causal, offset=offset, segment_ids=segment_ids)  # (B, H, T, hd)
-        return self.proj(y.transpose(1, 2).reshape(b, t, self.h * self.hd))
+        if keep is not None:
+            q = q.gather(2, keep[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3]))
+        y = self.core(q, k, v, causal=self.spec.causal, offset=offset, segment_ids=segment_ids,
+                      q_positions=keep)  # (B, H, T or K, hd)
+        return self.proj(y.transpose(1, 2).reshape(b, y.shape[2], self.h * self.hd))
 
 
 class MLP(nn.Module):
@@ -74,9 +82,53 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(spec.ffn, hidden=hidden, ffn_hidden=ffn_hidden)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: KVCache | None = None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, cache, segment_ids)
+                cache: KVCache | None = None, segment_ids: torch.Tensor | None = None,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, D) -> (B, T, D); with ``keep`` (B, K) the outputs at those positions only, (B, K, D),
+        computed for them alone (see `run_layers`)."""
+        if keep is None:
+            x = x + self.attn(self.attn_norm(x), rope, cache, segment_ids)
+        else:
+            x = take_positions(x, keep) + self.attn(self.attn_norm(x), rope, cache, segment_ids, keep)
         return x + self.mlp(self.mlp_norm(x))
 
+    def selects_positions(self) -> bool:
+        """Whether ``keep`` can be computed here: not when this rank holds a slice of the sequence
+        (sequence parallelism gathers after the layer; context parallelism runs ring attention)."""
+        return not getattr(self.attn.qkv, "sequence_parallel", False) and self.attn.core.cp_group is None
 
-__all__ = ["MLP", "SelfAttention", "TransformerLayer"]
+
+def take_positions(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """x (B, T, ...) at positions keep (B, K) -> (B, K, ...)."""
+    return x.gather(1, keep.view(*keep.shape, *[1] * (x.dim() - 2)).expand(-1, -1, *x.shape[2:]))
+
+
+def run_layers(layers: Iterable[nn.Module], x: torch.Tensor, *args: Any, keep: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """``x = layer(x, *args)`` through ``layers``. With ``keep`` (B, K) positions the result is the
+    last layer's output there only, (B, K, D), and a last `TransformerLayer` computes just those
+    (queries, output projection, MLP: K of T positions) -- when nothing reads the other outputs: a
+    pooled token (CLIP), the positions a loss reads (an answer after an image and a prompt)."""
+    layers = list(layers)
+    for layer in layers[:-1]:
+        x = layer(x, *args)
+    if layers:
+        last = layers[-1]
+        if keep is not None and isinstance(last, TransformerLayer) and last.selects_positions():
+            return last(x, *args, keep=keep)
+        x = last(x, *args)
+    return x if keep is None else take_positions(x, keep)
+
+
+def kept_positions(loss_mask: torch.Tensor | None, *, at_most: float = 0.75) -> torch.Tensor | None:
+    """The positions (B, K) a loss reads -- every column some row of ``loss_mask`` (B, T) keeps --
+    or None when that is more than ``at_most`` of them (selecting would not pay)."""
+    if loss_mask is None:
+        return None
+    cols = loss_mask.bool().any(0).nonzero().flatten()
+    if cols.numel() > at_most * loss_mask.shape[1]:
+        return None
+    return cols.expand(loss_mask.shape[0], -1)
+
+
+__all__ = ["MLP", "SelfAttention", "TransformerLayer", "kept_positions", "run_layers", "take_positions"]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from zoo.nn import KVCache, Rotary, linear_cross_entropy, make_norm
-from zoo.nn.layers import TransformerLayer
+from zoo.nn.layers import TransformerLayer, kept_positions, run_layers, take_positions
 from zoo.spec import AttentionSpec, BlockSpec, ModelSpec
 from zoo_gpt.plugin import GPTConfig
 
@@ -67,13 +67,23 @@ class GPT(nn.Module):
         restart positions per packed document; ``segment_ids`` (B, T) keep attention inside them.
         """
         x, rope = self.embed_input(tokens, cache, position_ids)
-        for blk in self.layers:
-            x = blk(x, rope, cache, segment_ids)
+        keep = self.loss_positions(labels, loss_mask, cache)
+        x = run_layers(self.layers, x, rope, cache, segment_ids, keep=keep)
         if cache is not None:
             cache.pos += tokens.shape[1]
         if self.head is None:  # not the last pipeline stage: hand the hidden state on
             return x
+        if keep is not None:
+            labels, loss_mask = take_positions(labels, keep), take_positions(loss_mask, keep)
         return self.output(x, labels, loss_mask)
+
+    def loss_positions(self, labels: torch.Tensor | None, loss_mask: torch.Tensor | None,
+                       cache: KVCache | None) -> torch.Tensor | None:
+        """On the last stage, when the loss mask drops most positions (a prompt, an image), the
+        positions it reads: the last layer and the head compute only those."""
+        if self.head is None or labels is None or cache is not None:
+            return None
+        return kept_positions(loss_mask)
 
     def embed_input(self, tokens: torch.Tensor, cache: KVCache | None, position_ids: torch.Tensor | None
                     ) -> tuple[torch.Tensor, Any]:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.nn import KVCache
-from zoo.nn.layers import TransformerLayer
+from zoo.nn.layers import TransformerLayer, run_layers, take_positions
 from zoo.parallel.context import BatchGather
 from zoo.spec import ModelSpec
 from zoo.training.metrics import linear_weights
@@ -64,18 +64,29 @@ class VisionTower(nn.Module):
     def forward(self, images: torch.Tensor, *, upto: int | None = None) -> list[torch.Tensor]:
         """images (B, C, S, S) -> hidden states 0..``upto`` (default all), each (B, 1 + N, D):
         index 0 after the pre-LayerNorm, index i after layer i (HF's ``hidden_states``)."""
+        x = self.embed(images)
+        states = [x]
+        for layer in self.layers[: len(self.layers) if upto is None else upto]:
+            x = layer(x)
+            states.append(x)
+        return states
+
+    def pooled(self, images: torch.Tensor) -> torch.Tensor:
+        """images (B, C, S, S) -> the class token after the last layer and ``post_norm``, (B, D);
+        the last layer computes that token alone (`zoo.nn.layers.run_layers`)."""
+        x = self.embed(images)
+        cls = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
+        return self.post_norm(run_layers(self.layers, x, keep=cls)[:, 0])
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """images (B, C, S, S) -> the first layer's input (B, 1 + N, D)."""
         c = self.cfg
         if images.dim() != 4 or tuple(images.shape[1:]) != (c.num_channels, c.image_size, c.image_size):
             raise ValueError(f"images of shape {tuple(images.shape)}: the vision tower takes (B, {c.num_channels}, "
                              f"{c.image_size}, {c.image_size}) (model.num_channels, model.image_size)")
         x = self.patch(images.to(self.patch.weight.dtype)).flatten(2).transpose(1, 2)  # (B, N, D)
         cls = self.class_token.to(x.dtype).expand(x.shape[0], 1, -1)
-        x = self.pre_norm(torch.cat([cls, x], dim=1) + self.positions.weight)
-        states = [x]
-        for layer in self.layers[: len(self.layers) if upto is None else upto]:
-            x = layer(x)
-            states.append(x)
-        return states
+        return self.pre_norm(torch.cat([cls, x], dim=1) + self.positions.weight)
 
 
 class TextTower(nn.Module):
@@ -102,9 +113,6 @@ class TextTower(nn.Module):
             raise ValueError(f"a text of {t} tokens: the text tower's context is {self.cfg.max_seq_length} "
                              "(model.max_seq_length)")
         x = self.embed(tokens) + self.positions.weight[:t]
-        for layer in self.layers:
-            x = layer(x)
-        x = self.norm(x)
         eos = self.cfg.eos_token_id
         if eos is None:
             end = tokens.argmax(-1)
@@ -113,7 +121,11 @@ class TextTower(nn.Module):
             if not bool(is_end.any(-1).all()):
                 raise ValueError(f"a text without its end token (model.eos_token_id={eos}): CLIP pools there")
             end = is_end.int().argmax(-1)  # the first one
-        return x[torch.arange(x.shape[0], device=x.device), end]
+        # Causal: nothing after the batch's last end token reaches an end token, so the padding
+        # there is dropped (captions are far shorter than the 77-token context); and only the end
+        # token's output is read, so the last layer computes that position alone.
+        x = x[:, : int(end.max()) + 1]
+        return self.norm(run_layers(self.layers, x, keep=end[:, None])[:, 0])
 
 
 class CLIP(nn.Module):
@@ -133,8 +145,7 @@ class CLIP(nn.Module):
 
     def embed_images(self, images: torch.Tensor) -> torch.Tensor:
         """(B, C, S, S) -> L2-normalised (B, P)."""
-        pooled = self.vision.post_norm(self.vision(images)[-1][:, 0])
-        return F.normalize(self.vision_proj(pooled), dim=-1)
+        return F.normalize(self.vision_proj(self.vision.pooled(images)), dim=-1)
 
     def embed_texts(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) -> L2-normalised (B, P)."""
@@ -246,16 +257,17 @@ class Llava(GPT):
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
         rope = self.rotary(positions) if self.rotary is not None else None
-        for blk in self.layers:
-            x = blk(x, rope, cache)
+        if labels is not None:  # HF marks ignored positions with -100 instead of a mask
+            loss_mask = (labels != -100) if loss_mask is None else loss_mask.bool() & (labels != -100)
+            labels = labels.clamp(min=0)
+        keep = self.loss_positions(labels, loss_mask, cache)
+        x = run_layers(self.layers, x, rope, cache, keep=keep)
         if cache is not None:
             cache.pos += t
         if self.head is None:
             return x
-        if labels is not None:  # HF marks ignored positions with -100 instead of a mask
-            keep = labels != -100
-            loss_mask = keep if loss_mask is None else loss_mask.bool() & keep
-            labels = labels.clamp(min=0)
+        if keep is not None:
+            labels, loss_mask = take_positions(labels, keep), take_positions(loss_mask, keep)
         return self.output(x, labels, loss_mask)
 
     def insert_images(self, tokens: torch.Tensor, x: torch.Tensor, images: torch.Tensor,
