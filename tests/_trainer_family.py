@@ -105,17 +105,25 @@ def example_batch(cfg: CondConfig, *, batch_size: int, seq_length: int, generato
             "target": torch.stack([r[2] for r in rows])}
 
 
-def data(run: Any, *, split: str, dp_rank: int, dp_size: int, consumed_samples: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+def data(run: Any, *, split: str, dp_rank: int, dp_size: int, consumed_samples: int = 0,
+         nan_at: tuple[int, ...] = (), drop_batch: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's micro-batches. ``nan_at``: training samples whose image is NaN (bad data);
+    ``drop_batch``: a global batch left out of the stream (what skipping its step amounts to)."""
     mbs = run.train.micro_batch_size
     gbs = run.train.global_batch_size or mbs * dp_size
     per_rank = gbs // dp_size
     g = consumed_samples
     while True:
-        mine = g + dp_rank * per_rank
+        src = g + gbs if drop_batch is not None and g >= drop_batch * gbs else g
+        mine = src + dp_rank * per_rank
         for m in range(per_rank // mbs):
-            rows = [sample(run.train.seed, split, mine + m * mbs + j, run.model.num_classes) for j in range(mbs)]
-            yield {"x": torch.stack([r[0] for r in rows]), "label": torch.tensor([r[1] for r in rows]),
-                   "target": torch.stack([r[2] for r in rows])}
+            index = [mine + m * mbs + j for j in range(mbs)]
+            rows = [sample(run.train.seed, split, i, run.model.num_classes) for i in index]
+            x = torch.stack([r[0] for r in rows])
+            for j, i in enumerate(index):
+                if split == "train" and i in nan_at:
+                    x[j] = float("nan")
+            yield {"x": x, "label": torch.tensor([r[1] for r in rows]), "target": torch.stack([r[2] for r in rows])}
         g += gbs
 
 

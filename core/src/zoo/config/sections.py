@@ -122,6 +122,9 @@ class TrainConfig:
     # Activation recomputation (`zoo.nn.recompute`): elementwise recomputes norm and activation outputs
     # (bitwise exact, a few percent of step time), selective adds the attention core, full whole blocks.
     recompute: Literal["none", "elementwise", "selective", "full"] = "elementwise"
+    # A step whose gradient norm is not finite (a NaN/inf loss or gradient) is skipped, no update;
+    # more than this many in a row stop the run naming the step and its samples (0: stop at the first).
+    skip_nonfinite: int = 3
     eval_interval: int = 50  # steps between validations; 0 disables
     eval_steps: int = 10
     # At each validation, a family that declares a preview writes a sample (image grid, GIF, text)

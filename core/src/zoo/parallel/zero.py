@@ -65,14 +65,16 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self, *, max_norm: float = 0.0, norm_squared: NormSquared | None = None,
-             loss_scale: DynamicLossScale | None = None) -> torch.Tensor:
+             loss_scale: DynamicLossScale | None = None, skip: Callable[[torch.Tensor], bool] | None = None
+             ) -> torch.Tensor:
         """Update this rank's shard and all-gather the parameters; returns the global gradient norm
         (clipping to ``max_norm`` when positive). ``norm_squared(pairs, dp_group)`` sums squared
         ``(gradient piece, its parameter)`` pairs over the whole model (the layout's rule:
         `zoo.parallel.engine.Parallel.grad_norm_squared`; default: one process, every parameter
         whole). With ``loss_scale`` (fp16) the gradients are unscaled first; an overflow anywhere
         makes the norm infinite on every rank, and every rank then skips the update and lowers the
-        scale alike."""
+        scale alike. ``skip(norm)`` True leaves the parameters as they are (a non-finite norm,
+        `zoo.training.guard`)."""
         inv = 1.0 / loss_scale.scale_value if loss_scale is not None else 1.0
         for b, a, n, master, _, _ in self.pieces:
             master.grad = b.buffer[a:a + n].float() * inv  # this rank's reduced gradient slice, unscaled
@@ -91,6 +93,9 @@ class DistributedOptimizer:
             if not finite:  # skip this step everywhere; the parameters stay as they are
                 self.buckets.zero_grad()
                 return norm
+        if skip is not None and skip(norm):
+            self.buckets.zero_grad()
+            return norm
         if max_norm > 0 and self.pieces:
             from zoo.parallel.apply import scale_grads
 

@@ -27,13 +27,14 @@ import torch
 from zoo.checkpoint.sharded import Saver
 from zoo.checkpoint.state import Stateful, TrainState
 from zoo.config import RunConfig
-from zoo.errors import ConfigError, ZooError
+from zoo.errors import ConfigError
 from zoo.family import DatasetSpec, Family, resolve
 from zoo.io import atomic_write_text
 from zoo.parallel.engine import Parallel, StepOutput
 from zoo.parallel.layout import Layout
 from zoo.training import optim
 from zoo.training.ema import EMA
+from zoo.training.guard import NonFiniteGuard
 from zoo.training.metrics import UNIT_LABELS, MetricsLog, count_tokens, lm_flops_per_token, measured_peak_flops
 from zoo.training.progress import Progress
 from zoo.training.run_control import Preemption, run_token
@@ -237,45 +238,43 @@ class Trainer:
 
     def train_step(self, batches: list[Mapping[str, Any]], lr: float) -> tuple[StepOutput, torch.Tensor]:
         """Forward and backward of the step's micro-batches, then clipping and the update;
-        returns the step's output and the gradient norm, both on the device: nothing here waits
-        for the device (the loss is checked for NaN at the next log line or save, `check_losses`)."""
+        returns the step's output and the gradient norm. The one read of the device is the
+        gradient norm's (a non-finite one skips the update, `zoo.training.guard`); the loss is
+        checked for NaN at the next log line or save (`check_losses`)."""
         run = self.run
         optim.set_lr(self.opt, lr)
         # All micro-batches (through the pipeline schedule when pp > 1); gradient reductions
         # overlap backward, the last ones are awaited in finish_grads.
         out = self.par.forward_backward(batches, self.forward, seq_length=run.train.seq_length, scale=self.scaler.scale)
         self.par.finish_grads()
-        self.unchecked.append((self.state.step + 1, lr, out.loss.detach()))
+        self.guard.loss(self.state.step + 1, lr, out.loss)
         self.saver.wait()  # a save in flight still reads the parameters and optimizer state
+        fp16 = run.train.precision == "fp16"  # overflow is the loss scale's to handle
+        step, first = self.state.step + 1, self.state.consumed_samples
+        skip = None if fp16 else (lambda norm: self.guard.skip(norm, step=step, first_sample=first))
         if self.zero is not None:  # clips over the shards, updates them, gathers the parameters
             grad_norm = self.zero.step(max_norm=run.optimizer.grad_clip, norm_squared=self.par.grad_norm_squared,
-                                       loss_scale=self.scaler if run.train.precision == "fp16" else None)
+                                       loss_scale=self.scaler if fp16 else None, skip=skip)
+            updated = skip is None or math.isfinite(float(grad_norm))
         else:
             self.scaler.unscale_(self.opt)
             grad_norm = self.par.clip(run.optimizer.grad_clip)
-            self.scaler.step(self.opt)
-            self.scaler.update()
+            updated = skip is None or not skip(grad_norm)
+            if updated:
+                self.scaler.step(self.opt)
+                self.scaler.update()
         if self.buckets is not None:
             self.buckets.zero_grad()  # gradients are views into the buckets: zero, never free
         else:
             self.opt.zero_grad(set_to_none=True)
-        if self.ema is not None:
+        if self.ema is not None and updated:
             self.ema.update()
         self.state.step += 1
         self.state.consumed_samples += self.layout.global_batch_size
         return out, grad_norm
 
     def check_losses(self) -> None:
-        """Fail on the first non-finite loss since the last check (one read of the device)."""
-        if not self.unchecked:
-            return
-        losses = torch.stack([loss.float() for _, _, loss in self.unchecked]).cpu()
-        bad = (~torch.isfinite(losses)).nonzero()
-        if len(bad):
-            step, lr, _ = self.unchecked[int(bad[0])]
-            raise ZooError(f"loss is {float(losses[int(bad[0])])} at step {step} (lr {lr:.3g}); lower optimizer.lr "
-                           "or check the data")
-        self.unchecked.clear()
+        self.guard.check_losses()
 
     # ------------------------------------------------------------------------------ evaluation
 
@@ -366,7 +365,8 @@ class Trainer:
         self.token = run_token(env.world_size)  # names this run's partial checkpoint directories
         self.preempt = Preemption(run.checkpoint.save_on_sigterm)
         self.saved_step, self.saved_at = -1, time.monotonic()
-        self.unchecked: list[tuple[int, float, torch.Tensor]] = []  # (step, lr, loss) not yet checked for NaN
+        self.guard = NonFiniteGuard(run.train.skip_nonfinite, announce=env.is_main, batch=self.layout.global_batch_size,
+                                    stream=f"the train stream of dataset {self.dataset.name!r}")
 
     def close_outputs(self) -> None:
         self.preempt.restore()
@@ -399,7 +399,7 @@ class Trainer:
         rate = units / max(seconds, 1e-9)
         metrics = {k: float(v) for k, v in out.metrics.items()}
         record: dict[str, Any] = {"step": self.state.step, "loss": metrics.pop("loss"), "lr": lr,
-                                  "grad_norm": float(grad_norm),
+                                  "grad_norm": float(grad_norm), "skipped_steps": self.guard.skipped,
                                   f"{unit}_per_s": rate,
                                   "mfu": rate * self.flops_per_unit / self.env.world_size / self.peak, **metrics}
         if val is not None:
