@@ -57,7 +57,8 @@ def risky_calls(source: str) -> list[str]:
             safe = isinstance(loader, ast.Attribute) and loader.attr in ("SafeLoader", "CSafeLoader")
             if not safe:
                 found.append(f"yaml.{name} without SafeLoader")
-        elif isinstance(f, ast.Name) and name in ("eval", "exec") or name in ("exec_module", "spec_from_file_location", "extractall", "run_path"):
+        elif (isinstance(f, ast.Name) and name in ("eval", "exec")) or \
+                name in ("exec_module", "spec_from_file_location", "extractall", "run_path"):
             found.append(name)
     return found
 
