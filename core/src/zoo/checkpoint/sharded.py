@@ -28,8 +28,10 @@ save in flight; the next save, or the end of training, waits for it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import threading
 import time
 import zlib
@@ -214,8 +216,13 @@ def write_rank(tmp: Path, rank: int, snap: _Snapshot) -> None:
     shards.mkdir(parents=True, exist_ok=True)
     name = _rank_name(rank)
     path = shards / f"{name}.safetensors"
-    crcs = write_safetensors(path, snap.tensors)
-    write_safetensors(shards / f"{name}.rng.safetensors", {**snap.rng.tensors, **snap.rng.extra})
+    try:
+        crcs = write_safetensors(path, snap.tensors)
+        write_safetensors(shards / f"{name}.rng.safetensors", {**snap.rng.tensors, **snap.rng.extra})
+    except OSError as e:  # tell global rank 0, which waits for every rank's marker, at once
+        with contextlib.suppress(OSError):
+            (shards / f"{name}.failed").write_text(str(e))
+        raise
     pieces = [{**p, "crc32": crcs[p["key"]]} for p in snap.pieces]
     marker = {"rank": rank, "file": f"{SHARDS}/{name}.safetensors", "size": path.stat().st_size,
               "rng_file": f"{SHARDS}/{name}.rng.safetensors", "rng": snap.rng.json(),
@@ -234,6 +241,9 @@ def finalize(tmp: Path, dst: Path, *, world_size: int, meta: Mapping[str, Any], 
     for r in range(world_size):
         path = tmp / SHARDS / f"{_rank_name(r)}.json"
         while not path.is_file():
+            failed = path.with_suffix(".failed")
+            if failed.is_file():
+                raise CheckpointError(f"rank {r} could not write its part: {failed.read_text(errors='replace')}")
             if time.monotonic() > deadline:
                 raise CheckpointError(f"{tmp}: rank {r} did not finish its part of the checkpoint in {timeout_s:.0f} s")
             time.sleep(0.01)
@@ -276,8 +286,9 @@ class Saver:
     the caller promises to `wait` before it changes them, as the training loop does before each
     optimizer update, so a save overlaps the next forward and backward at no memory cost)."""
 
-    def __init__(self, *, asynchronous: bool, copy: bool = True) -> None:
-        self.asynchronous, self.copy = asynchronous, copy
+    def __init__(self, *, asynchronous: bool, copy: bool = True, on_error: str = "stop", announce: bool = True) -> None:
+        self.asynchronous, self.copy, self.on_error, self.announce = asynchronous, copy, on_error, announce
+        self.failures = 0
         self.pool: dict[str, torch.Tensor] = {}  # host buffers of the snapshot, reused save after save
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -289,12 +300,24 @@ class Saver:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
+            self._failed(error)
+
+    def _failed(self, error: BaseException) -> None:
+        """A failed save: raised, or with ``on_error="continue"`` announced and counted."""
+        if self.on_error != "continue" or not isinstance(error, CheckpointError):
             raise error
+        self.failures += 1
+        if self.announce:
+            print(f"zoo: warning: {error}; training continues (checkpoint.on_save_error=continue)", flush=True,
+                  file=sys.stderr)
 
     def submit(self, work: Callable[[], None]) -> None:
         self.wait()  # at most one save in flight
         if not self.asynchronous:
-            work()
+            try:
+                work()
+            except CheckpointError as e:
+                self._failed(e)
             return
 
         def run() -> None:

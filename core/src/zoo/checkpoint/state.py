@@ -156,13 +156,22 @@ def save(root: Path, *, state: TrainState, run: RunConfig, par: Parallel, items:
             for stale in root.glob(".step_*.partial-*"):  # killed saves of earlier runs
                 if not stale.name.endswith(f"-{token}"):
                     shutil.rmtree(stale, ignore_errors=True)
-        write_rank(tmp, rank, snap)
-        if rank == 0:
-            finalize(tmp, dst, world_size=world_size, meta=meta, state=state_json, files={"config.yaml": config_yaml},
-                     tokenizer_from=tokenizer_dir, timeout_s=timeout_s)
-            if keep_last:
-                for _, old in complete_checkpoints(root)[:-keep_last]:
-                    shutil.rmtree(old, ignore_errors=True)
+        try:
+            write_rank(tmp, rank, snap)
+            if rank == 0:
+                finalize(tmp, dst, world_size=world_size, meta=meta, state=state_json,
+                         files={"config.yaml": config_yaml}, tokenizer_from=tokenizer_dir, timeout_s=timeout_s)
+        except (OSError, CheckpointError) as e:
+            # Nothing was moved into place, so the newest complete checkpoint is still the last one;
+            # the partial directory goes (it is what filled the disk).
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            before = complete_checkpoints(root)
+            kept = f"the newest complete one is still {before[-1][1]}" if before else "there is no earlier one"
+            raise CheckpointError(f"could not write checkpoint {dst}: {e}; {kept}") from e
+        if rank == 0 and keep_last:
+            for _, old in complete_checkpoints(root)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
 
     saver.submit(work)
     return dst

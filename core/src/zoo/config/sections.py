@@ -164,6 +164,10 @@ class CheckpointConfig:
     interval_minutes: float = 0.0  # also save when this many minutes passed since the last save; 0: off
     async_save: bool = False  # copy tensors off and write in a background thread while training goes on
     save_on_sigterm: bool = True  # preemption: SIGTERM saves at the end of the current step, then exits
+    # A save that fails (a full disk, a file-size limit, a lost mount) leaves the previous checkpoint
+    # complete and `latest` on it; "stop" ends the run with the error, "continue" warns and trains on
+    # (an async save's failure is reported at the next step).
+    on_save_error: Literal["stop", "continue"] = "stop"
 
 
 @dataclass(kw_only=True)

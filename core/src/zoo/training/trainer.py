@@ -237,10 +237,9 @@ class Trainer:
             return self._loss(model, batch)
 
     def train_step(self, batches: list[Mapping[str, Any]], lr: float) -> tuple[StepOutput, torch.Tensor]:
-        """Forward and backward of the step's micro-batches, then clipping and the update;
-        returns the step's output and the gradient norm. The one read of the device is the
-        gradient norm's (a non-finite one skips the update, `zoo.training.guard`); the loss is
-        checked for NaN at the next log line or save (`check_losses`)."""
+        """Forward and backward of the step's micro-batches, then clipping and the update; returns
+        the step's output and the gradient norm, whose read is the step's one wait for the device (a
+        non-finite norm skips the update, `zoo.training.guard`; losses are checked at log lines)."""
         run = self.run
         optim.set_lr(self.opt, lr)
         # All micro-batches (through the pipeline schedule when pp > 1); gradient reductions
@@ -361,7 +360,8 @@ class Trainer:
         self.progress = Progress(run.train.steps, enabled=env.is_main and run.logging.progress, start=self.state.step)
         # An async save writes from the live tensors while the next forward and backward run; the
         # optimizer update (the only thing that changes them) waits for it.
-        self.saver = Saver(asynchronous=run.checkpoint.async_save, copy=False)
+        self.saver = Saver(asynchronous=run.checkpoint.async_save, copy=False, on_error=run.checkpoint.on_save_error,
+                           announce=env.is_main)
         self.token = run_token(env.world_size)  # names this run's partial checkpoint directories
         self.preempt = Preemption(run.checkpoint.save_on_sigterm)
         self.saved_step, self.saved_at = -1, time.monotonic()
