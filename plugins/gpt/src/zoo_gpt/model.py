@@ -73,9 +73,7 @@ class GPT(nn.Module):
             cache.pos += tokens.shape[1]
         if self.head is None:  # not the last pipeline stage: hand the hidden state on
             return x
-        if keep is not None:
-            labels, loss_mask = take_positions(labels, keep), take_positions(loss_mask, keep)
-        return self.output(x, labels, loss_mask)
+        return self.output(x, labels, loss_mask, keep)
 
     def loss_positions(self, labels: torch.Tensor | None, loss_mask: torch.Tensor | None,
                        cache: KVCache | None) -> torch.Tensor | None:
@@ -99,9 +97,13 @@ class GPT(nn.Module):
             x = x + self.pos_embed(positions)
         return x, self.rotary(positions) if self.rotary is not None else None
 
-    def output(self, x: torch.Tensor, labels: torch.Tensor | None, loss_mask: torch.Tensor | None) -> torch.Tensor:
-        """Final norm and head: logits, or with ``labels`` the mean cross entropy (no logits kept)."""
+    def output(self, x: torch.Tensor, labels: torch.Tensor | None, loss_mask: torch.Tensor | None,
+               keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and head: logits, or with ``labels`` the mean cross entropy (no logits kept).
+        ``keep``: x holds only these positions (`loss_positions`), so labels and mask are cut alike."""
         x = self.norm(x)
+        if keep is not None:
+            labels, loss_mask = take_positions(labels, keep), take_positions(loss_mask, keep)
         if labels is not None:
             mask = loss_mask.flatten().bool() if loss_mask is not None else None
             return linear_cross_entropy(x.flatten(0, 1), self.head, labels.flatten(), mask)

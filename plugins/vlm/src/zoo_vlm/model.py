@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.nn import KVCache
-from zoo.nn.layers import TransformerLayer, run_layers, take_positions
+from zoo.nn.layers import TransformerLayer, run_layers
 from zoo.parallel.context import BatchGather
 from zoo.spec import ModelSpec
 from zoo.training.metrics import linear_weights
@@ -266,9 +266,7 @@ class Llava(GPT):
             cache.pos += t
         if self.head is None:
             return x
-        if keep is not None:
-            labels, loss_mask = take_positions(labels, keep), take_positions(loss_mask, keep)
-        return self.output(x, labels, loss_mask)
+        return self.output(x, labels, loss_mask, keep)
 
     def insert_images(self, tokens: torch.Tensor, x: torch.Tensor, images: torch.Tensor,
                       labels: torch.Tensor | None, loss_mask: torch.Tensor | None
