@@ -334,7 +334,7 @@ def test_bad_inputs_are_one_line_errors_naming_the_file(digits, tmp_path):
     with pytest.raises(DecodeError, match=r"dataset\.yaml: unknown sample type megatron\.energon\.CaptionSample.*did you mean"):
         WebDataset(str(good))
     ds_yaml.write_text(ds_yaml.read_text().replace("CaptionSample", "CaptioningSample").replace("image: png", "image: jpg"))
-    with pytest.raises(DecodeError, match=r"shard-000000\.tar/digit00000: field_map 'jpg' names no part"):
+    with pytest.raises(DecodeError, match=r"shard-000000\.tar/digit00000: field_map 'jpg' \(dataset\.yaml\) names no part"):
         make_sample(WebDataset(str(good)), 0, restore_key=(), subflavors=None)
     with pytest.raises(DatasetError, match="no part 'jpg' in the shards"):
         prepare_webdataset(good, split=(8, 1, 1), sample_type="CaptioningSample",
@@ -468,3 +468,15 @@ def test_trainer_resumes_energon_data_exactly_across_a_layout_change(digits, tmp
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
     with pytest.raises(Exception, match="ranks x workers = 2"):
         _fit(str(cut_dir), 1, [*common, "data.num_workers=0", "train.steps=9"])
+
+
+def test_split_by_ratio_keeps_every_shard():
+    """Energon's rule (split end = int(n * cumulative ratio)), except that no shard is lost when the
+    float sum of the ratios falls just short of 1 (8/12 + 2/12 + 2/12 = 0.9999999999999999)."""
+    from zoo.data.energon.prepare import split_by_ratio
+
+    for n, ratio in ((3, (8, 2, 2)), (18, (8, 1, 1)), (7, (1, 1, 1)), (10, (5, 0, 0))):
+        shards = [f"s{i}" for i in range(n)]
+        got = split_by_ratio(shards, ratio, shuffle=False)
+        assert got["train"] + got["val"] + got["test"] == shards
+        assert len(got["train"]) == int(n * ratio[0] / sum(ratio))

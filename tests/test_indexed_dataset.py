@@ -143,9 +143,42 @@ def test_bad_files_fail_clearly(tmp_path):
     idx.write_bytes(raw_idx[:20])
     with pytest.raises(IndexedDatasetError, match="shorter than the 34-byte header"):
         IndexedDataset(g)
+    # Tables that disagree with each other: every read would land elsewhere in .bin.
+    n_seq = int.from_bytes(raw_idx[18:26], "little")
+    lens_at, ptrs_at = 34, 34 + 4 * n_seq
+    bad = bytearray(raw_idx)
+    bad[lens_at:lens_at + 4] = (-3).to_bytes(4, "little", signed=True)
+    idx.write_bytes(bytes(bad))
+    with pytest.raises(IndexedDatasetError, match=r"g\.idx: sequence 0 has length -3"):
+        IndexedDataset(g)
+    if n_seq > 1:
+        bad = bytearray(raw_idx)
+        bad[ptrs_at + 8:ptrs_at + 16] = (1).to_bytes(8, "little")
+        idx.write_bytes(bytes(bad))
+        with pytest.raises(IndexedDatasetError, match=r"g\.idx: sequence 1 starts at byte 1, but sequence 0"):
+            IndexedDataset(g)
     idx.unlink()
     with pytest.raises(IndexedDatasetError, match=r"g\.idx: file not found"):
         IndexedDataset(g)
+
+
+def test_data_info_and_lint_read_megatron_datasets(tmp_path, capsys):
+    """`zoo data info|lint PREFIX`: the counts megatron-core reads from the same files."""
+    from zoo.cli import main
+
+    prefix = tmp_path / "mc"
+    _write_with_megatron(prefix, _docs(np.uint16), np.uint16)
+    ref = mc.IndexedDataset(str(prefix))
+    tokens = int(sum(len(ref[i]) for i in range(len(ref))))
+    docs = len(ref.document_indices) - 1
+    assert main(["data", "info", f"{prefix}.idx"]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(ref):,} sequences in {docs:,} documents, {tokens:,} tokens of uint16" in out
+    assert main(["data", "lint", str(prefix)]) == 0
+    assert f"{len(ref):,} sequences read, {tokens:,} tokens, 0 problems" in capsys.readouterr().out
+    prefix.with_suffix(".bin").write_bytes(prefix.with_suffix(".bin").read_bytes()[:-1])
+    assert main(["data", "lint", str(prefix)]) == 1
+    assert "mc.bin" in capsys.readouterr().err
 
 
 def test_failed_write_leaves_nothing_that_looks_complete(tmp_path):

@@ -6,8 +6,9 @@ Exit codes: 2 for a usage or configuration mistake the user can fix by changing 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 
 class ZooError(Exception):
@@ -42,3 +43,17 @@ def suggest(name: str, candidates: Iterable[str], *, n: int = 3) -> str:
         # Prefix matches catch abbreviations ('lla' -> 'llama') that the ratio misses.
         close = [c for c in pool if c.startswith(name) or name.startswith(c)][:n] if name else []
     return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+@contextlib.contextmanager
+def reading(path: object, error: type[ZooError] = ZooError, what: str = "") -> Iterator[None]:
+    """Interpret a document read from ``path``: a missing key or a value of the wrong type or range
+    becomes one error naming the file. A corrupt or hand-edited file is the user's to fix, so it
+    must not surface as a bare ``KeyError`` from deep inside zoo."""
+    try:
+        yield
+    except ZooError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, ArithmeticError) as e:
+        detail = f"missing key {e}" if isinstance(e, KeyError) else " ".join(str(e).split())[:300]
+        raise error(f"{path}: malformed{' ' + what if what else ''} ({type(e).__name__}: {detail})") from None

@@ -186,7 +186,7 @@ def test_bad_checkpoints_are_refused_clearly_and_nothing_is_overwritten(tmp_path
 
     # Another flavor: the first tensor whose shape differs, with both shapes.
     err = resume(good, "model.hidden_size=64", "model.head_dim=16")
-    assert "has shape [2048, 128] in the checkpoint, the model needs [2048, 64]" in err
+    assert "has shape [2048, 128] in the checkpoint (index.json), the model needs [2048, 64]" in err
     # A missing shard file.
     missing = variant("missing")
     (missing / "shards" / "rank00000.safetensors").unlink()

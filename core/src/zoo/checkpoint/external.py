@@ -30,7 +30,7 @@ from zoo.checkpoint.model_dir import (
 )
 from zoo.checkpoint.reader import Shape, lazy_model_state, read_model_state
 from zoo.checkpoint.tensorio import CheckpointError, ShardStream, copy_tokenizer_files, read_dir, read_json
-from zoo.errors import UsageError
+from zoo.errors import UsageError, ZooError
 from zoo.io import make_dir_like_user
 
 if TYPE_CHECKING:
@@ -133,6 +133,8 @@ def _hf_source(src: Path, fmt_name: str = "hf") -> tuple[Any, ExternalFormat, An
         raise CheckpointError(f"{src}: no config.json (not a Hugging Face model directory)")
     hf = read_json(cfg_path)
     archs = hf.get("architectures") or ([hf["_class_name"]] if isinstance(hf.get("_class_name"), str) else [])
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise CheckpointError(f"{cfg_path}: 'architectures' must be a list of class names")
     known: dict[str, tuple[Any, ExternalFormat]] = {}
     for _, fmt in _formats(fmt_name):
         for arch, family in fmt.architectures.items():
@@ -142,7 +144,12 @@ def _hf_source(src: Path, fmt_name: str = "hf") -> tuple[Any, ExternalFormat, An
             entry, fmt = known[arch]
             try:
                 config = fmt.from_config(hf)
-            except (KeyError, TypeError, ValueError) as e:
+                # Building the model it describes (on the meta device: no memory) checks every
+                # size, so a damaged config.json is named here rather than by the weights' shapes.
+                build_empty(entry, config, device="meta")
+            except ZooError as e:
+                raise CheckpointError(f"{cfg_path}: {e}") from None
+            except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RuntimeError) as e:
                 raise CheckpointError(f"{cfg_path}: cannot read the {arch} config ({type(e).__name__}: {e})") from None
             return entry, fmt, config, hf
     supported = ", ".join(f"{a} ({e.family.name})" for a, (e, _) in sorted(known.items())) or \
@@ -156,7 +163,7 @@ def _import_tensors(src: Path, entry: FamilyEntry, fmt: ExternalFormat, config: 
         state = from_external(fmt.table_for(config, list(tensors)), tensors, config)
         check_shapes(build_empty(entry, config, device="meta").state_dict(), state, what=str(src))
     except MappingError as e:
-        raise CheckpointError(f"{src}: {e}") from None
+        raise CheckpointError(f"{src}: {e} (do config.json and the weights belong together?)") from None
     return state
 
 

@@ -66,10 +66,10 @@ def read_meta(path: str | os.PathLike[str]) -> ModelDir:
     version = meta.get("format_version")
     if meta.get("sharded"):
         if not isinstance(version, int) or version > SHARDED_FORMAT_VERSION:
-            raise CheckpointError(f"{p}: checkpoint format version {version!r}; this zoo reads versions up to "
+            raise CheckpointError(f"{p / META}: checkpoint format version {version!r}; this zoo reads versions up to "
                                   f"{SHARDED_FORMAT_VERSION} (upgrade zoo-core)")
     elif not isinstance(version, int) or version > FORMAT_VERSION:
-        raise CheckpointError(f"{p}: checkpoint format version {version!r}; this zoo reads versions up to {FORMAT_VERSION} (upgrade zoo-core)")
+        raise CheckpointError(f"{p / META}: checkpoint format version {version!r}; this zoo reads versions up to {FORMAT_VERSION} (upgrade zoo-core)")
     for key in ("family", "model_config"):
         if key not in meta:
             raise CheckpointError(f"{p / META}: missing {key!r}")

@@ -38,7 +38,15 @@ def from_saved(tensors: Mapping[str, torch.Tensor], other: Mapping[str, Any]) ->
     """A state read back: ``tensors`` from the RNG file, ``other`` the Python and NumPy states."""
     own = {k: v for k, v in tensors.items() if k == "torch" or k.startswith("cuda")}
     extra = {k: v for k, v in tensors.items() if k not in own}
-    return RNGState(own, list(other["python"]), list(other["numpy"]), extra)
+    state = RNGState(own, list(other["python"]), list(other["numpy"]), extra)
+    # Tried on private generators now, so a damaged state fails while its file is being read
+    # (the caller names it), not when the run's generators are set.
+    v, internal, gauss = state.python
+    random.Random().setstate((v, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state.numpy
+    np.random.RandomState().set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.Generator().set_state(own["torch"])
+    return state
 
 
 def restore(state: RNGState) -> None:

@@ -45,7 +45,8 @@ import torch
 
 from zoo.checkpoint import rng as rng_mod
 from zoo.checkpoint.model_dir import META, SHARDED_FORMAT_VERSION, _fsync_dir, complete_and_move
-from zoo.checkpoint.tensorio import CheckpointError, read_json
+from zoo.checkpoint.tensorio import CheckpointError, check_sharded_index, read_json, relative_name
+from zoo.errors import reading
 from zoo.io import atomic_write_text
 from zoo.parallel.sharding import Split, TPShard, regions
 
@@ -346,6 +347,7 @@ class ShardedCheckpoint:
         if not isinstance(version, int) or version > FORMAT_VERSION or version < 2:
             raise CheckpointError(f"{index_path}: sharded format version {version!r}; this zoo reads version "
                                   f"{FORMAT_VERSION} (upgrade zoo-core for newer ones)")
+        check_sharded_index(index, index_path)
         self.index = index
         self.tensors: dict[str, dict[str, Any]] = index["tensors"]
         self._open: dict[str, Any] = {}
@@ -363,8 +365,12 @@ class ShardedCheckpoint:
             f = open(path, "rb")  # noqa: SIM115 (kept open for the reads to come; closed with the reader)
             try:
                 n = int.from_bytes(f.read(8), "little")
+                if n > path.stat().st_size - 8:  # a damaged size must not become a huge read
+                    raise ValueError(f"header size {n} exceeds the file")
                 header = json.loads(f.read(n))
-            except (ValueError, json.JSONDecodeError) as e:
+                if not isinstance(header, dict):
+                    raise ValueError("the header is not a JSON object")
+            except ValueError as e:  # JSON, UTF-8 and our own checks
                 f.close()
                 raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
             entry = self._open[rel] = (f, 8 + n, header)
@@ -374,17 +380,19 @@ class ShardedCheckpoint:
         """A whole piece, read with plain reads (into ``out`` when given) and CRC-checked."""
         f, start, header = self._file(p["file"])
         info = header.get(p["key"])
-        if info is None or info["shape"] != list(p["shape"]):
-            raise CheckpointError(f"{self.path / p['file']}: no piece {p['key']!r} of shape {p['shape']}")
+        if not isinstance(info, dict) or info.get("shape") != list(p["shape"]):
+            raise CheckpointError(f"{self.path / p['file']}: no piece {p['key']!r} of shape {p['shape']}, which "
+                                  f"{INDEX} lists (one of the two files was changed)")
         if out is None:
             out = torch.empty(tuple(p["shape"]), dtype=dtype)
         view = _bytes(out)
-        begin, end = info["data_offsets"]
-        f.seek(start + begin)
+        with reading(self.path / p["file"], CheckpointError, f"header entry {p['key']!r}"):
+            begin, end = (int(x) for x in info["data_offsets"])
+            f.seek(start + begin)
         if end - begin != len(view) or f.readinto(view) != len(view):
             raise CheckpointError(f"{self.path / p['file']}: piece {p['key']!r} is truncated")
         if zlib.crc32(view) != p["crc32"]:
-            raise CheckpointError(f"{self.path / p['file']}: checksum mismatch in {p['key']!r} "
+            raise CheckpointError(f"{self.path / p['file']}: checksum mismatch in {p['key']!r} against {INDEX} "
                                   "(the file is corrupted or was changed)")
         return out
 
@@ -405,7 +413,7 @@ class ShardedCheckpoint:
         contiguous tensor of that shape, when given)."""
         t = self.tensors.get(name)
         if t is None:
-            raise CheckpointError(f"{self.path}: no tensor {name!r}{what}")
+            raise CheckpointError(f"{self.path}: no tensor {name!r} in its {INDEX}{what}")
         out = into
         filled = 0
         for p in t["pieces"]:
@@ -428,15 +436,15 @@ class ShardedCheckpoint:
         if out is None:
             out = torch.empty(tuple(shape), dtype=getattr(torch, t["dtype"]))
         if filled != out.numel():
-            raise CheckpointError(f"{self.path}: {name!r} box {list(offset)}+{list(shape)} is not fully covered")
+            raise CheckpointError(f"{self.path}: {name!r} box {list(offset)}+{list(shape)} is not fully covered by the pieces {INDEX} lists")
         return out
 
     def read_local(self, name: str, local_shape: Sequence[int], shard: TPShard | Split | None, *, what: str = "") -> torch.Tensor:
         """This rank's piece of ``name`` for a tensor of ``local_shape`` split as ``shard`` says."""
         shape, regs = regions(local_shape, shard)
         if name in self.tensors and self.shape(name) != shape:
-            raise CheckpointError(f"{self.path}: {name!r} has shape {list(self.shape(name))} in the checkpoint, "
-                                  f"the model needs {list(shape)}{what}")
+            raise CheckpointError(f"{self.path}: {name!r} has shape {list(self.shape(name))} in the checkpoint "
+                                  f"({INDEX}), the model needs {list(shape)}{what}")
         if len(regs) == 1:
             return self.read(name, regs[0][1], tuple(local_shape), what=what)
         # Several regions (a gated [gate; up] shard): each is a contiguous block of rows, read in place.
@@ -456,10 +464,11 @@ class ShardedCheckpoint:
 
     def rng(self, rank: int) -> rng_mod.RNGState:
         """Rank ``rank``'s random states (rank 0's when the checkpoint had fewer ranks)."""
-        entry = self.index["rng"].get(str(rank)) or self.index["rng"]["0"]
         from zoo.checkpoint.tensorio import load_file
 
-        return rng_mod.from_saved(load_file(self.path / entry["file"]), entry["other"])
+        with reading(self.path / INDEX, CheckpointError, "random states"):
+            entry = self.index["rng"].get(str(rank)) or self.index["rng"]["0"]
+            return rng_mod.from_saved(load_file(self.path / relative_name(entry["file"])), entry["other"])
 
     def __enter__(self) -> ShardedCheckpoint:
         return self

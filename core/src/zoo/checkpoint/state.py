@@ -36,7 +36,7 @@ from zoo.checkpoint.reader import Reader, open_reader
 from zoo.checkpoint.sharded import Entry, Saver, finalize, snapshot, write_rank
 from zoo.checkpoint.tensorio import CheckpointError, load_file, read_json
 from zoo.config import RunConfig, plain
-from zoo.errors import ConfigError
+from zoo.errors import ConfigError, reading
 from zoo.parallel.engine import Parallel
 from zoo.parallel.sharding import Split, TPShard
 
@@ -74,10 +74,10 @@ class Checkpoint:
     def __init__(self, path: Path, *, family: str, rank: int, world_size: int) -> None:
         md = read_meta(path)
         if md.family != family:
-            raise ConfigError(f"{path}: a checkpoint of {md.family!r}, not {family!r}")
+            raise ConfigError(f"{path}: a checkpoint of {md.family!r}, not {family!r} (its zoo.json says so)")
         if md.meta.get("kind") != "train" or not (path / "state.json").is_file():
-            raise CheckpointError(f"{path}: a model checkpoint without training state; use checkpoint.load to "
-                                  "start from its weights")
+            raise CheckpointError(f"{path}: a model checkpoint without training state (zoo.json kind "
+                                  f"{md.meta.get('kind')!r}); use checkpoint.load to start from its weights")
         self.path, self.md = path, md
         self.reader: Reader = open_reader(md)
         self._names = set(self.reader.names())
@@ -102,10 +102,17 @@ class Checkpoint:
 
     def restore(self, *items: Stateful) -> None:
         for item in items:
-            item.load_state(self, self.json.get(item.key))
+            # What an item reads from state.json (its param groups, counters) is checked against
+            # the model as it is used: a value of the wrong shape or type names the file.
+            with reading(self.path / "state.json", CheckpointError, f"entry {item.key!r}"):
+                item.load_state(self, self.json.get(item.key))
 
     def train_state(self) -> TrainState:
-        return TrainState(step=int(self.json["step"]), consumed_samples=int(self.json["consumed_samples"]))
+        with reading(self.path / "state.json", CheckpointError):
+            step, consumed = self.json["step"], self.json["consumed_samples"]
+            if not (type(step) is int and type(consumed) is int and step >= 0 and consumed >= 0):
+                raise ValueError(f"step {step!r} and consumed_samples {consumed!r} must be non-negative integers")
+            return TrainState(step=step, consumed_samples=consumed)
 
     def rng(self) -> rng_mod.RNGState:
         """This rank's random states; under another world size rank 0's, without the
@@ -120,8 +127,9 @@ class Checkpoint:
                 state.extra.pop("tp_stream", None)
             return state
         # Format 1: one RNG file, Python's and NumPy's states in state.json.
-        return rng_mod.from_saved(load_file(self.path / "rng.safetensors"),
-                                  {"python": self.json["python_rng"], "numpy": self.json["numpy_rng"]})
+        with reading(self.path / "state.json", CheckpointError, "random states"):
+            return rng_mod.from_saved(load_file(self.path / "rng.safetensors"),
+                                      {"python": self.json["python_rng"], "numpy": self.json["numpy_rng"]})
 
     def close(self) -> None:
         self.reader.close()

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from zoo.errors import ZooError
+from zoo.errors import ZooError, reading
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -22,12 +22,68 @@ class CheckpointError(ZooError):
     """A checkpoint or weights file is missing, incomplete, corrupted or of another model."""
 
 
-def read_json(path: Path) -> Any:
-    """A JSON document of a checkpoint or model directory; a broken one is a `CheckpointError`."""
+def read_json(path: Path, *, kind: type | None = dict) -> Any:
+    """A JSON document of a checkpoint or model directory (an object unless ``kind`` says
+    otherwise); a broken one is a `CheckpointError` naming the file."""
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None
+    if kind is not None and not isinstance(doc, kind):
+        raise CheckpointError(f"{path}: expected a JSON {kind.__name__}, found a {type(doc).__name__}")
+    return doc
+
+
+def read_weight_map(path: Path) -> dict[str, str]:
+    """``weight_map`` of a safetensors index: tensor name -> shard file in the same folder."""
+    index = read_json(path)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and v and "/" not in v and v not in (".", "..")
+            for k, v in weight_map.items()):
+        raise CheckpointError(f"{path}: not a valid safetensors index ('weight_map' must map tensor names to "
+                              "file names in the same folder)")
+    for name in sorted(set(weight_map.values())):
+        try:
+            there = (path.parent / name).is_file()
+        except OSError:  # a name the filesystem refuses (too long, ...)
+            there = False
+        if not there:
+            raise CheckpointError(f"{path}: lists shard {name}, which is not in {path.parent}")
+    return weight_map
+
+
+def relative_name(name: Any) -> str:
+    if not isinstance(name, str) or name.startswith("/") or ".." in Path(name).parts:
+        raise ValueError(f"{str(name)[:80]!r} is not a file inside the checkpoint")
+    return name
+
+
+def check_sharded_index(index: dict[str, Any], where: Path) -> None:
+    """Everything a load reads from index.json, checked once: a damaged or hand-edited index fails
+    here, naming the file, not as a KeyError halfway through a restore (or as a huge allocation)."""
+    def dims(v: Any, n: int | None = None) -> bool:
+        return isinstance(v, list) and all(type(x) is int and 0 <= x < 2**48 for x in v) and n in (None, len(v))
+
+    tensors, files = index.get("tensors"), index.get("files")
+    if not isinstance(tensors, dict) or not isinstance(files, dict) or not all(
+            type(v) is int and v >= 0 for v in files.values()):
+        raise CheckpointError(f"{where}: needs 'tensors' and 'files' (file name -> size) objects")
+    with reading(where, CheckpointError):
+        for rel in files:
+            relative_name(rel)
+        for name, t in tensors.items():
+            if not (isinstance(t, dict) and dims(t.get("shape")) and isinstance(t.get("pieces"), list)
+                    and isinstance(getattr(torch, str(t.get("dtype")), None), torch.dtype)):
+                raise ValueError(f"entry {name!r} needs a shape, a torch dtype and a list of pieces")
+            for p in t["pieces"]:
+                if not (isinstance(p, dict) and p.get("file") in files and isinstance(p.get("key"), str)
+                        and dims(p.get("offset"), len(t["shape"])) and dims(p.get("shape"), len(t["shape"]))
+                        and type(p.get("crc32")) is int
+                        and all(o + s <= g for o, s, g in zip(p["offset"], p["shape"], t["shape"]))):
+                    raise ValueError(f"a piece of {name!r} is malformed: {str(p)[:150]}")
 
 
 def load_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -59,16 +115,12 @@ def read_dir(directory: str | os.PathLike[str], *, stem: str = "model") -> dict[
     d = Path(directory)
     INDEX, SINGLE = f"{stem}.safetensors.index.json", f"{stem}.safetensors"  # noqa: N806
     if (d / INDEX).is_file():
-        try:
-            index = json.loads((d / INDEX).read_text())
-            files = sorted(set(index["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{d / INDEX}: not a valid safetensors index ({e})") from None
+        weight_map = read_weight_map(d / INDEX)
         out: dict[str, torch.Tensor] = {}
-        for name in files:
+        for name in sorted(set(weight_map.values())):
             part = load_file(d / name)
             out.update(part)
-        missing = [k for k in index["weight_map"] if k not in out]
+        missing = [k for k in weight_map if k not in out]
         if missing:
             raise CheckpointError(f"{d / INDEX}: lists tensors absent from its shards: {', '.join(missing[:5])}")
         return out
@@ -216,11 +268,7 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         d = Path(directory)
         files: dict[str, Path] = {}
         if (d / INDEX).is_file():
-            try:
-                weight_map = json.loads((d / INDEX).read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{d / INDEX}: not a valid safetensors index ({e})") from None
-            files = {k: d / v for k, v in weight_map.items()}
+            files = {k: d / v for k, v in read_weight_map(d / INDEX).items()}
         elif (d / SINGLE).is_file():
             files = {}
         else:

@@ -148,6 +148,7 @@ class Layers:
     def __init__(self, model_cls: type, model_defaults: Any) -> None:
         self.schema: dict[str, type] = {"model": model_cls, **SECTIONS}
         self.values: dict[str, dict[str, Any]] = {"model": _plain_shallow(model_defaults)}
+        self.origin: dict[str, str] = {}  # dotted key -> the layer that set it last
         for name, cls in SECTIONS.items():
             self.values[name] = _plain_shallow(cls())
 
@@ -189,6 +190,7 @@ class Layers:
                 raise ConfigError(
                     f"{source}: {dotted}={_show(value)}: expected {_type_name(tp)}, got {type(value).__name__}"
                 ) from None
+            self.origin[dotted] = source
 
     def update(self, tree: Mapping[str, Any], *, source: str, prefix: str = "") -> None:
         """Set every leaf of a nested mapping (a YAML document)."""
@@ -212,7 +214,17 @@ class Layers:
         return True
 
     def build(self, *, family: str, flavor: str) -> RunConfig:
-        built = {name: _build(cls, self.values[name], name) for name, cls in self.schema.items()}
+        built = {}
+        for name, cls in self.schema.items():
+            try:
+                built[name] = _build(cls, self.values[name], name)
+            except ConfigError as e:
+                # A section's own check names the key ("steps=-1 must be at least 1"); say which
+                # layer (file or command line) set it.
+                keys = [k for k in self.origin if k.startswith(name + ".") and f"{k.rsplit('.', 1)[1]}=" in str(e)]
+                if keys:
+                    raise ConfigError(f"{e} (set by {self.origin[keys[0]]})") from None
+                raise
         return RunConfig(family=family, flavor=flavor, **built)
 
 
@@ -274,6 +286,8 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
             data = yaml.safe_load(f)
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
     if data is None:

@@ -100,6 +100,9 @@ def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 600.
         dist.init_process_group(
             backend=be, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
         )
+    global _HEARTBEAT
+    if _HEARTBEAT is None:
+        _HEARTBEAT = _Heartbeat(rank)
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, backend=be, device=dev)
 
 
@@ -164,15 +167,102 @@ def shutdown() -> None:
     """Destroy the default group if there is one; safe to call twice or after a failure."""
     import torch.distributed as dist
 
+    global _HEARTBEAT
+    if _HEARTBEAT is not None:
+        _HEARTBEAT.stop.set()
+        _HEARTBEAT = None
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):  # a peer may already be gone; exiting matters more
             dist.destroy_process_group()
 
 
+# Words with which gloo, NCCL and the c10d store report a peer that is gone or stuck.
+_PEER_FAILURE = ("connection closed by peer", "connection reset", "broken pipe", "timed out", "timeout",
+                 "nccl", "socket", "connection refused", "recv", "send", "abort")
+
+
+def _peer_failure(e: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _PEER_FAILURE)
+
+
+_BEAT_S = 1.0
+
+
+def _store() -> Any:
+    """A client of the rendezvous store of its own (the group's client is not shared across
+    threads). torchrun's agent hosts the store, so it outlives any worker."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=30))
+
+
+class _Heartbeat:
+    """Every rank counts up ``zoo/beat/<rank>`` in the store each second from a thread, which runs
+    while the main thread waits inside a collective: a rank whose count stops is dead (or its
+    interpreter is), one whose count goes on is alive however stuck its collective is."""
+
+    def __init__(self, rank: int) -> None:
+        import threading
+
+        self.key, self.stop = f"zoo/beat/{rank}", threading.Event()
+        self.store = _store()
+        self.thread = threading.Thread(target=self._run, name="zoo-heartbeat", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(_BEAT_S):
+            try:
+                self.store.add(self.key, 1)
+            except Exception:  # the store is gone: the job is over anyway
+                return
+
+
+_HEARTBEAT: _Heartbeat | None = None
+
+
+def lost_ranks(env: DistEnv) -> list[int] | None:
+    """The ranks whose heartbeat stopped (watched for a few beats); None when the store is gone."""
+    import time
+
+    try:
+        store = _store()
+        keys = [f"zoo/beat/{r}" for r in range(env.world_size)]
+        before = [store.add(k, 0) for k in keys]
+        time.sleep(3.5 * _BEAT_S)
+        after = [store.add(k, 0) for k in keys]
+        # A survivor that already diagnosed the failure and left is not a loss of its own.
+        lost = [r for r in range(env.world_size) if r != env.rank and after[r] == before[r]
+                and not store.check([f"zoo/left/{r}"])]
+        store.set(f"zoo/left/{env.rank}", "1")
+        return lost
+    except Exception:  # the store went with its host (rank 0 without an agent)
+        return None
+
+
 @contextlib.contextmanager
 def session(*, backend: str = "auto", device: str = "auto", timeout_s: float = 600.0) -> Iterator[DistEnv]:
+    """A process group for the ``with`` block. A collective that fails because a peer died (or
+    hung past ``timeout_s``) becomes one error on every surviving rank naming the ranks lost:
+    gloo and NCCL only say a connection closed, and on another node no launcher can tell."""
     env = init(backend=backend, device=device, timeout_s=timeout_s)
     try:
         yield env
+    except Exception as e:
+        if env.world_size <= 1 or not _peer_failure(e):
+            raise
+        from zoo.errors import ZooError
+
+        lost = lost_ranks(env)
+        who = ("the rendezvous store is gone too (its host, usually rank 0, died)" if lost is None else
+               f"rank {', '.join(map(str, lost))} {'is' if len(lost) == 1 else 'are'} gone" if lost else
+               "every rank is still alive (a collective timed out or was mismatched)")
+        first = " ".join(str(e).split())[:200]
+        raise ZooError(f"rank {env.rank}: lost contact with the job: {who} ({type(e).__name__}: {first}); "
+                       "rerun the same command to resume from the newest complete checkpoint") from None
     finally:
         shutdown()

@@ -142,7 +142,8 @@ class OptimizerState:
                 continue
             placement = self.par.placements[name]
             if placement.name not in saved_names:
-                raise CheckpointError(f"{ckpt.path}: optimizer state has no entry for parameter {placement.name!r}")
+                raise CheckpointError(f"{ckpt.path / 'state.json'}: the optimizer state has no entry for parameter "
+                                      f"{placement.name!r}")
             for fieldname in fields.get(placement.name, []):
                 key = f"{placement.name}::{fieldname}"
                 scalar = len(ckpt.shape(key)) == 0

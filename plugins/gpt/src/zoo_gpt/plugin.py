@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zoo import Family, PipelineSpec, SequenceSpec, hookimpl
+from zoo.config import check_sizes
 from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, NormSpec
 
 
@@ -27,6 +28,11 @@ class GPTConfig:
     layer_spec: str = "llama"
 
     def __post_init__(self) -> None:
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        check_sizes(self, "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                    "ffn_hidden_size", "max_seq_length",
+                    parameters=self.num_layers * (h * (2 * q + 2 * kv) + 3 * h * self.ffn_hidden_size)
+                    + 2 * self.vocab_size * h)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 

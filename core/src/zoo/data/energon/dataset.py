@@ -20,7 +20,7 @@ import yaml
 from zoo.data.energon import samples as S
 from zoo.data.energon.storage import Storage
 from zoo.data.energon.tar import TarFormatError, index_shard, parse_sample, read_idx
-from zoo.errors import ZooError
+from zoo.errors import ZooError, reading
 
 META = ".nv-meta"
 
@@ -64,9 +64,17 @@ def read_dataset_config(storage: Storage, name: str = "dataset.yaml") -> Dataset
     if not storage.exists(rel):
         raise DatasetError(f"{storage.where(rel)}: missing; write one with `zoo prepare webdataset "
                            f"{storage.display} --sample-type ... --field-map ...` (or --crude)")
-    doc = _yaml(storage, rel) or {}
     where = storage.where(rel)
+    with reading(where, DatasetError):
+        return _dataset_config(_yaml(storage, rel) or {}, where)
+
+
+def _dataset_config(doc: Any, where: str) -> DatasetConfig:
+    if not isinstance(doc, dict):
+        raise DatasetError(f"{where}: expected a mapping, found a {type(doc).__name__}")
     subflavors = doc.get("subflavors") or {}
+    if not isinstance(subflavors, dict):
+        raise DatasetError(f"{where}: subflavors must be a mapping")
     if doc.get("__class__") == "CrudeWebdataset":
         return DatasetConfig(None, None, subflavors)
     st = doc.get("sample_type")
@@ -83,6 +91,9 @@ def read_dataset_config(storage: Storage, name: str = "dataset.yaml") -> Dataset
         raise DatasetError(f"{where}: a typed dataset needs field_map (or sample_loader)")
     if fmap is not None:
         import dataclasses
+
+        if not isinstance(fmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in fmap.items()):
+            raise DatasetError(f"{where}: field_map must map field names to part names (field: ext)")
 
         fields = {f.name for f in dataclasses.fields(cls)}
         bad = [k for k in fmap if k not in fields]
@@ -126,10 +137,10 @@ class WebDataset:
                     doc = load(st.text(rel))
                 except (ValueError, yaml.YAMLError) as e:
                     raise DatasetError(f"{st.where(rel)}: unreadable: {' '.join(str(e).split())}") from None
-                counts = (doc or {}).get("shard_counts")
-                if not isinstance(counts, dict):
-                    raise DatasetError(f"{st.where(rel)}: no shard_counts mapping")
-                return {str(k): int(v) for k, v in counts.items()}
+                counts = doc.get("shard_counts") if isinstance(doc, dict) else None
+                if not isinstance(counts, dict) or not all(type(v) is int and v >= 0 for v in counts.values()):
+                    raise DatasetError(f"{st.where(rel)}: needs a shard_counts mapping of shard -> sample count")
+                return {str(k): v for k, v in counts.items()}
         raise DatasetError(f"{st.display}: not a prepared Energon dataset (no {META}/.info.json or .info.yaml); "
                            f"run `zoo prepare webdataset {st.display}`")
 
@@ -138,8 +149,14 @@ class WebDataset:
         rel = f"{META}/{name}"
         if not st.exists(rel):
             raise DatasetError(f"{st.where(rel)}: missing split file; run `zoo prepare webdataset {st.display} --split 8,1,1`")
+        with reading(st.where(rel), DatasetError):
+            return self._read_split(st, rel, name)
+
+    def _read_split(self, st: Storage, rel: str, name: str) -> tuple[list[str], dict[str, set[str]]]:
         doc = (json.loads(st.text(rel)) if name.endswith(".json") else _yaml(st, rel)) or {}
-        parts = doc.get("split_parts") or {}
+        parts = doc.get("split_parts") if isinstance(doc, dict) else None
+        if not isinstance(parts, dict) or not all(isinstance(v, (list, type(None))) for v in parts.values()):
+            raise DatasetError(f"{st.where(rel)}: needs split_parts: {{train: [shards...], ...}}")
         if self.split_part not in parts:
             raise DatasetError(f"{st.where(rel)}: no split part {self.split_part!r} (it has {', '.join(parts) or 'none'})")
         excl_shards: set[str] = set()

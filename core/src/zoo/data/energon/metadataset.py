@@ -16,8 +16,9 @@ from typing import Any
 
 import yaml
 
-from zoo.data.energon.dataset import DatasetError
+from zoo.data.energon.dataset import DatasetError, is_dataset
 from zoo.data.energon.pipeline import Leaf
+from zoo.errors import reading
 
 _LEAF_KEYS = {"path", "split_part", "subflavors", "subset", "dataset_config", "split_config",
               "shuffle_over_epochs_multiplier", "weight", "repetitions"}
@@ -36,16 +37,26 @@ def load_metadataset(path: str, split: str) -> tuple[tuple[Leaf, ...], str]:
     if split not in splits:
         raise DatasetError(f"{path}: no split {split!r} (it has {', '.join(splits)})")
     mode: list[str] = []
-    leaves = _node(splits[split], Path(path).parent, split, 1.0, 1.0, {}, (), mode, where=f"{path}: splits.{split}")
+    with reading(path, DatasetError):
+            leaves = _node(splits[split], Path(path).parent, split, 1.0, 1.0, {}, (), mode, where=f"{path}: splits.{split}")
     return tuple(leaves), (mode[0] if mode else "single")
+
+
+def split_names(path: str) -> list[str]:
+    splits = _read(path).get("splits")
+    if not isinstance(splits, dict) or not splits:
+        raise DatasetError(f"{path}: a metadataset needs 'splits: {{train: ..., val: ...}}'")
+    return [str(k) for k in splits]
 
 
 def _read(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError) as e:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise DatasetError(f"{path}: cannot read the metadataset: {' '.join(str(e).split())}") from None
+    if not isinstance(doc, dict):
+        raise DatasetError(f"{path}: a metadataset is a mapping with 'splits:', this file holds a {type(doc).__name__}")
     if doc.get("__class__") not in (None, "MetadatasetV2"):
         raise DatasetError(f"{path}: __class__ {doc.get('__class__')!r}: only MetadatasetV2 metadatasets are read")
     return doc
@@ -76,13 +87,16 @@ def _node(node: Any, base: Path, split: str, weight: float, reps: float, flavors
         entries = node[kind]
         if not isinstance(entries, list) or not entries:
             raise DatasetError(f"{where}.{kind}: expected a non-empty list")
+        for i, e in enumerate(entries):
+            if not isinstance(e, dict) or not float(e.get(own, 1.0)) >= 0:
+                raise DatasetError(f"{where}.{kind}[{i}]: {own} must be a number, not negative")
         total = sum(float(e.get("weight", 1.0)) for e in entries) if kind == "blend" else 1.0
+        if not total > 0:
+            raise DatasetError(f"{where}.{kind}: the weights sum to {total:g}; at least one must be positive")
         out: list[Leaf] = []
         for i, e in enumerate(entries):
             w = weight * float(e.get("weight", 1.0)) / total if kind == "blend" else weight
             r = reps * float(e.get("repetitions", 1.0)) if kind == "blend_epochized" else reps
-            if float(e.get(own, 1.0)) < 0:
-                raise DatasetError(f"{where}.{kind}[{i}]: {own} must not be negative")
             out += _node(e, base, split, w, r, flavors, subset, mode, where=f"{where}.{kind}[{i}]")
         return out
     if "path" not in node:
@@ -98,6 +112,9 @@ def _node(node: Any, base: Path, split: str, weight: float, reps: float, flavors
     path = str(node["path"])
     if "://" not in path and not os.path.isabs(path):
         path = str((base / path).resolve())
+    if "://" not in path and not (is_metadataset(path) or is_dataset(path)):
+        raise DatasetError(f"{where}: {path} is neither a prepared Energon dataset nor a metadataset"
+                           + ("" if os.path.exists(path) else " (it does not exist)"))
     if is_metadataset(path):
         inner = _read(path).get("splits", {})
         part = node.get("split_part", split)

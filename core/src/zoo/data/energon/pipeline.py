@@ -97,16 +97,25 @@ def resolve_subset(subset: tuple[tuple[Any, Any], ...], n: int, where: str) -> t
     def bound(v: Any, default: int, length: int) -> int:
         if v == "end" or v is None:
             return default
-        if isinstance(v, str) and v.strip().endswith("%"):
-            return int(round(float(v.strip()[:-1]) / 100 * length))
-        return int(v)
+        try:
+            if isinstance(v, str) and v.strip().endswith("%"):
+                return int(round(float(v.strip()[:-1]) / 100 * length))
+            if type(v) is not int:
+                raise ValueError
+            return v
+        except (ValueError, OverflowError):
+            from zoo.errors import ZooError
+
+            raise ZooError(f"{where}: subset bound {v!r} is not an index, a percentage or 'end'") from None
 
     lo, hi = 0, n
     for a, b in subset:
         length = hi - lo
         new_lo, new_hi = lo + bound(a, 0, length), lo + bound(b, length, length)
         if not lo <= new_lo <= new_hi <= hi:
-            raise ValueError(f"{where}: subset range [{a}, {b}] is outside the {length} samples it applies to")
+            from zoo.errors import ZooError
+
+            raise ZooError(f"{where}: subset range [{a}, {b}] is outside the {length} samples it applies to")
         lo, hi = new_lo, new_hi
     return lo, hi
 

@@ -226,7 +226,8 @@ def field_value(parts: dict[str, bytes], spec: str, *, allow_pickle: bool, where
                 except (KeyError, IndexError, ValueError, TypeError):
                     raise DecodeError(f"{where}: field_map {spec!r}: part {part!r} has no [{item}]") from None
         return value
-    raise DecodeError(f"{where}: field_map {spec!r} names no part of this sample (it has {', '.join(sorted(parts))})")
+    raise DecodeError(f"{where}: field_map {spec!r} (dataset.yaml) names no part of this sample "
+                      f"(it has {', '.join(sorted(parts))})")
 
 
 __all__ = ["SAMPLE_TYPES", "CaptioningSample", "DecodeError", "ImageClassificationSample", "ImageSample",

@@ -50,7 +50,12 @@ class Storage:
         return int(self.fs.size(self.join(rel))) if self.url else os.path.getsize(self.join(rel))
 
     def text(self, rel: str) -> str:
-        return self.bytes(rel).decode("utf-8")
+        try:
+            return self.bytes(rel).decode("utf-8")
+        except UnicodeDecodeError as e:
+            from zoo.errors import ZooError
+
+            raise ZooError(f"{self.where(rel)}: not UTF-8 text ({e})") from None
 
     def bytes(self, rel: str) -> bytes:
         if self.url:
