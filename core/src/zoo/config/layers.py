@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -221,7 +222,8 @@ class Layers:
             except ConfigError as e:
                 # A section's own check names the key ("steps=-1 must be at least 1"); say which
                 # layer (file or command line) set it.
-                keys = [k for k in self.origin if k.startswith(name + ".") and f"{k.rsplit('.', 1)[1]}=" in str(e)]
+                keys = [k for k in self.origin if k.startswith(name + ".")
+                        and re.search(rf"(?<![\w.]){re.escape(k.rsplit('.', 1)[1])}=", str(e))]
                 if keys:
                     raise ConfigError(f"{e} (set by {self.origin[keys[0]]})") from None
                 raise

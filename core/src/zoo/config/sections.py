@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -12,6 +13,27 @@ from typing import Any, Literal
 import yaml
 
 AXES = ("tp", "cp", "ep", "dp", "pp")
+
+# The most parameters a configuration may describe: far beyond any model trained so far, so a
+# size typed or decoded wrong (a layer count of 10**13) is refused instead of built for hours.
+MAX_PARAMETERS = 10**13
+
+
+def check_sizes(config: object, *names: str, parameters: int | None = None) -> None:
+    """For a family's config ``__post_init__``: ``names`` are positive integers, and the
+    ``parameters`` they add up to stay below `MAX_PARAMETERS`. Raises ValueError naming the keys."""
+    for name in names:
+        value = getattr(config, name)
+        try:
+            ok = not isinstance(value, bool) and operator.index(value) >= 1
+        except TypeError:  # a float, a string, None
+            ok = False
+        if not ok:
+            raise ValueError(f"{name}={value!r} must be at least 1")
+    if parameters is not None and parameters > MAX_PARAMETERS:
+        sizes = ", ".join(f"{n}={getattr(config, n)}" for n in names)
+        raise ValueError(f"{sizes} describe a model of ~1e{len(str(parameters)) - 1} parameters, more than the "
+                         f"{MAX_PARAMETERS:.0e} zoo builds")
 
 
 @dataclass(kw_only=True)
@@ -35,9 +57,7 @@ class ParallelConfig:
     timeout_s: float = 600.0  # collective timeout: a dead rank fails the job instead of hanging it
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "vpp", "cp", "ep"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        check_sizes(self, "tp", "pp", "vpp", "cp", "ep")
         if self.etp is not None and self.etp < 1:
             raise ValueError(f"etp={self.etp} must be at least 1")
         if self.fsdp < 0:
@@ -140,9 +160,7 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("steps", "micro_batch_size", "seq_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        check_sizes(self, "steps", "micro_batch_size", "seq_length")
         if not 0.0 <= self.ema < 1.0:
             raise ValueError(f"ema={self.ema} must be a decay in [0, 1) (0 disables the moving average)")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:

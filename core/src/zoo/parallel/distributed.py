@@ -176,9 +176,8 @@ def shutdown() -> None:
             dist.destroy_process_group()
 
 
-# Words with which gloo, NCCL and the c10d store report a peer that is gone or stuck.
-_PEER_FAILURE = ("connection closed by peer", "connection reset", "broken pipe", "timed out", "timeout",
-                 "nccl", "socket", "connection refused", "recv", "send", "abort")
+# How gloo reports a peer whose process is gone (NCCL and the store raise `DistError`s).
+_PEER_FAILURE = ("connection closed by peer", "connection reset by peer", "broken pipe")
 
 
 def _peer_failure(e: BaseException) -> bool:
@@ -186,7 +185,7 @@ def _peer_failure(e: BaseException) -> bool:
 
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
-    return isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _PEER_FAILURE)
+    return isinstance(e, RuntimeError) and "gloo" in str(e) and any(w in str(e).lower() for w in _PEER_FAILURE)
 
 
 _BEAT_S = 1.0
@@ -246,9 +245,10 @@ def lost_ranks(env: DistEnv) -> list[int] | None:
 
 @contextlib.contextmanager
 def session(*, backend: str = "auto", device: str = "auto", timeout_s: float = 600.0) -> Iterator[DistEnv]:
-    """A process group for the ``with`` block. A collective that fails because a peer died (or
-    hung past ``timeout_s``) becomes one error on every surviving rank naming the ranks lost:
-    gloo and NCCL only say a connection closed, and on another node no launcher can tell."""
+    """A process group for the ``with`` block. A collective that fails because a peer died becomes
+    one error on every surviving rank naming the ranks lost (gloo and NCCL only say a connection
+    closed, and on another node no launcher can tell); when every rank is alive (a timeout, a
+    mismatched collective) the original error goes up unchanged."""
     env = init(backend=backend, device=device, timeout_s=timeout_s)
     try:
         yield env
@@ -258,9 +258,10 @@ def session(*, backend: str = "auto", device: str = "auto", timeout_s: float = 6
         from zoo.errors import ZooError
 
         lost = lost_ranks(env)
+        if lost == []:  # everyone is alive: a timeout or mismatch, whose own message says more
+            raise
         who = ("the rendezvous store is gone too (its host, usually rank 0, died)" if lost is None else
-               f"rank {', '.join(map(str, lost))} {'is' if len(lost) == 1 else 'are'} gone" if lost else
-               "every rank is still alive (a collective timed out or was mismatched)")
+               f"rank {', '.join(map(str, lost))} {'is' if len(lost) == 1 else 'are'} gone")
         first = " ".join(str(e).split())[:200]
         raise ZooError(f"rank {env.rank}: lost contact with the job: {who} ({type(e).__name__}: {first}); "
                        "rerun the same command to resume from the newest complete checkpoint") from None

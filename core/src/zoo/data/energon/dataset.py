@@ -43,6 +43,17 @@ def _yaml(storage: Storage, rel: str) -> Any:
         raise DatasetError(f"{storage.where(rel)}: not valid YAML: {' '.join(str(e).split())}") from None
 
 
+def read_split_file(storage: Storage, name: str = "split.yaml") -> dict[str, Any]:
+    """A split file (YAML or JSON) whose ``split_parts`` maps part names to shard lists."""
+    rel = f"{META}/{name}"
+    with reading(storage.where(rel), DatasetError):
+        doc = (json.loads(storage.text(rel)) if name.endswith(".json") else _yaml(storage, rel)) or {}
+        parts = doc.get("split_parts") if isinstance(doc, dict) else None
+        if not isinstance(parts, dict) or not all(isinstance(v, (list, type(None))) for v in parts.values()):
+            raise DatasetError(f"{storage.where(rel)}: needs split_parts: {{train: [shards...], ...}}")
+        return doc
+
+
 def is_dataset(path: str) -> bool:
     st = Storage(path)
     return st.exists(f"{META}/.info.json") or st.exists(f"{META}/.info.yaml")
@@ -153,10 +164,8 @@ class WebDataset:
             return self._read_split(st, rel, name)
 
     def _read_split(self, st: Storage, rel: str, name: str) -> tuple[list[str], dict[str, set[str]]]:
-        doc = (json.loads(st.text(rel)) if name.endswith(".json") else _yaml(st, rel)) or {}
-        parts = doc.get("split_parts") if isinstance(doc, dict) else None
-        if not isinstance(parts, dict) or not all(isinstance(v, (list, type(None))) for v in parts.values()):
-            raise DatasetError(f"{st.where(rel)}: needs split_parts: {{train: [shards...], ...}}")
+        doc = read_split_file(st, name)
+        parts = doc["split_parts"]
         if self.split_part not in parts:
             raise DatasetError(f"{st.where(rel)}: no split part {self.split_part!r} (it has {', '.join(parts) or 'none'})")
         excl_shards: set[str] = set()

@@ -38,7 +38,7 @@ def load_metadataset(path: str, split: str) -> tuple[tuple[Leaf, ...], str]:
         raise DatasetError(f"{path}: no split {split!r} (it has {', '.join(splits)})")
     mode: list[str] = []
     with reading(path, DatasetError):
-            leaves = _node(splits[split], Path(path).parent, split, 1.0, 1.0, {}, (), mode, where=f"{path}: splits.{split}")
+        leaves = _node(splits[split], Path(path).parent, split, 1.0, 1.0, {}, (), mode, where=f"{path}: splits.{split}")
     return tuple(leaves), (mode[0] if mode else "single")
 
 
