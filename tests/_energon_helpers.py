@@ -77,3 +77,23 @@ class DigitsToCond(TaskEncoder):
 
 def digits_to_cond(run: Any) -> DigitsToCond:
     return DigitsToCond()
+
+
+class PoisonedDigits(DigitsToCond):
+    """The ``ZOO_TEST_NAN_AT``-th sample a worker encodes gets NaN pixels; its key is written to
+    the file ``ZOO_TEST_NAN_LOG`` (so the test knows which sample the error must name)."""
+
+    seen = 0
+
+    def encode_sample(self, s: CaptioningSample) -> dict[str, Any]:
+        out = super().encode_sample(s)
+        PoisonedDigits.seen += 1
+        if PoisonedDigits.seen == int(os.environ["ZOO_TEST_NAN_AT"]):
+            out["x"] = torch.full_like(out["x"], float("nan"))
+            with open(os.environ["ZOO_TEST_NAN_LOG"], "a") as f:
+                f.write(s.__key__ + "\n")
+        return out
+
+
+def poisoned_digits(run: Any) -> PoisonedDigits:
+    return PoisonedDigits()

@@ -431,7 +431,7 @@ def test_cli_prepare_images_and_data_info(tmp_path, capsys):
     assert "already prepared" in capsys.readouterr().err
 
 
-def _fit(run_dir: str, world: int, overrides: list[str]) -> None:
+def _fit(run_dir: str, world: int, overrides: list[str], task_encoder: str = "digits_to_cond") -> None:
     import dataclasses
 
     from _trainer_family import FAMILY, CondConfig
@@ -440,7 +440,7 @@ def _fit(run_dir: str, world: int, overrides: list[str]) -> None:
     from zoo.parallel.layout import plan
     from zoo.training.trainer import Trainer
 
-    fam = dataclasses.replace(FAMILY, task_encoder="_energon_helpers:digits_to_cond")
+    fam = dataclasses.replace(FAMILY, task_encoder=f"_energon_helpers:{task_encoder}")
     run = resolve(family="cond", flavor="tiny", model_cls=CondConfig, model_defaults=fam.flavors["tiny"](),
                   recipe=[("recipe of cond", fam.recipe)], overrides=overrides)
     Trainer(fam, run, plan(run, world_size=world, family=fam), run_dir=Path(run_dir)).fit()
@@ -468,6 +468,28 @@ def test_trainer_resumes_energon_data_exactly_across_a_layout_change(digits, tmp
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
     with pytest.raises(Exception, match="ranks x workers = 2"):
         _fit(str(cut_dir), 1, [*common, "data.num_workers=0", "train.steps=9"])
+
+
+def test_a_nan_sample_is_named_by_its_dataset_shard_and_key(digits, tmp_path, monkeypatch):
+    """The 5th sample the loader's worker encodes has NaN pixels: with train.skip_nonfinite=0 the
+    run stops at step 1 with an error that names, beside the stream position, every sample of the
+    step by dataset directory, shard and key, the poisoned one among them."""
+    from zoo.errors import ZooError
+
+    log = tmp_path / "poisoned.txt"
+    monkeypatch.setenv("ZOO_TEST_NAN_AT", "5")
+    monkeypatch.setenv("ZOO_TEST_NAN_LOG", str(log))
+    overrides = ["train.steps=3", "train.micro_batch_size=2", "train.global_batch_size=8", "logging.progress=false",
+                 "train.eval_interval=0", f"data.path={digits}", "data.num_workers=1", "train.skip_nonfinite=0",
+                 "train.preview=false", "logging.tensorboard=false", "logging.plot=false"]
+    with pytest.raises(ZooError) as e:
+        _fit(str(tmp_path / "run"), 1, overrides, task_encoder="poisoned_digits")
+    (key,) = log.read_text().split()
+    message = str(e.value)
+    assert message.startswith("step 1: gradient norm nan") and "samples 0..7 of the train stream" in message
+    names = message[message.index("train stream"):].split("(", 1)[1].rsplit(")", 1)[0].split(", ")
+    assert len(names) == 8 and all(n.startswith(str(digits)) and ".tar/" in n for n in names), names
+    assert any(n.endswith(f"/{key}") for n in names), (key, names)
 
 
 def test_split_by_ratio_keeps_every_shard():

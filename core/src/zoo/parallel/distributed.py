@@ -96,7 +96,9 @@ def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 600.
     if os.environ.get("ZOO_CHECK_COLLECTIVES") == "1":
         check_collectives()
     if not dist.is_initialized():
-        kwargs = {"device_id": torch.device(dev)} if "nccl" in be else {}
+        kwargs: dict[str, Any] = {"device_id": torch.device(dev)} if "nccl" in be else {}
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            kwargs["store"] = _round_store(rank, world, timeout_s)
         dist.init_process_group(
             backend=be, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
         )
@@ -104,6 +106,57 @@ def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 600.
     if _HEARTBEAT is None:
         _HEARTBEAT = _Heartbeat(rank)
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, backend=be, device=dev)
+
+
+# The store keys of this round of the job (see `_round_store`).
+_KEYS = "zoo/"
+
+
+def _round_store(rank: int, world: int, timeout_s: float) -> Any:
+    """The group's store under a prefix of this round's own. torchrun's agent keeps one store for
+    every restart of the job, and torch's group set-up (gloo's addresses, NCCL's unique id) reads
+    keys that the previous round's workers left there: after `--max-restarts` restarts the group
+    a rank can connect to a dead predecessor's port (pytorch#135712; the restart count in the
+    environment cannot be the prefix: agents count differently). So rank 0 draws a fresh token and
+    hands it to each rank that says hello with a fresh nonce of its own; a stale hello only earns
+    an answer nobody waits for."""
+    import threading
+    import uuid
+
+    import torch.distributed as dist
+
+    global _KEYS
+    base = _store(timeout_s)
+    if rank == 0:
+        token = uuid.uuid4().hex
+        threading.Thread(target=_admit, args=(token, world), name="zoo-admit", daemon=True).start()
+    else:
+        nonce = uuid.uuid4().hex
+        base.set(f"zoo/hello/{rank}", nonce)
+        try:
+            token = base.get(f"zoo/admit/{rank}/{nonce}").decode()
+        except Exception as e:  # DistStoreError: the store's timeout
+            raise UsageError(f"rank {rank}: rank 0 did not admit this rank to the job within "
+                             f"parallel.timeout_s={timeout_s:g} s ({type(e).__name__})") from None
+        base.add(f"zoo/{token}/admitted", 1)
+    _KEYS = f"zoo/{token}/"
+    return dist.PrefixStore(f"zoo/{token}/pg", base)
+
+
+def _admit(token: str, world: int) -> None:
+    """Rank 0's side of `_round_store`: answer every new hello until every rank has joined."""
+    import time
+
+    store, answered = _store(), {}
+    with contextlib.suppress(Exception):  # the store went away: the job is over
+        while store.add(f"zoo/{token}/admitted", 0) < world - 1:
+            for r in range(1, world):
+                if store.check([f"zoo/hello/{r}"]):
+                    nonce = store.get(f"zoo/hello/{r}").decode()
+                    if answered.get(r) != nonce:
+                        store.set(f"zoo/admit/{r}/{nonce}", token)
+                        answered[r] = nonce
+            time.sleep(0.02)
 
 
 class CollectiveDeviceError(RuntimeError):
@@ -191,24 +244,24 @@ def _peer_failure(e: BaseException) -> bool:
 _BEAT_S = 1.0
 
 
-def _store() -> Any:
-    """A client of the rendezvous store of its own (the group's client is not shared across
-    threads). torchrun's agent hosts the store, so it outlives any worker."""
+def _store(timeout_s: float = 30.0) -> Any:
+    """A client of the rendezvous store of its own (a client is not shared across threads).
+    torchrun's agent hosts the store, so it outlives any worker."""
     import torch.distributed as dist
 
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=datetime.timedelta(seconds=30))
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 class _Heartbeat:
-    """Every rank counts up ``zoo/beat/<rank>`` in the store each second from a thread, which runs
+    """Every rank counts up ``zoo/<round>/beat/<rank>`` in the store each second from a thread, which runs
     while the main thread waits inside a collective: a rank whose count stops is dead (or its
     interpreter is), one whose count goes on is alive however stuck its collective is."""
 
     def __init__(self, rank: int) -> None:
         import threading
 
-        self.key, self.stop = f"zoo/beat/{rank}", threading.Event()
+        self.key, self.stop = f"{_KEYS}beat/{rank}", threading.Event()
         self.store = _store()
         self.thread = threading.Thread(target=self._run, name="zoo-heartbeat", daemon=True)
         self.thread.start()
@@ -230,14 +283,14 @@ def lost_ranks(env: DistEnv) -> list[int] | None:
 
     try:
         store = _store()
-        keys = [f"zoo/beat/{r}" for r in range(env.world_size)]
+        keys = [f"{_KEYS}beat/{r}" for r in range(env.world_size)]
         before = [store.add(k, 0) for k in keys]
         time.sleep(3.5 * _BEAT_S)
         after = [store.add(k, 0) for k in keys]
         # A survivor that already diagnosed the failure and left is not a loss of its own.
         lost = [r for r in range(env.world_size) if r != env.rank and after[r] == before[r]
-                and not store.check([f"zoo/left/{r}"])]
-        store.set(f"zoo/left/{env.rank}", "1")
+                and not store.check([f"{_KEYS}left/{r}"])]
+        store.set(f"{_KEYS}left/{env.rank}", "1")
         return lost
     except Exception:  # the store went with its host (rank 0 without an agent)
         return None

@@ -5,7 +5,8 @@ gradients dropped, the data stream moves on (the step still counts, as Megatron'
 iterations do). A non-finite loss makes non-finite gradients, and the norm is the same number on
 every rank (summed over TP, PP and DP), so every rank decides alike without another collective.
 More than ``limit`` skipped steps in a row stop the run with an error naming the step and the
-samples of its global batch; ``limit=0`` stops at the first. fp16 runs leave overflow to the
+samples of its global batch (for Energon data also each sample's dataset, shard and key, gathered
+from every data-parallel rank); ``limit=0`` stops at the first. fp16 runs leave overflow to the
 dynamic loss scale, which skips and lowers the scale instead.
 
 Deciding costs one read of the gradient norm per step; the losses themselves are still read only at
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import Any
 
 import torch
 
@@ -23,10 +25,11 @@ from zoo.errors import ZooError
 
 
 class NonFiniteGuard:
-    def __init__(self, limit: int, *, announce: bool, batch: int, stream: str) -> None:
+    def __init__(self, limit: int, *, announce: bool, batch: int, stream: str, data: Any = None) -> None:
         if limit < 0:
             raise ZooError(f"train.skip_nonfinite={limit}: expected 0 (stop at the first) or more")
         self.limit, self.announce, self.batch, self.stream = limit, announce, batch, stream
+        self.data = data  # a stateful dataset's `DataPosition`, which names the samples of the step
         self.in_a_row = 0
         self.skipped = 0  # over the run (this process's part of it), logged as skipped_steps
         self.unchecked: list[tuple[int, float, torch.Tensor]] = []  # (step, lr, loss) not yet read
@@ -45,6 +48,10 @@ class NonFiniteGuard:
         # Its loss is accounted for here, not again at the next log line.
         self.unchecked = [u for u in self.unchecked if u[0] != step]
         data = f"samples {first_sample}..{first_sample + self.batch - 1} of {self.stream}"
+        if self.data is not None:  # a collective: every rank skips the same steps
+            names = self.data.sources()
+            if names:
+                data += f" ({', '.join(names[:8])}{f' and {len(names) - 8} more' if len(names) > 8 else ''})"
         if self.in_a_row > self.limit:
             raise ZooError(f"step {step}: gradient norm {norm} ({self.in_a_row} non-finite step(s) in a row, "
                            f"train.skip_nonfinite={self.limit}); its data: {data}. Lower optimizer.lr, or look for a "

@@ -1,15 +1,20 @@
 """What every rank of a run must agree on outside the step itself: a token naming this run's
-partial checkpoint directories, and preemption (SIGTERM asks for a save at the end of the step)."""
+partial checkpoint directories, that the checkpoint directory is one for all of them, and
+preemption (SIGTERM asks for a save at the end of the step)."""
 
 from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
 from typing import Any
 
+from zoo.errors import UsageError
 
-def run_token(world_size: int) -> str:
-    """A token every rank agrees on (rank 0's), unique to this run."""
+
+def run_token(world_size: int, *, shared: Path | None = None) -> str:
+    """A token every rank agrees on (rank 0's), unique to this run; with ``shared``, also checks
+    that every rank sees that directory as the same one (`check_shared`)."""
     import secrets
 
     token = [secrets.token_hex(4)]
@@ -17,7 +22,35 @@ def run_token(world_size: int) -> str:
         import torch.distributed as dist
 
         dist.broadcast_object_list(token, src=0)
+        if shared is not None:
+            check_shared(shared, token[0])
     return token[0]
+
+
+def check_shared(path: Path, token: str) -> None:
+    """Every rank writes its part of a checkpoint into ``path`` and global rank 0 waits for all the
+    parts there, so on several nodes it must be a shared filesystem: a node-local directory would
+    only show up as rank 0 waiting out ``parallel.timeout_s`` at the first save. Rank 0 leaves a
+    file, every rank looks for it, and all of them fail at once if any cannot see it."""
+    import socket
+
+    import torch.distributed as dist
+
+    probe = path / f".zoo-shared-{token}"
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+    dist.barrier()
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (probe.exists(), socket.gethostname()))
+    if dist.get_rank() == 0:
+        probe.unlink(missing_ok=True)
+    blind = [(r, host) for r, (ok, host) in enumerate(seen) if not ok]
+    if blind:
+        who = ", ".join(f"rank {r} ({host})" for r, host in blind[:8]) + (" ..." if len(blind) > 8 else "")
+        raise UsageError(f"checkpoint directory {path} is not shared by every rank: {who} cannot see the file rank 0 "
+                         f"({seen[0][1]}) wrote there; every rank writes its part of a checkpoint into it, so put "
+                         "the run directory (or checkpoint.dir) on a filesystem all nodes mount (docs/launch.md)")
 
 
 class Preemption:

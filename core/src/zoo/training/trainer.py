@@ -142,7 +142,7 @@ class Trainer:
         if self.dataset.stateful:
             from zoo.data.energon.training import DataPosition
 
-            self.data_position = DataPosition(self.par)
+            self.data_position = DataPosition(self.par, micro_batches=self.layout.grad_accum)
         self.frozen = optim.freeze(self.model, self.par.placements, self.rules)
 
     def _model_on_meta(self) -> tuple[torch.nn.Module, Any]:
@@ -228,8 +228,7 @@ class Trainer:
     # ------------------------------------------------------------------------------- a step
 
     def forward(self, model: torch.nn.Module, batch: Mapping[str, Any]) -> tuple[Any, Any]:
-        """The family's loss on one micro-batch (already on the device) under the run's precision
-        and recomputation."""
+        """The family's loss on one micro-batch (on the device) under the run's precision and recomputation."""
         from zoo.nn import recompute
 
         with torch.autocast(self.dev_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None), \
@@ -362,11 +361,12 @@ class Trainer:
         # optimizer update (the only thing that changes them) waits for it.
         self.saver = Saver(asynchronous=run.checkpoint.async_save, copy=False, on_error=run.checkpoint.on_save_error,
                            announce=env.is_main)
-        self.token = run_token(env.world_size)  # names this run's partial checkpoint directories
+        self.token = run_token(env.world_size, shared=self.ckpt_root)  # names this run's partial checkpoints
         self.preempt = Preemption(run.checkpoint.save_on_sigterm)
         self.saved_step, self.saved_at = -1, time.monotonic()
         self.guard = NonFiniteGuard(run.train.skip_nonfinite, announce=env.is_main, batch=self.layout.global_batch_size,
-                                    stream=f"the train stream of dataset {self.dataset.name!r}")
+                                    stream=f"the train stream of dataset {self.dataset.name!r}",
+                                    data=self.data_position)
 
     def close_outputs(self) -> None:
         self.preempt.restore()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from zoo import Family, PipelineSpec, Throughput, hookimpl
+from zoo.config import check_sizes
 from zoo.family import DatasetSpec, MetricSpec, SequenceSpec
 from zoo.spec import AdaLNSpec, AttentionSpec, BlockSpec, MLPSpec, ModelSpec, NormSpec
 
@@ -47,6 +48,9 @@ class DiTConfig:
     vae: str = ""
 
     def __post_init__(self) -> None:
+        h = self.hidden_size  # per block: attention 4h^2 (+ cross 4h^2), MLP 2 ratio h^2, adaLN 6-9 h^2
+        check_sizes(self, "in_channels", "patch_size", "hidden_size", "num_layers", "num_heads", "sample_size",
+                    "patch_t", "num_frames", parameters=self.num_layers * int(17 + 2 * self.mlp_ratio) * h * h)
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}")
         quantum = 16 if self.layer_spec == "dit_video" else 4  # sin-cos halves (2-D) or t/4 + 3/8 + 3/8 (3-D)

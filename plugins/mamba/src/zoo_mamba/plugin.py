@@ -14,6 +14,7 @@ import warnings
 from dataclasses import dataclass
 
 from zoo import Family, MetricSpec, PipelineSpec, Throughput, hookimpl
+from zoo.config import check_sizes
 from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, SSMSpec
 
 SYMBOLS = {"M": "Mamba mixer", "*": "self-attention", "-": "MLP", "E": "mixture of experts"}
@@ -58,6 +59,11 @@ class MambaConfig:
     layer_spec: str = "mamba2"
 
     def __post_init__(self) -> None:
+        h, experts = self.hidden_size, (self.num_experts or 0) * self.moe_ffn_hidden_size + self.shared_ffn_hidden_size
+        check_sizes(self, "vocab_size", "hidden_size", "num_layers", "max_seq_length", "ssm_state_size", "conv_kernel",
+                    "expand", "ssm_head_dim", "ssm_groups", "chunk_size",
+                    parameters=self.num_layers * (3 * self.expand * h * h + 3 * h * (self.ffn_hidden_size + experts))
+                    + 2 * self.vocab_size * h)
         if not self.pattern:
             self.pattern = "M" * self.num_layers
         unknown = sorted(set(self.pattern) - set(SYMBOLS) - {"|"})

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from zoo import Family, MetricSpec, PipelineSpec, SequenceSpec, Throughput, hookimpl
+from zoo.config import check_sizes
 from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, MoESpec, NormSpec
 from zoo_gpt.plugin import GPTConfig
 
@@ -39,6 +40,9 @@ class MoEConfig(GPTConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        # The experts, not the one dense MLP GPTConfig counted, hold the parameters.
+        experts = self.num_experts * self.ffn_hidden_size + self.shared_ffn_hidden_size
+        check_sizes(self, "num_experts", "top_k", parameters=self.num_layers * 3 * self.hidden_size * experts)
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
         if self.aux_loss_convention not in ("megatron", "hf"):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from zoo import Family, PipelineSpec, Throughput, hookimpl
+from zoo.config import check_sizes
 from zoo.family import DatasetSpec
 from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, NormSpec
 from zoo_gpt.plugin import GPT2, LLAMA, GPTConfig, gpt2_tiny, llama2_7b, llama_tiny
@@ -34,6 +35,11 @@ class VisionFields:
     vision_norm_eps: float = 1e-5
 
     def check_vision(self) -> None:
+        vh = self.vision_hidden_size
+        check_sizes(self, "image_size", "patch_size", "num_channels", "vision_hidden_size", "vision_num_layers",
+                    "vision_num_heads", "vision_ffn_hidden_size",
+                    parameters=self.vision_num_layers * (4 * vh * vh + 2 * vh * self.vision_ffn_hidden_size)
+                    + (self.image_size // self.patch_size) ** 2 * vh)
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}")
         if self.vision_hidden_size % self.vision_num_heads:
@@ -67,6 +73,11 @@ class CLIPConfig(VisionFields):
 
     def __post_init__(self) -> None:
         self.check_vision()
+        th = self.text_hidden_size
+        check_sizes(self, "vocab_size", "max_seq_length", "text_hidden_size", "text_num_layers", "text_num_heads",
+                    "text_ffn_hidden_size", "projection_dim",
+                    parameters=self.text_num_layers * (4 * th * th + 2 * th * self.text_ffn_hidden_size)
+                    + (self.vocab_size + self.max_seq_length) * th)
         if self.text_hidden_size % self.text_num_heads:
             raise ValueError(f"text_hidden_size={self.text_hidden_size} is not a multiple of "
                              f"text_num_heads={self.text_num_heads}")

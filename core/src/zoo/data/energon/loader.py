@@ -142,7 +142,7 @@ def _worker_main(cfg: PipelineConfig, g: int, G: int, state: dict[str, Any] | No
             except StopIteration:
                 put(("end", pipe.state()))
                 return
-            msg: tuple[Any, ...] = ("batch", batch, pipe.state())
+            msg: tuple[Any, ...] = ("batch", batch, pipe.state(), pipe.sources)
             if blobs:
                 # Small batches travel as one pickled blob: twice the batches/s of moving every
                 # tensor through shared memory (a file descriptor per tensor). Past ~256 KiB
@@ -177,6 +177,7 @@ class Loader:
         self._ended: list[bool] = []
         self._started = False
         self._epoch_left = 0
+        self.sources: list[str] = []  # where the last batch's samples came from: dataset, shard, key
 
     # ------------------------------------------------------------------------------ state
 
@@ -241,14 +242,14 @@ class Loader:
             self._status.append(status)
         self._first = [True] * len(self.gids)
 
-    def _receive(self, i: int) -> tuple[str, Any, Any]:
+    def _receive(self, i: int) -> tuple[str, Any, Any, list[str]]:
         if self._pipes:
             pipe = self._pipes[i]
             try:
                 batch = pipe.next()
             except StopIteration:
-                return "end", None, pipe.state()
-            return "batch", batch, pipe.state()
+                return "end", None, pipe.state(), []
+            return "batch", batch, pipe.state(), pipe.sources
         limit = self.initial_timeout if self._first[i] else self.timeout
         start = time.monotonic()
         while True:
@@ -272,7 +273,7 @@ class Loader:
             self.close()
             raise LoaderError(f"data worker {self.gids[i]}: {msg[1]}\n{msg[2]}")
         if msg[0] == "end":
-            return "end", None, msg[1]
+            return "end", None, msg[1], []
         if msg[0] == "blob":
             msg = pickle.loads(msg[1])  # from our own worker: nothing untrusted
         return msg  # type: ignore[no-any-return]
@@ -286,7 +287,7 @@ class Loader:
             self.next_worker = (i + 1) % n
             if self._ended[i]:
                 continue
-            kind, batch, state = self._receive(i)
+            kind, batch, state, self.sources = self._receive(i)
             if kind == "end":
                 self._ended[i] = True
                 continue

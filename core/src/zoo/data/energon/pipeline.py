@@ -236,6 +236,10 @@ class Pipeline:
         self.buckets: dict[Any, list[tuple[Key, Any]]] = {}
         self.batches = 0
         self.exhausted = False
+        # Where each sample read came from (dataset shard and key, by restore key), until its batch
+        # is made; `sources` then names the last batch's samples (for the trainer's error messages).
+        self.where: dict[Key, str] = {}
+        self.sources: list[str] = []
         if state is not None:
             self.restore(state)
 
@@ -282,6 +286,9 @@ class Pipeline:
         crude = isinstance(sample, dict) and "__shard__" in sample
         where = ds.where(ds.shards[sid], sample["__key__"] if crude else sample.__key__)
         self.status(where)  # what the hooks that follow work on
+        if len(self.where) >= 4096:  # samples skipped by a hook never reach a batch
+            self.where = dict(list(self.where.items())[2048:])
+        self.where[key] = where
         if crude:
             sample = self.te.cook_crude_sample(sample, sample["__subflavors__"], where)
         return sample
@@ -374,21 +381,23 @@ class Pipeline:
         """The next batch (or sample when batch_size is None); StopIteration at the end."""
         cfg, te = self.cfg, self.te
         if cfg.batch_size is None and not te.overrides("batch_group_criterion"):
-            out = self._packed()[1]
+            key, out = self._packed()
+            keys = [key]
         elif te.overrides("batch_group_criterion"):
-            out = self._group_batch()
+            keys, out = self._group_batch()
         else:
             items = []
             while len(items) < cfg.batch_size:  # type: ignore[operator]
                 try:
-                    items.append(self._packed()[1])
+                    items.append(self._packed())
                 except StopIteration:
                     break
             if not items or (len(items) < cfg.batch_size and cfg.batch_drop_last):  # type: ignore[operator]
                 raise StopIteration
-            out = te.batch(items)
+            keys, out = [k for k, _ in items], te.batch([x for _, x in items])
         if te.overrides("encode_batch"):
             out = te.encode_batch(out)
+        self.sources = [self.where.get(k, repr(k)) for k in _leaf_keys(keys)]
         self.batches += 1
         return out
 
@@ -401,7 +410,7 @@ class Pipeline:
                 for gkey in list(self.buckets):
                     items = self.buckets.pop(gkey)
                     if not cfg.batch_drop_last:
-                        return te.batch([x for _, x in items])
+                        return [k for k, _ in items], te.batch([x for _, x in items])
                 raise
             gkey, size = te.batch_group_criterion(s)
             if size is None:
@@ -412,7 +421,7 @@ class Pipeline:
             bucket.append((key, s))
             if len(bucket) >= size:
                 del self.buckets[gkey]
-                return te.batch([x for _, x in bucket])
+                return [k for k, _ in bucket], te.batch([x for _, x in bucket])
 
     # --------------------------------------------------------------------------- state
 
@@ -457,6 +466,19 @@ class Pipeline:
             entries = items(bucket)
             gkey, _ = self.te.batch_group_criterion(entries[0][1])
             self.buckets[gkey] = entries
+
+
+def _leaf_keys(keys: list[Key]) -> list[Key]:
+    """The samples read (``("s", ...)`` keys) behind encoded outputs and packs, in order."""
+    out: list[Key] = []
+    for key in keys:
+        if key[0] == "s":
+            out.append(key)
+        elif key[0] == "e":
+            out.extend(_leaf_keys([key[1]]))
+        elif key[0] == "p":
+            out.extend(_leaf_keys(list(key[1])))
+    return out
 
 
 def _is_gen(fn: Any) -> bool:

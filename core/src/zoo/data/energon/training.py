@@ -9,6 +9,7 @@ from it, so a resumed run reads exactly the batches an uninterrupted one would.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import shutil
@@ -34,12 +35,15 @@ class _Batches:
     def __init__(self, loader: Any) -> None:
         self.loader = loader
         self._it = iter(loader)
+        self.recent: collections.deque[list[str]] = collections.deque(maxlen=256)  # the batches' sample names
 
     def __iter__(self) -> Iterator[Any]:
         return self
 
     def __next__(self) -> Any:
-        return next(self._it)
+        batch = next(self._it)
+        self.recent.append(self.loader.sources)
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         return self.loader.save_state_rank()
@@ -123,10 +127,25 @@ class DataPosition:
 
     key = "data"
 
-    def __init__(self, par: Any) -> None:
-        self.par = par
+    def __init__(self, par: Any, *, micro_batches: int = 1) -> None:
+        self.par, self.micro_batches = par, micro_batches
         self.batches: _Batches | None = None
         self.saved: dict[str, Any] | None = None
+
+    def sources(self) -> list[str]:
+        """Where the samples of the step just taken came from (dataset, shard, key), every
+        data-parallel rank's; a collective when there are several ranks."""
+        import torch.distributed as dist
+
+        recent = list(self.batches.recent)[-self.micro_batches:] if self.batches is not None else []
+        mine = (self.par.dp_rank, [name for names in recent for name in names])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+        else:
+            every = [mine]
+        by_rank = dict(every)  # the ranks of one data-parallel replica read the same data
+        return [name for r in sorted(by_rank) for name in by_rank[r]]
 
     def state_tensors(self) -> list[Any]:
         return []
