@@ -9,6 +9,7 @@ rendezvous endpoint outlives any one node: no port has to be picked and hoped fr
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ def _two_nodes(run_dir: Path, cache: Path, *, restarts: int, **environ: str) -> 
                 "--max-restarts", str(restarts), "--monitor-interval", "0.2"]
     nodes = [start(torchrun_cmd(*launcher) + llama_args(run_dir, cache, *ARGS, "parallel.tp=2"), env(**environ))
              for _ in range(2)]
-    results = []
+    results, started = [], time.monotonic()
     for node in nodes:
         try:
             out, err = node.communicate(timeout=300)
@@ -36,6 +37,7 @@ def _two_nodes(run_dir: Path, cache: Path, *, restarts: int, **environ: str) -> 
             kill_job(node)
             raise
         results.append((node.returncode, out, err))
+    print(f"two nodes, --max-restarts {restarts}: {time.monotonic() - started:.1f} s from launch to the end")
     return results
 
 
