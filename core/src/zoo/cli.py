@@ -144,6 +144,11 @@ def cmd_version(args: argparse.Namespace) -> int:
         print(f"plugin {info.name}: {info.distribution} {info.version}")
     for b in reg.broken:
         print(f"plugin {b.plugin.name}: {b.plugin.distribution} {b.plugin.version} (broken)")
+    from zoo.backends import report
+
+    for name, provides, status, fallback in report():  # optional kernels, and what runs without them
+        used = status.startswith("available")
+        print(f"backend {name} ({provides}): {status}" + ("" if used else f"; zoo uses {fallback}"))
     return 0
 
 

@@ -82,3 +82,37 @@ def test_task_encoder_errors_name_the_sample():
     vte = DiTTaskEncoder(video_tiny(), seq_length=64, packing=False)
     with pytest.raises(ValueError, match=r"sample v1: the model is text-conditioned .* no text embeddings"):
         vte.encode_sample({"__key__": "v1", "npy": torch.zeros(1, 2, 8, 8)})
+
+
+def test_training_flops_per_sample_match_torchs_flop_counter():
+    """MFU's numerator: the declared FLOPs of one default-size sample equal what
+    torch.utils.flop_counter counts for its forward and backward (class-conditional, so no
+    text-length terms); adaLN and the timestep MLP count once per sample, not per token."""
+    import types
+
+    from torch.utils.flop_counter import FlopCounterMode
+    from zoo_dit.data import collate
+    from zoo_dit.diffusion import flops_per_sample
+    from zoo_dit.model import patchify
+
+    from zoo.family import resolve
+    from zoo.registry import get_registry
+
+    fam = get_registry().get("dit").family
+    cfg = fam.flavors["tiny"]()
+    model = resolve(fam.build, owner="test")(cfg, fam.spec_for(cfg))
+    g = torch.Generator().manual_seed(0)
+    latent = torch.randn(cfg.in_channels, 1, cfg.sample_size, cfg.sample_size, generator=g)
+    tokens, positions = patchify(latent, 1, cfg.patch_size, cfg.patch_size)
+    sample = {"latents": tokens, "positions": positions, "noise": torch.randn(tokens.shape, generator=g),
+              "sigma": 1.0, "grid": tuple(int(x) for x in positions.max(0).values + 1), "label": 3}
+    batch = collate([[sample]], cfg)
+    with FlopCounterMode(display=False) as counter:
+        loss = resolve(fam.loss, owner="test")(model, batch)
+        (loss[0] if isinstance(loss, tuple) else loss).backward()
+    declared = flops_per_sample(model, types.SimpleNamespace(model=cfg))
+    counted, ops = counter.get_total_flops(), {str(k) for k in counter.get_flop_counts()["Global"]}
+    if not any("attention" in op for op in ops):  # CPU's fused SDPA kernel has no FLOP formula registered
+        t = len(tokens)
+        declared -= 12.0 * cfg.num_layers * cfg.hidden_size * t * t  # the scores and values (PaLM's 12 L h t^2)
+    assert abs(declared - counted) <= 0.01 * counted, (declared, counted, ops)

@@ -135,8 +135,9 @@ class TrainConfig:
     seq_length: int = 256
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # compute: bf16/fp16 autocast over fp32 parameters
     # Parameter storage: bf16/fp16 keep parameters and gradients in that type and fp32 master
-    # weights in the distributed optimizer (needs parallel.zero=1 and the same precision;
-    # Megatron's --bf16 / --fp16). fp16 adds dynamic loss scaling.
+    # weights in the distributed optimizer (used whatever parallel.zero says: on one data-parallel
+    # rank it shards nothing; needs the same train.precision; Megatron's --bf16 / --fp16). fp16
+    # adds dynamic loss scaling.
     param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: int = 1234
     # Activation recomputation (`zoo.nn.recompute`): elementwise recomputes norm and activation outputs

@@ -29,12 +29,10 @@ from zoo.spec import SSMSpec
 
 
 def _kernels() -> Any:
-    """mamba_ssm's fused chunk scan for Mamba-2 on CUDA, or None (it is optional)."""
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined  # type: ignore[import-not-found]
-    except (ImportError, RuntimeError):
-        return None
-    return mamba_chunk_scan_combined
+    """mamba_ssm's fused chunk scan for Mamba-2 on CUDA, or None (it is optional: `zoo.backends`)."""
+    from zoo.backends import kernel
+
+    return kernel("mamba-ssm", "mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

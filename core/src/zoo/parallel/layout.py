@@ -158,7 +158,9 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
     return Layout(
         world_size=world_size, tp=p.tp, cp=p.cp, ep=p.ep, dp=dp, pp=p.pp, vpp=p.vpp,
         etp=etp, expert_dp=expert_dp, grad_accum=accum, global_batch_size=gbs,
-        sequence_parallel=p.sequence_parallel, zero=p.zero, order=p.order,
+        # Low-precision parameters always keep fp32 master weights in the distributed optimizer
+        # (Megatron's --bf16): on one data-parallel rank it shards nothing, with more it is ZeRO-1.
+        sequence_parallel=p.sequence_parallel, zero=p.zero or int(train.param_dtype != "fp32"), order=p.order,
         pp_layers=pp_layers, pp_schedule=p.pp_schedule,
         fsdp=p.fsdp if p.fsdp > 1 else 0, fsdp_dtype=train.precision,
     )
@@ -181,6 +183,9 @@ def _check_family(run: RunConfig, fam: Family) -> None:
         raise ConfigError("train.precision=fp16 with parallel.tp > 1 or pp > 1 needs parallel.zero=1 (its overflow "
                           "check is all-reduced over every parallel group; torch's GradScaler checks one rank)")
     dtype = run.train.param_dtype
-    if dtype != "fp32" and not (p.zero and run.train.precision == dtype):
-        raise ConfigError(f"train.param_dtype={dtype} needs parallel.zero=1 (its distributed optimizer keeps the fp32 "
-                          f"master weights) and train.precision={dtype}")
+    if dtype != "fp32" and run.train.precision != dtype:
+        raise ConfigError(f"train.param_dtype={dtype} needs train.precision={dtype} (the parameters are stored in "
+                          f"{dtype}, so the compute is too)")
+    if dtype != "fp32" and p.fsdp > 1:
+        raise ConfigError(f"train.param_dtype={dtype} with parallel.fsdp: FSDP keeps fp32 parameters and computes in "
+                          "train.precision itself; leave train.param_dtype=fp32")

@@ -97,11 +97,22 @@ def count_samples(batch: dict[str, Any]) -> int:
 
 
 def flops_per_sample(model: nn.Module, run: Any) -> float:
-    """6 x matmul weights x tokens + attention, for a sample of the flavor's default size."""
+    """Training FLOPs of one sample of the flavor's default size: 6 x (the weights applied to every
+    token x tokens + the weights applied once per sample: the timestep MLP and every adaLN
+    modulation, a third of a DiT's linear weights) + self-attention scores. The text-length terms
+    (cross-attention K/V over the text, cross scores) are left out: the text length is the data's,
+    so MFU errs low for text-conditioned models, never high."""
     cfg: DiTConfig = run.model
     tokens = (cfg.num_frames // cfg.patch_t if cfg.text_dim else 1) * (cfg.sample_size // cfg.patch_size) ** 2
-    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    return 6.0 * n * tokens + 12.0 * cfg.num_layers * cfg.hidden_size * tokens * tokens
+    per_token = per_sample = 0
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or name.endswith("cross.kv"):
+            continue
+        if name.startswith("t_embed") or "ada" in name.split("."):  # (layers.N.ada.1, final.ada.1)
+            per_sample += m.weight.numel()
+        else:
+            per_token += m.weight.numel()
+    return 6.0 * (per_token * tokens + per_sample) + 12.0 * cfg.num_layers * cfg.hidden_size * tokens * tokens
 
 
 # --------------------------------------------------------------------------------- sampling
