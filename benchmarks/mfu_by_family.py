@@ -15,6 +15,8 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import statistics
@@ -67,8 +69,6 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
-    import contextlib
-    import io
 
     from llama_vs_hf import gemm_peak
 

@@ -25,13 +25,17 @@ def fresh(monkeypatch, tmp_path):
 
 
 def test_nothing_installed_means_every_pytorch_path(fresh):
+    import importlib.util
+
     from zoo.nn import ssm
 
     for name, _, status, fallback in backends.report():
-        assert status.startswith("ModuleNotFoundError: No module named"), (name, status)
+        if importlib.util.find_spec(backends.BACKENDS[name].module.split(".")[0]) is None:  # (a GPU box may have some)
+            assert status.startswith("ModuleNotFoundError: No module named"), (name, status)
         assert fallback
-    assert backends.kernel("mamba-ssm", "mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined") is None
-    assert ssm._kernels() is None  # Mamba-2 takes zoo.nn.ssm's chunked scan (tested against the recurrence)
+    if importlib.util.find_spec("mamba_ssm") is None:
+        assert backends.kernel("mamba-ssm", "mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined") is None
+        assert ssm._kernels() is None  # Mamba-2 takes zoo.nn.ssm's chunked scan (tested against the recurrence)
 
 
 def test_an_importable_build_is_used_unless_switched_off(fresh, monkeypatch):

@@ -135,34 +135,29 @@ class DataPosition:
     def sources(self) -> list[str]:
         """Where the samples of the step just taken came from (dataset, shard, key), every
         data-parallel rank's; a collective when there are several ranks."""
-        import torch.distributed as dist
-
         recent = list(self.batches.recent)[-self.micro_batches:] if self.batches is not None else []
-        mine = (self.par.dp_rank, [name for names in recent for name in names])
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            every: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(every, mine)
-        else:
-            every = [mine]
-        by_rank = dict(every)  # the ranks of one data-parallel replica read the same data
-        return [name for r in sorted(by_rank) for name in by_rank[r]]
+        return [name for names in self._by_dp_rank([n for names in recent for n in names]) for name in names]
 
     def state_tensors(self) -> list[Any]:
         return []
 
     def state_json(self) -> dict[str, Any] | None:
-        import torch.distributed as dist
-
         if self.batches is None:
             return self.saved
-        mine = (self.par.dp_rank, self.batches.state_dict())
+        return {"ranks": self._by_dp_rank(self.batches.state_dict())}
+
+    def _by_dp_rank(self, mine: Any) -> list[Any]:
+        """Every data-parallel rank's ``mine``, in rank order (a collective over all ranks; the
+        ranks of one data-parallel replica read the same data, so one of them speaks for it)."""
+        import torch.distributed as dist
+
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             every: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(every, mine)
+            dist.all_gather_object(every, (self.par.dp_rank, mine))
         else:
-            every = [mine]
-        by_rank = dict(every)  # the ranks of one data-parallel replica read the same data
-        return {"ranks": [by_rank[r] for r in sorted(by_rank)]}
+            every = [(self.par.dp_rank, mine)]
+        by_rank = dict(every)
+        return [by_rank[r] for r in sorted(by_rank)]
 
     def load_state(self, ckpt: Any, saved: Any) -> None:
         self.saved = saved
