@@ -94,11 +94,15 @@ class Throughput:
     ``tokens`` (or ``input_ids``) tensor. ``flops_per_unit(model, run_config) -> float``: training
     FLOPs (forward and backward) per unit, called on the model built on the meta device; None uses
     the language-model rule (6 x matmul weights + attention, `zoo.training.metrics.lm_flops_per_token`).
+    ``flops_of_batch(model, run_config) -> (batch -> float)``: for a family whose work depends on
+    the data (a text cut at its end token, a head run at answer positions only): called once on the
+    meta model, gives the training FLOPs one micro-batch's samples need; overrides ``flops_per_unit``.
     """
 
     unit: str = "tokens"
     count: Ref | None = None
     flops_per_unit: Ref | None = None
+    flops_of_batch: Ref | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -84,35 +84,35 @@ def test_task_encoder_errors_name_the_sample():
         vte.encode_sample({"__key__": "v1", "npy": torch.zeros(1, 2, 8, 8)})
 
 
-def test_training_flops_per_sample_match_torchs_flop_counter():
-    """MFU's numerator: the declared FLOPs of one default-size sample equal what
-    torch.utils.flop_counter counts for its forward and backward (class-conditional, so no
-    text-length terms); adaLN and the timestep MLP count once per sample, not per token."""
+@pytest.mark.parametrize("video", [False, True])
+def test_declared_flops_match_torchs_flop_counter_per_sample_and_add_up_when_packed(video):
+    """MFU's numerator: one sample's declared FLOPs equal what torch.utils.flop_counter counts for
+    its forward and backward (adaLN and the timestep MLP once per sample, cross-attention K/V over
+    its own caption); a packed row declares the sum of its samples alone (no padding, no attention
+    across samples counted)."""
     import types
 
     from torch.utils.flop_counter import FlopCounterMode
-    from zoo_dit.data import collate
-    from zoo_dit.diffusion import flops_per_sample
-    from zoo_dit.model import patchify
+    from zoo_dit.diffusion import flops_of_batch
 
-    from zoo.family import resolve
-    from zoo.registry import get_registry
-
-    fam = get_registry().get("dit").family
-    cfg = fam.flavors["tiny"]()
-    model = resolve(fam.build, owner="test")(cfg, fam.spec_for(cfg))
+    cfg = video_tiny() if video else dit_tiny()
     g = torch.Generator().manual_seed(0)
-    latent = torch.randn(cfg.in_channels, 1, cfg.sample_size, cfg.sample_size, generator=g)
-    tokens, positions = patchify(latent, 1, cfg.patch_size, cfg.patch_size)
-    sample = {"latents": tokens, "positions": positions, "noise": torch.randn(tokens.shape, generator=g),
-              "sigma": 1.0, "grid": tuple(int(x) for x in positions.max(0).values + 1), "label": 3}
-    batch = collate([[sample]], cfg)
-    with FlopCounterMode(display=False) as counter:
-        loss = resolve(fam.loss, owner="test")(model, batch)
-        (loss[0] if isinstance(loss, tuple) else loss).backward()
-    declared = flops_per_sample(model, types.SimpleNamespace(model=cfg))
-    counted, ops = counter.get_total_flops(), {str(k) for k in counter.get_flop_counts()["Global"]}
-    if not any("attention" in op for op in ops):  # CPU's fused SDPA kernel has no FLOP formula registered
-        t = len(tokens)
-        declared -= 12.0 * cfg.num_layers * cfg.hidden_size * t * t  # the scores and values (PaLM's 12 L h t^2)
-    assert abs(declared - counted) <= 0.01 * counted, (declared, counted, ops)
+    model = DiT(cfg, DIT_VIDEO if video else DIT)
+    flops = flops_of_batch(model, types.SimpleNamespace(model=cfg))
+    sizes = [(2, 4, 6, 5), (1, 2, 4, 3)] if video else [(1, 8, 8, 0), (1, 4, 6, 0)]
+    samples = [_sample(cfg, cfg.in_channels, t * cfg.patch_t, h * cfg.patch_size, w * cfg.patch_size, g,
+                       label=None if video else 3, text_len=n) for t, h, w, n in sizes]
+    alone = []
+    for m in samples:
+        batch = collate([[m]], cfg)
+        with FlopCounterMode(display=False) as counter:
+            loss(model, batch)[0].backward()
+        declared, counted = flops(batch), counter.get_total_flops()
+        if not any("attention" in str(op) for op in counter.get_flop_counts()["Global"]):
+            # CPU's fused attention kernel has no FLOP formula: take PaLM's 12 L h t (t + text) out
+            t, text = len(m["latents"]), len(m.get("text", ()))
+            declared -= 12.0 * cfg.num_layers * cfg.hidden_size * t * (t + text)
+        assert abs(declared - counted) <= 0.01 * counted, (declared, counted)
+        alone.append(flops(batch))
+    packed = collate([samples, samples[::-1]], cfg, multiple_of=64)
+    assert flops(packed) == pytest.approx(2 * sum(alone))

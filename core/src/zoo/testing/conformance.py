@@ -162,11 +162,14 @@ def check_declarations(name: str, *, flavor: str = "tiny", registry: Any = None)
     tp = fam.throughput
     count = resolve(tp.count, owner=owner)(batch) if tp.count else None
     assert count is None or (isinstance(count, int) and count > 0), f"{name}: throughput count gave {count!r}"
-    if tp.flops_per_unit:
+    if tp.flops_per_unit or tp.flops_of_batch:
+        from zoo.training.metrics import work_of
+
         run = RunConfig(family=name, flavor=flavor, model=cfg, train=TrainConfig(seq_length=seq))
         with torch.device("meta"):
-            flops = float(resolve(tp.flops_per_unit, owner=owner)(build(cfg, spec), run))
-        assert math.isfinite(flops) and flops > 0, f"{name}: flops_per_unit gave {flops}"
+            work = work_of(tp, build(cfg, spec), run, owner=owner)
+        flops = work(batch)[1]
+        assert math.isfinite(flops) and flops > 0, f"{name}: the declared FLOPs of the example batch are {flops}"
     if fam.preview:
         from zoo.media import Artifact
 

@@ -9,7 +9,8 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,49 @@ def linear_weights(model: torch.nn.Module) -> int:
             seen.add(id(mod.weight))
             n += mod.weight.numel()
     return n
+
+
+@dataclass(frozen=True)
+class LayerFlops:
+    """Training FLOPs (forward and backward) of one `zoo.nn.layers.TransformerLayer`, kept as
+    numbers so a per-batch count holds no module: 6 x weights per position plus PaLM's 12 x
+    (heads x head_dim) x t per query for the scores and values."""
+
+    qkv: int  # the fused q|k|v projection's weights
+    rest: int  # every other matmul weight (output projection, MLP)
+    width: int  # heads x head_dim
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> LayerFlops:
+        qkv = layer.attn.qkv.weight.numel()
+        return cls(qkv=qkv, rest=linear_weights(layer) - qkv, width=layer.attn.h * layer.attn.hd)
+
+    def __call__(self, t: int, kept: int | None = None) -> float:
+        """Over t positions; with ``kept`` only that many outputs are needed (a pooled token, the
+        answer positions: `zoo.nn.layers.run_layers(keep=)`). q|k|v still runs on all t: keys and
+        values need every position, and one GEMM for q, k and v beats splitting the dropped queries out."""
+        k = t if kept is None else kept
+        return 6.0 * (self.qkv * t + self.rest * k) + 12.0 * self.width * t * k
+
+
+def work_of(throughput: Any, model: torch.nn.Module, run: RunConfig, *, owner: str
+            ) -> Callable[[Mapping[str, Any]], tuple[int, float]]:
+    """``batch -> (units, training FLOPs)`` for a family's `zoo.family.Throughput`, set up once on
+    the model built on the meta device."""
+    from zoo.family import resolve
+
+    count = resolve(throughput.count, owner=owner) if throughput.count else count_tokens
+    if throughput.flops_of_batch:
+        of_batch = resolve(throughput.flops_of_batch, owner=owner)(model, run)
+        return lambda batch: (count(batch), float(of_batch(batch)))
+    per_unit = float((resolve(throughput.flops_per_unit, owner=owner) if throughput.flops_per_unit
+                      else lm_flops_per_token)(model, run))
+
+    def work(batch: Mapping[str, Any]) -> tuple[int, float]:
+        n = count(batch)
+        return n, n * per_unit
+
+    return work
 
 
 def lm_flops_per_token(model: torch.nn.Module, run: RunConfig) -> float:
@@ -151,4 +195,5 @@ class MetricsLog:
                           title=title, log_scale=log_scale)
 
 
-__all__ = ["UNIT_LABELS", "MetricsLog", "count_tokens", "linear_weights", "lm_flops_per_token", "measured_peak_flops"]
+__all__ = ["UNIT_LABELS", "LayerFlops", "MetricsLog", "count_tokens", "linear_weights", "lm_flops_per_token",
+           "measured_peak_flops", "work_of"]

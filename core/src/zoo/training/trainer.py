@@ -35,7 +35,7 @@ from zoo.parallel.layout import Layout
 from zoo.training import optim
 from zoo.training.ema import EMA
 from zoo.training.guard import NonFiniteGuard
-from zoo.training.metrics import UNIT_LABELS, MetricsLog, count_tokens, lm_flops_per_token, measured_peak_flops
+from zoo.training.metrics import UNIT_LABELS, MetricsLog, measured_peak_flops, work_of
 from zoo.training.progress import Progress
 from zoo.training.run_control import Preemption, run_token
 
@@ -50,9 +50,6 @@ class Trainer:
         self.owner = owner or f"family {family.name!r}"
         self._build_model = resolve(family.build, owner=self.owner)
         self._loss = resolve(family.loss, owner=self.owner)
-        self._count = resolve(family.throughput.count, owner=self.owner) if family.throughput.count else count_tokens
-        self._flops = (resolve(family.throughput.flops_per_unit, owner=self.owner) if family.throughput.flops_per_unit
-                       else lm_flops_per_token)
         self._preview = resolve(family.preview, owner=self.owner) if family.preview and run.train.preview else None
         self.dataset, self._dataset_owner = self._dataset(dataset)
         self.data_position: Any = None  # a stateful dataset's loader position (`DataPosition`)
@@ -128,7 +125,7 @@ class Trainer:
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.train.precision)
         full, record = self._model_on_meta()
         self.n_params = sum(p.numel() for p in full.parameters())
-        self.flops_per_unit = float(self._flops(full, run))
+        self.work = work_of(fam.throughput, full, run, owner=self.owner)  # batch -> (units, FLOPs)
         self.rules = optim.ParamRules(run.optimizer.weight_decay, run.optimizer.lr_mult, run.train.freeze)
         self.rules.check([n for n, _ in full.named_parameters()])
         recompute.apply(full, run.train.recompute)
@@ -392,8 +389,8 @@ class Trainer:
         if env.is_main and run.logging.progress:
             print(f"{'saving' if self.saver.asynchronous else 'saved'} checkpoint {path}", flush=True)
 
-    def record(self, out: StepOutput, *, lr: float, grad_norm: torch.Tensor, units: int, seconds: float,
-               val: StepOutput | None) -> dict[str, Any]:
+    def record(self, out: StepOutput, *, lr: float, grad_norm: torch.Tensor, units: int, flops: float,
+               seconds: float, val: StepOutput | None) -> dict[str, Any]:
         """The metrics line of a step (global rank 0)."""
         unit = self.family.throughput.unit
         rate = units / max(seconds, 1e-9)
@@ -401,7 +398,7 @@ class Trainer:
         record: dict[str, Any] = {"step": self.state.step, "loss": metrics.pop("loss"), "lr": lr,
                                   "grad_norm": float(grad_norm), "skipped_steps": self.guard.skipped,
                                   f"{unit}_per_s": rate,
-                                  "mfu": rate * self.flops_per_unit / self.env.world_size / self.peak, **metrics}
+                                  "mfu": flops / max(seconds, 1e-9) / self.env.world_size / self.peak, **metrics}
         if val is not None:
             record["val_loss"] = float(val.metrics["loss"])
             record.update({f"val_{k}": float(v) for k, v in val.metrics.items() if k != "loss"})
@@ -421,12 +418,13 @@ class Trainer:
     def loop(self) -> None:
         run, env, lay = self.run, self.env, self.layout
         train_iter = self.data("train", self.state.consumed_samples)
-        t_last, units, out = time.perf_counter(), 0, None
+        t_last, units, flops, out = time.perf_counter(), 0, 0.0, None
         while self.state.step < run.train.steps:
             lr = optim.lr_at(self.state.step, peak=run.optimizer.lr, warmup=run.schedule.warmup_steps,
                              total=run.train.steps, decay=run.schedule.decay, min_ratio=run.schedule.min_lr_ratio)
             batches = [_to(next(train_iter), env.device) for _ in range(lay.grad_accum)]
-            units += sum(self._count(b) for b in batches) * lay.dp
+            for n, f in map(self.work, batches):  # this rank's share, as every data-parallel rank's
+                units, flops = units + n * lay.dp, flops + f * lay.dp
             out, grad_norm = self.train_step(batches, lr)
             step = self.state.step
             log_now = step % run.logging.interval == 0 or step == run.train.steps
@@ -437,8 +435,9 @@ class Trainer:
             val = self.evaluate() if eval_now else None
             if env.is_main and log_now:
                 now = time.perf_counter()
-                record = self.record(out, lr=lr, grad_norm=grad_norm, units=units, seconds=now - t_last, val=val)
-                t_last, units = now, 0
+                record = self.record(out, lr=lr, grad_norm=grad_norm, units=units, flops=flops, seconds=now - t_last,
+                                     val=val)
+                t_last, units, flops = now, 0, 0.0
                 assert self.log is not None
                 self.log.log(record)
                 self.show(record)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,23 +97,36 @@ def count_samples(batch: dict[str, Any]) -> int:
     return int(batch["sample_mask"].sum())
 
 
-def flops_per_sample(model: nn.Module, run: Any) -> float:
-    """Training FLOPs of one sample of the flavor's default size: 6 x (the weights applied to every
-    token x tokens + the weights applied once per sample: the timestep MLP and every adaLN
-    modulation, a third of a DiT's linear weights) + self-attention scores. The text-length terms
-    (cross-attention K/V over the text, cross scores) are left out: the text length is the data's,
-    so MFU errs low for text-conditioned models, never high."""
+def flops_of_batch(model: nn.Module, run: Any) -> Callable[[dict[str, Any]], float]:
+    """The training FLOPs each packed sample needs, from its own grid (samples differ in size):
+    6 x (the weights applied to each of its tokens x tokens + the weights applied once per sample:
+    the timestep MLP and every adaLN modulation, a third of a DiT's linear weights) + PaLM's
+    12 x layers x width x tokens^2 for self-attention within the sample; with text, the
+    cross-attention K/V over its own caption and the scores between the two. Padding, and the
+    attention across packed samples that the masks throw away, are not counted."""
     cfg: DiTConfig = run.model
-    tokens = (cfg.num_frames // cfg.patch_t if cfg.text_dim else 1) * (cfg.sample_size // cfg.patch_size) ** 2
-    per_token = per_sample = 0
+    each_token = each_sample = text_kv = 0
     for name, m in model.named_modules():
-        if not isinstance(m, nn.Linear) or name.endswith("cross.kv"):
+        if not isinstance(m, nn.Linear):
             continue
-        if name.startswith("t_embed") or "ada" in name.split("."):  # (layers.N.ada.1, final.ada.1)
-            per_sample += m.weight.numel()
+        if name.endswith("cross.kv"):
+            text_kv += m.weight.numel()
+        elif name.startswith("t_embed") or "ada" in name.split("."):  # (layers.N.ada.1, final.ada.1)
+            each_sample += m.weight.numel()
         else:
-            per_token += m.weight.numel()
-    return 6.0 * (per_token * tokens + per_sample) + 12.0 * cfg.num_layers * cfg.hidden_size * tokens * tokens
+            each_token += m.weight.numel()
+    attn = 12.0 * cfg.num_layers * cfg.hidden_size
+
+    def flops(batch: dict[str, Any]) -> float:
+        tokens = batch["grids"].prod(-1).double()  # per sample, row-major over rows like the grids
+        total = 6.0 * (each_token * tokens.sum() + each_sample * len(tokens)) + attn * (tokens * tokens).sum()
+        if "context_segment_ids" in batch:
+            seg, n = batch["context_segment_ids"], batch["sample_mask"].sum(1).long().tolist()
+            text = torch.cat([torch.bincount(s[s >= 0], minlength=k)[:k] for s, k in zip(seg, n)]).double()
+            total += 6.0 * text_kv * text.sum() + attn * (tokens * text).sum()
+        return float(total)
+
+    return flops
 
 
 # --------------------------------------------------------------------------------- sampling
@@ -278,4 +292,4 @@ def preview(model: DiT, cfg: DiTConfig, batch: dict[str, Any], *, generator: tor
     return Artifact("image", grid(imgs, nrow=k if cfg.num_classes else 4))
 
 
-__all__ = ["count_samples", "decoded", "example_batch", "flops_per_sample", "generate", "loss", "preview", "sample", "to_pixels"]
+__all__ = ["count_samples", "decoded", "example_batch", "flops_of_batch", "generate", "loss", "preview", "sample", "to_pixels"]

@@ -161,7 +161,7 @@ def zoo_families() -> list[Family]:
             default_dataset="digits",
             checkpoint_formats={"diffusers": "zoo_dit.convert:DIFFUSERS"},
             throughput=Throughput(unit="images", count="zoo_dit.diffusion:count_samples",
-                                  flops_per_unit="zoo_dit.diffusion:flops_per_sample"),
+                                  flops_of_batch="zoo_dit.diffusion:flops_of_batch"),
             # ~2 minutes on 2 cores; samples recognised as their class >= 90% (docs/dit.md). The EMA's
             # half-life (70 steps) is short for a short run: 0.999 would still hold 45% of the
             # zero-initialised start after 800 steps.
@@ -176,7 +176,7 @@ def zoo_families() -> list[Family]:
             flavors=VIDEO_FLAVORS,
             default_dataset="moving-digits",
             throughput=Throughput(unit="samples", count="zoo_dit.diffusion:count_samples",
-                                  flops_per_unit="zoo_dit.diffusion:flops_per_sample"),
+                                  flops_of_batch="zoo_dit.diffusion:flops_of_batch"),
             recipe={"train.micro_batch_size": 16, "optimizer.lr": 1e-3, "optimizer.weight_decay": 0.0,
                     "schedule.warmup_steps": 50, "train.steps": 1500, "train.eval_interval": 500,
                     "logging.interval": 50, "train.ema": 0.99},

@@ -8,6 +8,7 @@ module the GPT decoders use; CLIP's text tower is causal, its vision tower is no
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from zoo.nn import KVCache
 from zoo.nn.layers import TransformerLayer, run_layers
 from zoo.parallel.context import BatchGather
 from zoo.spec import ModelSpec
-from zoo.training.metrics import linear_weights
+from zoo.training.metrics import LayerFlops, linear_weights
 from zoo_gpt.model import GPT
 from zoo_vlm.plugin import CLIPConfig, LlavaConfig, VisionFields
 
@@ -113,19 +114,23 @@ class TextTower(nn.Module):
             raise ValueError(f"a text of {t} tokens: the text tower's context is {self.cfg.max_seq_length} "
                              "(model.max_seq_length)")
         x = self.embed(tokens) + self.positions.weight[:t]
-        eos = self.cfg.eos_token_id
-        if eos is None:
-            end = tokens.argmax(-1)
-        else:
-            is_end = tokens == eos
-            if not bool(is_end.any(-1).all()):
-                raise ValueError(f"a text without its end token (model.eos_token_id={eos}): CLIP pools there")
-            end = is_end.int().argmax(-1)  # the first one
+        end = text_ends(tokens, self.cfg.eos_token_id)
         # Causal: nothing after the batch's last end token reaches an end token, so the padding
         # there is dropped (captions are far shorter than the 77-token context); and only the end
         # token's output is read, so the last layer computes that position alone.
         x = x[:, : int(end.max()) + 1]
         return self.norm(run_layers(self.layers, x, keep=end[:, None])[:, 0])
+
+
+def text_ends(tokens: torch.Tensor, eos: int | None) -> torch.Tensor:
+    """(B, T) -> (B,) the position CLIP pools each text at: its first end token, or the largest id
+    (OpenAI's end token) when ``eos`` is None."""
+    if eos is None:
+        return tokens.argmax(-1)
+    is_end = tokens == eos
+    if not bool(is_end.any(-1).all()):
+        raise ValueError(f"a text without its end token (model.eos_token_id={eos}): CLIP pools there")
+    return is_end.int().argmax(-1)  # the first one
 
 
 class CLIP(nn.Module):
@@ -343,19 +348,54 @@ def count_samples(batch: dict[str, Any]) -> int:
     return int(batch["images"].shape[0])
 
 
-def _tower_flops(layers: int, d: int, ffn: int, t: int) -> float:
-    # 6 x (q|k|v, out, MLP weights) per token + 12 x d x t for the scores and values (per layer)
-    return layers * t * (6.0 * (4 * d * d + 2 * d * ffn) + 12.0 * d * t)
+def _image_flops(tower: VisionTower, layers: int, *, pooled: bool) -> float:
+    """One image through the first ``layers`` of the vision tower: the patch embedding (a matmul
+    per patch) and the layers over 1 + N positions; ``pooled``: the last one for the class token."""
+    n = tower.cfg.num_patches
+    stack = [LayerFlops.of(layer) for layer in tower.layers[:layers]]
+    flops = 6.0 * tower.patch.weight.numel() * n + sum(f(n + 1) for f in stack[:-1])
+    return flops + stack[-1](n + 1, kept=1 if pooled else None)
 
 
-def clip_flops_per_sample(model: nn.Module, run: Any) -> float:
-    c = run.model
-    return (_tower_flops(c.vision_num_layers, c.vision_hidden_size, c.vision_ffn_hidden_size, c.num_patches + 1)
-            + _tower_flops(c.text_num_layers, c.text_hidden_size, c.text_ffn_hidden_size, c.max_seq_length))
+def clip_flops_of_batch(model: CLIP, run: Any) -> Callable[[dict[str, torch.Tensor]], float]:
+    """The FLOPs each pair needs: its image to the pooled class token, its text up to its end
+    token (nothing after it reaches the pooled position), the last text layer for that position,
+    both projections. Padding past a text's end is not counted, even where a batch's longer texts
+    make zoo compute it; the B x B similarity matmuls are left out, as PaLM's convention does."""
+    image = _image_flops(model.vision, len(model.vision.layers), pooled=True)
+    proj = 6.0 * (model.vision_proj.weight.numel() + model.text_proj.weight.numel())
+    text = [LayerFlops.of(layer) for layer in model.text.layers]
+    eos = model.cfg.eos_token_id
+
+    def flops(batch: dict[str, torch.Tensor]) -> float:
+        lengths = (text_ends(batch["tokens"], eos) + 1).tolist()
+        return sum(image + proj + sum(f(t) for f in text[:-1]) + text[-1](t, kept=1) for t in lengths)
+
+    return flops
 
 
-def llava_flops_per_sample(model: nn.Module, run: Any) -> float:
-    c, t = run.model, run.train.seq_length
-    vision = _tower_flops(max(c.feature_layers), c.vision_hidden_size, c.vision_ffn_hidden_size, c.num_patches + 1)
-    lm_weights = linear_weights(model) - linear_weights(model.vision)
-    return vision + t * (6.0 * lm_weights + 12.0 * c.num_layers * c.hidden_size * t)
+def llava_flops_of_batch(model: Llava, run: Any) -> Callable[[dict[str, torch.Tensor]], float]:
+    """The FLOPs each sample needs: its images through the vision layers the features come from
+    and the projector, every position of the widened sequence through the decoder, and the last
+    layer and the head at the positions the loss reads (`zoo.nn.layers.kept_positions`; where a
+    batch's rows read different positions zoo computes their union, counted here per row)."""
+    cfg = model.cfg
+    image = (_image_flops(model.vision, model.upto, pooled=False)
+             + 6.0 * linear_weights(model.projector) * cfg.image_features)
+    layers = [LayerFlops.of(layer) for layer in model.layers]
+    head = model.head.weight.numel()
+
+    def flops(batch: dict[str, torch.Tensor]) -> float:
+        tokens, images = batch["tokens"], batch.get("images")
+        n = 0 if images is None else images.shape[0]
+        # one placeholder per image is widened to its features (`Llava.insert_images`)
+        one_each = n and int((tokens == cfg.image_token_id).sum()) == n
+        t = tokens.shape[1] + ((cfg.image_features - 1) * n // tokens.shape[0] if one_each else 0)
+        mask = batch.get("loss_mask")
+        read = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask.bool()
+        if batch.get("labels") is not None:
+            read = read & (batch["labels"] != -100)
+        body = sum(f(t) for f in layers[:-1])
+        return n * image + sum(body + layers[-1](t, kept=k) + 6.0 * head * k for k in read.sum(1).tolist())
+
+    return flops

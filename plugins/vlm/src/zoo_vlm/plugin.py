@@ -229,7 +229,7 @@ def zoo_families() -> list[Family]:
                      "text.layers.*.mlp.fc": "column", "text.layers.*.mlp.proj": "row"},
             tp_local={"vision.layers.*.attn": ("h", "kv"), "text.layers.*.attn": ("h", "kv")},
             throughput=Throughput(unit="samples", count="zoo_vlm.model:count_samples",
-                                  flops_per_unit="zoo_vlm.model:clip_flops_per_sample"),
+                                  flops_of_batch="zoo_vlm.model:clip_flops_of_batch"),
             # ~30 s on 2 cores; zero-shot accuracy on held-out digits in docs/vlm.md.
             recipe={"train.micro_batch_size": 64, "optimizer.lr": 2e-3, "optimizer.weight_decay": 0.1,
                     "schedule.warmup_steps": 30, "train.steps": 400, "train.eval_interval": 200,
@@ -259,7 +259,7 @@ def zoo_families() -> list[Family]:
             pipeline=PipelineSpec(layers="layers", first=("vision", "projector", "embed", "pos_embed"),
                                   last=("norm", "head"), input_key="tokens"),
             throughput=Throughput(unit="samples", count="zoo_vlm.model:count_samples",
-                                  flops_per_unit="zoo_vlm.model:llava_flops_per_sample"),
+                                  flops_of_batch="zoo_vlm.model:llava_flops_of_batch"),
             # ~40 s on 2 cores; answers on held-out digits in docs/vlm.md.
             recipe={"train.micro_batch_size": 32, "train.seq_length": 48, "optimizer.lr": 1e-3,
                     "optimizer.weight_decay": 0.1, "schedule.warmup_steps": 30, "train.steps": 600,
