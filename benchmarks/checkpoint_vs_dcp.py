@@ -1,19 +1,23 @@
 """Sharded checkpoint save/load throughput against torch.distributed.checkpoint (DCP) and the
 disk, the training stall of an async save, and the peak memory of loading and of HF export.
 
-Two gloo processes hold a LLaMA (hidden 1024, 8 layers, vocab 32000: about 170M parameters) at
-tensor parallel 2 with AdamW state, so each rank holds half of every matrix. In the same run:
+A LLaMA (hidden 1024, 8 layers, vocab 32000: about 170M parameters) with AdamW state is held by 1
+gloo process, then by 2 at tensor parallel 2 (each rank half of every matrix). For each:
 
-- ``dd`` writes and reads a file as large as the state (``conv=fdatasync``): the disk's bandwidth;
-- zoo saves (every rank its shard file, index, COMPLETE) and loads (each rank reads only its
-  slices) the model + optimizer state; DCP saves and loads the same per-rank tensors
+- zoo saves (every rank its shard file, index, COMPLETE) and DCP saves the same per-rank tensors
   (``torch.distributed.checkpoint`` with its file-system writer, as Megatron does);
-- an async save is started, and the time the training thread is blocked (the snapshot) is
-  compared with a synchronous save;
-- in fresh processes: peak RSS of loading the checkpoint into one process (every tensor) and of
-  ``zoo convert --to hf`` (streaming), against the model's size.
+- loads of the model + optimizer state (each rank reads only its slices), **warm** (the files in
+  the page cache, as on a restart soon after the save) and **cold** (every checkpoint file's pages
+  dropped with ``POSIX_FADV_DONTNEED`` first, as after a reboot or on another node);
+- each case is the median of ROUNDS rounds, zoo and DCP alternating;
+- ``dd`` measures the disk in the same run: write (``oflag=direct`` and buffered +
+  ``conv=fdatasync``) and read, cold (pages dropped) and from the page cache; cold loads are
+  reported as a fraction of the cold read speed.
 
-    python benchmarks/checkpoint_vs_dcp.py [--hidden 1024 --layers 8] [--dir /tmp/zoo-ckpt-bench]
+At 2 ranks also: an async save's training stall against a synchronous save, and in fresh
+processes the peak RSS of loading the checkpoint into one process and of ``zoo convert --to hf``.
+
+    python benchmarks/checkpoint_vs_dcp.py [--hidden 1024 --layers 8] [--ranks 1 2] [--dir /tmp/zoo-ckpt-bench]
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ def _config(hidden: int, layers: int) -> dict[str, Any]:
             "max_seq_length": 2048, "norm_eps": 1e-5, "tie_embeddings": False, "layer_spec": "llama"}
 
 
-def _rank(root: str, hidden: int, layers: int) -> dict[str, Any]:
+def _rank(root: str, hidden: int, layers: int, extras: bool) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -60,7 +64,13 @@ def _rank(root: str, hidden: int, layers: int) -> dict[str, Any]:
     cfg = GPTConfig(**_config(hidden, layers))
     torch.manual_seed(0)
     model = resolve(fam.build, owner="bench")(cfg, fam.spec_for(cfg))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    one = not dist.is_initialized()  # (one rank: zoo makes no process group, DCP needs none)
+    rank, world = (0, 1) if one else (dist.get_rank(), dist.get_world_size())
+
+    def barrier() -> None:
+        if not one:
+            dist.barrier()
+
     par = Parallel(model, fam, layout_for(fam, world, model=cfg, tp=world), rank=rank)
     model = par.model
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
@@ -83,21 +93,21 @@ def _rank(root: str, hidden: int, layers: int) -> dict[str, Any]:
     state = {f"r{rank}/{k}": v for k, v in {**model.state_dict(), **opt_state}.items()}
 
     def timed(fn: Any) -> float:
-        dist.barrier()
+        barrier()
         t0 = time.perf_counter()
         fn()
-        dist.barrier()
+        barrier()
         return time.perf_counter() - t0
 
     def save_ours(step: int) -> None:
         zoo_save(step, Saver(asynchronous=False))
-        dist.barrier()
+        barrier()
         if rank == 0:  # rank 0 finalizes after every marker: the save ends with COMPLETE
             while not (ckpt_root / f"step_{step:08d}" / "COMPLETE").exists():
                 time.sleep(0.001)
 
     def save_dcp(step: int) -> None:  # the same per-rank tensors, each rank's shards under its own keys
-        dcp.save(state, checkpoint_id=str(Path(root) / f"dcp{step}"))
+        dcp.save(state, no_dist=one, checkpoint_id=str(Path(root) / f"dcp{step}"))
 
     def evict() -> None:
         # Loads start cold (after a restart the files are not cached): drop both checkpoints'
@@ -109,25 +119,36 @@ def _rank(root: str, hidden: int, layers: int) -> dict[str, Any]:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                     os.close(fd)
 
-    def load_ours() -> None:  # this rank's slices of every tensor, model and optimizer
-        evict()
+    def load_ours(cold: bool) -> None:  # this rank's slices of every tensor, model and optimizer
+        if cold:
+            evict()
         with Checkpoint(ckpt_root / "step_00000001", family="llama", rank=rank, world_size=world) as ckpt:
             ckpt.restore(*items)
 
-    def load_dcp() -> None:
-        evict()
-        dcp.load({k: torch.empty_like(v) for k, v in state.items()}, checkpoint_id=str(Path(root) / "dcp1"))
+    def load_dcp(cold: bool) -> None:
+        if cold:
+            evict()
+        dcp.load({k: torch.empty_like(v) for k, v in state.items()}, no_dist=one, checkpoint_id=str(Path(root) / "dcp1"))
 
     # Alternating, ROUNDS times each, the median: this VM's disk write-back makes single timings
     # swing by 3x, and whoever runs second reuses memory the first freed.
     import statistics
 
-    for key in ("save", "load"):
+    for key in ("save", "warm", "cold"):
+        if key == "warm":  # both checkpoints into the page cache (zoo's direct writes bypassed it)
+            load_ours(False), load_dcp(False)
         ours, theirs = [], []
         for i in range(ROUNDS):
-            ours.append(timed(lambda i=i: save_ours(1 + 10 * i)) if key == "save" else timed(load_ours))
-            theirs.append(timed(lambda i=i: save_dcp(1 + 10 * i)) if key == "save" else timed(load_dcp))
+            if key == "save":
+                ours.append(timed(lambda i=i: save_ours(1 + 10 * i)))
+                theirs.append(timed(lambda i=i: save_dcp(1 + 10 * i)))
+            else:
+                cold = key == "cold"
+                ours.append(timed(lambda cold=cold: load_ours(cold)))
+                theirs.append(timed(lambda cold=cold: load_dcp(cold)))
         out[f"zoo_{key}_s"], out[f"dcp_{key}_s"] = statistics.median(ours), statistics.median(theirs)
+    if not extras:
+        return out
     # Async as `zoo train` runs it: the save writes from the live tensors while the next forward
     # and backward run; the optimizer update waits for it. Stall = time blocked in save() + time
     # blocked in that wait, against a training step without a save.
@@ -139,7 +160,7 @@ def _rank(root: str, hidden: int, layers: int) -> dict[str, Any]:
 
     out["step_s"] = timed(fwd_bwd)
     saver = Saver(asynchronous=True, copy=False)
-    dist.barrier()
+    barrier()
     t0 = time.perf_counter()
     zoo_save(2, saver)
     blocked = time.perf_counter() - t0
@@ -147,37 +168,39 @@ def _rank(root: str, hidden: int, layers: int) -> dict[str, Any]:
     t1 = time.perf_counter()
     saver.wait()
     out["async_stall_s"] = blocked + time.perf_counter() - t1
-    dist.barrier()
+    barrier()
     # The copying variant (for callers that change tensors right away): blocked for the snapshot.
     saver = Saver(asynchronous=True, copy=True)
     for step in (3, 4):
         saver.wait()
-        dist.barrier()
+        barrier()
         t0 = time.perf_counter()
         zoo_save(step, saver)
         out["copy_first_s" if step == 3 else "copy_s"] = time.perf_counter() - t0
     saver.wait()
-    dist.barrier()
+    barrier()
     return out
 
 
-def _dd(path: Path, nbytes: int) -> tuple[float, float, float]:
-    """Disk write bandwidth with O_DIRECT (the device) and through the page cache + fdatasync, and
-    read bandwidth (page cache)."""
-    mb = max(nbytes // 2**20, 64)
-    t0 = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={mb // 64}", "oflag=direct"], check=True,
-                   capture_output=True)
-    direct = mb // 64 * 64 * 2**20 / (time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fdatasync"], check=True,
-                   capture_output=True)
-    write = mb * 2**20 / (time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=1M"], check=True, capture_output=True)
-    read = mb * 2**20 / (time.perf_counter() - t0)
+def _dd(path: Path, nbytes: int) -> dict[str, float]:
+    """Disk bandwidth in bytes/s: writes with O_DIRECT (the device) and through the page cache +
+    fdatasync; reads cold (the file's pages dropped first) and from the page cache."""
+    mb = max(nbytes // 2**20, 64) // 64 * 64
+
+    def timed(*args: str) -> float:
+        t0 = time.perf_counter()
+        subprocess.run(["dd", *args], check=True, capture_output=True)
+        return mb * 2**20 / (time.perf_counter() - t0)
+
+    out = {"write_direct": timed("if=/dev/zero", f"of={path}", "bs=64M", f"count={mb // 64}", "oflag=direct"),
+           "write": timed("if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fdatasync")}
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    out["read_cold"] = timed(f"if={path}", "of=/dev/null", "bs=1M")
+    out["read_cached"] = timed(f"if={path}", "of=/dev/null", "bs=1M")
     path.unlink()
-    return direct, write, read
+    return out
 
 
 _PEAK = """
@@ -204,33 +227,37 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     p.add_argument("--dir", default="/tmp/zoo-ckpt-bench")
     args = p.parse_args()
     root = Path(args.dir)
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    results = run_distributed(_rank, 2, str(root), args.hidden, args.layers, timeout=1800)
-    total = sum(r["bytes"] for r in results)
-    disk_direct, disk_w, disk_r = _dd(root / "dd.bin", total)
-    disk = max(disk_direct, disk_w)  # the stricter reference
-
-    def gbs(seconds: float) -> float:
-        return total / seconds / 1e9
-
-    worst = {k: max(r[k] for r in results) for k in ("zoo_save_s", "dcp_save_s", "zoo_load_s", "dcp_load_s",
-                                                      "async_stall_s", "step_s", "copy_s", "copy_first_s")}
-    print(f"# {time.strftime('%Y-%m-%d')} LLaMA hidden {args.hidden} x {args.layers} layers at TP=2 on 2 gloo processes: "
-          f"{total / 1e9:.2f} GB of model + AdamW state")
-    print(f"disk (dd): write {disk_direct / 1e9:.2f} GB/s direct, {disk_w / 1e9:.2f} GB/s buffered + fdatasync; "
-          f"read {disk_r / 1e9:.2f} GB/s (page cache)")
-    print(f"save: zoo {gbs(worst['zoo_save_s']):.2f} GB/s, DCP {gbs(worst['dcp_save_s']):.2f} GB/s -> "
-          f"{worst['dcp_save_s'] / worst['zoo_save_s']:.2f}x DCP, {gbs(worst['zoo_save_s']) * 1e9 / disk:.0%} of disk write "
-          f"(DCP {gbs(worst['dcp_save_s']) * 1e9 / disk:.0%})")
-    print(f"load: zoo {gbs(worst['zoo_load_s']):.2f} GB/s, DCP {gbs(worst['dcp_load_s']):.2f} GB/s -> "
-          f"{worst['dcp_load_s'] / worst['zoo_load_s']:.2f}x DCP")
-    print(f"async save: training stalled {worst['async_stall_s'] * 1e3:.0f} ms (a forward+backward takes "
-          f"{worst['step_s'] * 1e3:.0f} ms) vs synchronous save {worst['zoo_save_s'] * 1e3:.0f} ms = "
-          f"{worst['async_stall_s'] / worst['zoo_save_s']:.1%}; the copying variant blocks {worst['copy_s'] * 1e3:.0f} ms "
+    results: dict[int, list[dict[str, Any]]] = {}
+    for world in args.ranks:
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        results[world] = run_distributed(_rank, world, str(root), args.hidden, args.layers, world == max(args.ranks),
+                                         timeout=1800)
+    total = sum(r["bytes"] for r in results[max(args.ranks)])
+    disk = _dd(root / "dd.bin", total)
+    gb = 1e9
+    print(f"# {time.strftime('%Y-%m-%d')} LLaMA hidden {args.hidden} x {args.layers} layers: {total / gb:.2f} GB of model "
+          f"+ AdamW state; median of {ROUNDS} alternating rounds; {os.cpu_count()} cores")
+    print(f"disk (dd): write {disk['write_direct'] / gb:.2f} GB/s direct, {disk['write'] / gb:.2f} GB/s buffered + "
+          f"fdatasync; read {disk['read_cold'] / gb:.2f} GB/s cold, {disk['read_cached'] / gb:.2f} GB/s from the page cache")
+    print("ranks | save zoo / DCP GB/s (x DCP) | warm load zoo / DCP GB/s (x DCP) | cold load zoo / DCP GB/s (x DCP) "
+          "| cold load zoo / disk read")
+    for world, res in results.items():
+        worst = {k: max(r[k] for r in res) for k in res[0] if k.endswith("_s")}
+        row = [f"{world:5d}"]
+        for key in ("save", "warm", "cold"):
+            z, d = worst[f"zoo_{key}_s"], worst[f"dcp_{key}_s"]
+            row.append(f"{total / z / gb:.2f} / {total / d / gb:.2f} ({d / z:.2f}x)")
+        row.append(f"{total / worst['zoo_cold_s'] / disk['read_cold']:.0%}")
+        print(" | ".join(row))
+    worst = {k: max(r[k] for r in results[max(args.ranks)]) for k in results[max(args.ranks)][0] if k.endswith("_s")}
+    print(f"async save ({max(args.ranks)} ranks): training stalled {worst['async_stall_s'] * 1e3:.0f} ms (a "
+          f"forward+backward takes {worst['step_s'] * 1e3:.0f} ms) vs synchronous save {worst['zoo_save_s'] * 1e3:.0f} ms "
+          f"= {worst['async_stall_s'] / worst['zoo_save_s']:.1%}; the copying variant blocks {worst['copy_s'] * 1e3:.0f} ms "
           f"(first time, allocating its buffers, {worst['copy_first_s'] * 1e3:.0f} ms)")
     ckpt = root / "zoo" / "step_00000001"
     sizes = [int(torch.tensor(t["shape"]).prod()) * 4 for n, t in
@@ -239,9 +266,9 @@ def main() -> None:
     baseline = _peak("baseline")
     load_peak = _peak("load", str(ckpt))
     export_peak = _peak("export", str(ckpt), str(root / "hf"))
-    print(f"peak RSS: load into one process {load_peak / 1e9:.2f} GB, HF export {export_peak / 1e9:.2f} GB "
-          f"(model {model_bytes / 1e9:.2f} GB fp32, largest tensor {largest / 1e9:.2f} GB, "
-          f"the imports alone {baseline / 1e9:.2f} GB)")
+    print(f"peak RSS: load into one process {load_peak / gb:.2f} GB, HF export {export_peak / gb:.2f} GB "
+          f"(model {model_bytes / gb:.2f} GB fp32, largest tensor {largest / gb:.2f} GB, "
+          f"the imports alone {baseline / gb:.2f} GB)")
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from zoo.registry import FamilyEntry
 
 FORMAT_VERSION = 1  # one file of full tensors
-SHARDED_FORMAT_VERSION = 2  # per-rank pieces (`zoo.checkpoint.sharded`)
+SHARDED_FORMAT_VERSION = 3  # per-rank pieces (`zoo.checkpoint.sharded`); 2: CRC-32 instead of CRC-32C
 META = "zoo.json"
 COMPLETE = "COMPLETE"
 

@@ -26,7 +26,10 @@ class Reader(Protocol):
 
     def shape(self, name: str) -> tuple[int, ...]: ...
 
-    def read_local(self, name: str, local_shape: Sequence[int], shard: TPShard | Split | None, *, what: str = "") -> torch.Tensor: ...
+    def read_local(self, name: str, local_shape: Sequence[int], shard: TPShard | Split | None, *, what: str = "",
+                   into: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's piece; a reader may fill ``into`` and return it, or return a new tensor."""
+        ...
 
     def full(self, name: str) -> torch.Tensor: ...
 
@@ -65,7 +68,8 @@ class FullReader:
             raise CheckpointError(f"{self.path}: no tensor {name!r}")
         return self._handles[name].get_tensor(name)
 
-    def read_local(self, name: str, local_shape: Sequence[int], shard: TPShard | Split | None, *, what: str = "") -> torch.Tensor:
+    def read_local(self, name: str, local_shape: Sequence[int], shard: TPShard | Split | None, *, what: str = "",
+                   into: torch.Tensor | None = None) -> torch.Tensor:
         if name not in self._handles:
             raise CheckpointError(f"{self.path}: the checkpoint lacks {name!r}{what}")
         full = self.full(name)

@@ -93,9 +93,11 @@ class Checkpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.reader.shape(name)
 
-    def read(self, name: str, local_shape: Sequence[int], shard: TPShard | Split | None) -> torch.Tensor:
-        """This rank's piece of ``name`` for a tensor of ``local_shape`` split as ``shard`` says."""
-        return self.reader.read_local(name, local_shape, shard, what=f" (loading {self.path})")
+    def read(self, name: str, local_shape: Sequence[int], shard: TPShard | Split | None, *,
+             into: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's piece of ``name`` for a tensor of ``local_shape`` split as ``shard`` says
+        (read into ``into`` where the reader can: check the result ``is into``)."""
+        return self.reader.read_local(name, local_shape, shard, what=f" (loading {self.path})", into=into)
 
     def full(self, name: str) -> torch.Tensor:
         return self.reader.full(name)

@@ -68,6 +68,7 @@ def check_sharded_index(index: dict[str, Any], where: Path) -> None:
         return isinstance(v, list) and all(type(x) is int and 0 <= x < 2**48 for x in v) and n in (None, len(v))
 
     tensors, files = index.get("tensors"), index.get("files")
+    checksum = "crc32" if index.get("format_version") == 2 else "crc32c"  # (format 2: CRC-32)
     if not isinstance(tensors, dict) or not isinstance(files, dict) or not all(
             type(v) is int and v >= 0 for v in files.values()):
         raise CheckpointError(f"{where}: needs 'tensors' and 'files' (file name -> size) objects")
@@ -81,7 +82,7 @@ def check_sharded_index(index: dict[str, Any], where: Path) -> None:
             for p in t["pieces"]:
                 if not (isinstance(p, dict) and p.get("file") in files and isinstance(p.get("key"), str)
                         and dims(p.get("offset"), len(t["shape"])) and dims(p.get("shape"), len(t["shape"]))
-                        and type(p.get("crc32")) is int
+                        and type(p.get(checksum)) is int
                         and all(o + s <= g for o, s, g in zip(p["offset"], p["shape"], t["shape"]))):
                     raise ValueError(f"a piece of {name!r} is malformed: {str(p)[:150]}")
 

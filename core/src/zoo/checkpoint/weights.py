@@ -56,8 +56,9 @@ class ModelState:
         return None
 
     def load_state(self, ckpt: Checkpoint, saved: Any) -> None:
-        self.load(lambda name, t: ckpt.read(self.placements.canonical(name), t.shape, self.placements.split(name)),
-                  what=str(ckpt.path))
+        # Read straight into the parameters where the reader can (no second copy of the model).
+        self.load(lambda name, t: ckpt.read(self.placements.canonical(name), t.shape, self.placements.split(name),
+                                            into=t.detach()), what=str(ckpt.path))
 
     @torch.no_grad()
     def load(self, read: Any, *, what: str) -> None:
@@ -70,7 +71,8 @@ class ModelState:
         except MappingError as e:
             raise CheckpointError(str(e)) from None
         for name, t in tensors.items():
-            t.copy_(state[name])
+            if state[name].data_ptr() != t.data_ptr() or state[name].dtype != t.dtype:  # (not read in place)
+                t.copy_(state[name])
 
 
 def load_initial_weights(source: str, *, model: nn.Module, placements: Placements, family: str,
