@@ -153,6 +153,7 @@ SURFACE = {
     "list": ["--json", "--strict"],
     "info": ["name"],
     "version": [],
+    "checkpoint": ["--diff", "--verify", "path", "what"],
     "train": ["--config", "--dry-run", "--flavor", "--model", "--run-dir", "--world-size", "overrides"],
     "convert": ["--dtype", "--from", "--max-shard-size", "--to", "--weights", "dst", "src"],
     "prepare": ["what"],

@@ -9,6 +9,8 @@
   asynchronous one).
 - ``ZOO_TRIAL_DIE=RANK:LINES:METRICS``: on torchrun's first attempt only, rank RANK SIGKILLs
   itself once METRICS holds LINES lines (an elastic restart must then take over).
+- ``ZOO_TRIAL_SLOW=RANK:SECONDS``: rank RANK sleeps SECONDS before each training batch (a slow
+  data path on one rank: the straggler warning must name it).
 """
 
 import os
@@ -63,6 +65,21 @@ if (__name__ == "__main__" and os.environ.get("ZOO_TRIAL_DIE")
                 time.sleep(0.01)
 
         threading.Thread(target=_die, daemon=True).start()
+
+if os.environ.get("ZOO_TRIAL_SLOW"):
+    r, seconds = os.environ["ZOO_TRIAL_SLOW"].split(":")
+    if int(r) == RANK:
+        from zoo.training.trainer import Trainer
+
+        data = Trainer.data
+
+        def slow(self, split, start):
+            for batch in data(self, split, start):
+                if split == "train":
+                    time.sleep(float(seconds))
+                yield batch
+
+        Trainer.data = slow
 
 if __name__ == "__main__":  # (loader workers started by spawn import this file as __mp_main__)
     from zoo.cli import main

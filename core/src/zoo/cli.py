@@ -247,6 +247,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return Trainer(entry.family, run, plan, run_dir=run_dir, owner=str(entry.plugin)).fit()
 
 
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from zoo.checkpoint.inspect import cmd_checkpoint as run
+
+    return run(args)
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from zoo.checkpoint import external
 
@@ -323,6 +329,13 @@ def build_parser(registry: Any | None) -> _Parser:
     p.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
                    help="export the moving average of the weights (train.ema) or the raw ones; auto: the average if kept")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("checkpoint", help="inspect a checkpoint, verify its checksums, diff two")
+    p.add_argument("what", choices=["inspect"])
+    p.add_argument("path", help="a checkpoint directory, or a run or checkpoint root (its newest checkpoint)")
+    p.add_argument("--verify", action="store_true", help="read every piece back against its size and checksum")
+    p.add_argument("--diff", metavar="OTHER", help="list the tensors that differ from checkpoint OTHER")
+    p.set_defaults(func=cmd_checkpoint)
 
     from zoo.cli_generate import add_generate_parser
 

@@ -279,6 +279,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw  # a value YAML cannot read is taken as the literal string
+    if re.fullmatch(r"\s*\d+(:\d+)+\s*", raw):  # YAML 1.1 reads 5:7 as 307 (base 60); here it is a step range
+        value = raw.strip()
     return key.strip(), value
 
 

@@ -189,6 +189,21 @@ class CheckpointConfig:
     on_save_error: Literal["stop", "continue"] = "stop"
 
 
+def parse_window(value: str | None, *, key: str) -> tuple[int, int] | None:
+    """``"START:END"`` (steps, both included) or ``"STEP"`` -> (start, end); None when unset."""
+    if value in (None, ""):
+        return None
+    text = str(value)
+    try:
+        a, _, b = text.partition(":")
+        start, end = int(a), int(b or a)
+    except ValueError:
+        raise ValueError(f"{key}={text!r}: give steps as START:END (e.g. 5:7) or one step") from None
+    if not 1 <= start <= end:
+        raise ValueError(f"{key}={text!r}: steps start at 1 and END is not before START")
+    return start, end
+
+
 @dataclass(kw_only=True)
 class LoggingConfig:
     interval: int = 10  # steps between metric lines
@@ -196,6 +211,21 @@ class LoggingConfig:
     tensorboard: bool = True  # written when the tensorboard package is installed
     plot: bool = True  # <run>/loss.png at the end (needs matplotlib)
     plot_log_scale: bool = False  # loss axis in log scale
+    # Per-phase wall time (data, forward_backward, grad_sync, optimizer, checkpoint, eval) on each
+    # log line and in metrics.jsonl / TensorBoard, min and max over ranks: a clock read per phase.
+    timers: bool = True
+    # Name a rank whose batches are ready later than the first rank's by more than (factor - 1) of
+    # a step, on average, for 2 logging intervals in a row (a slow data path or host); 0: never.
+    straggler_factor: float = 1.5
+    profile: str = ""  # "START:END" (steps): a PyTorch profiler trace per rank, <run>/profile/rank_N.json
+    memory_snapshot: int = 0  # at this step: the allocator history (CUDA) or a peak-memory line per rank (CPU)
+
+    def __post_init__(self) -> None:
+        parse_window(self.profile, key="profile")
+        if self.straggler_factor != 0 and self.straggler_factor <= 1:
+            raise ValueError(f"straggler_factor={self.straggler_factor} must be above 1 (or 0 to turn the warning off)")
+        if self.memory_snapshot < 0:
+            raise ValueError(f"memory_snapshot={self.memory_snapshot} must be a step (0: none)")
 
 
 SECTIONS: dict[str, type] = {

@@ -89,6 +89,22 @@ def work_of(throughput: Any, model: torch.nn.Module, run: RunConfig, *, owner: s
     return work
 
 
+def log_fields(record: Mapping[str, Any], family: Any) -> dict[str, str]:
+    """What a metrics record shows on the log line: loss, lr, throughput, MFU, the family's
+    metrics, validation loss, and the per-phase timers' detail."""
+    from zoo.training.instruments import Instruments
+
+    unit = family.throughput.unit
+    fields = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.3g}",
+              UNIT_LABELS.get(unit, f"{unit}/s"): f"{record[unit + '_per_s']:,.0f}", "mfu": f"{record['mfu']:.1%}"}
+    fields.update({m.name: f"{record[m.name]:.4g}" for m in family.metrics if m.name in record})
+    if "val_loss" in record:
+        fields["val"] = f"{record['val_loss']:.4f}"
+    if detail := Instruments.detail(record):
+        fields["time"] = detail
+    return fields
+
+
 def lm_flops_per_token(model: torch.nn.Module, run: RunConfig) -> float:
     """Training FLOPs per token: 6 x (weights used in matmuls) + attention (PaLM, Chowdhery et al.
     2022 app. B). Counts every `nn.Linear` weight once (a tied head counts once, embedding lookups
@@ -195,5 +211,5 @@ class MetricsLog:
                           title=title, log_scale=log_scale)
 
 
-__all__ = ["UNIT_LABELS", "LayerFlops", "MetricsLog", "count_tokens", "linear_weights", "lm_flops_per_token",
+__all__ = ["UNIT_LABELS", "LayerFlops", "MetricsLog", "count_tokens", "linear_weights", "lm_flops_per_token", "log_fields",
            "measured_peak_flops", "work_of"]

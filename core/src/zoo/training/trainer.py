@@ -27,6 +27,7 @@ import torch
 from zoo.checkpoint.sharded import Saver
 from zoo.checkpoint.state import Stateful, TrainState
 from zoo.config import RunConfig
+from zoo.data.energon.training import path_kind
 from zoo.errors import ConfigError
 from zoo.family import DatasetSpec, Family, resolve
 from zoo.io import atomic_write_text
@@ -35,7 +36,8 @@ from zoo.parallel.layout import Layout
 from zoo.training import optim
 from zoo.training.ema import EMA
 from zoo.training.guard import NonFiniteGuard
-from zoo.training.metrics import UNIT_LABELS, MetricsLog, measured_peak_flops, work_of
+from zoo.training.instruments import Instruments
+from zoo.training.metrics import MetricsLog, log_fields, measured_peak_flops, work_of
 from zoo.training.progress import Progress
 from zoo.training.run_control import Preemption, run_token
 
@@ -63,7 +65,7 @@ class Trainer:
         run = self.run
         # data.path names Megatron indexed data; otherwise the family's own default dataset.
         has_paths = run.data.path or run.data.train_path
-        name = run.data.dataset or (_path_kind(run.data.path) if has_paths else self.family.default_dataset)
+        name = run.data.dataset or (path_kind(run.data.path) if has_paths else self.family.default_dataset)
         if not name:
             raise ConfigError(f"family {self.family.name!r} declares no default dataset; set data.dataset=NAME")
         from zoo.registry import get_registry
@@ -241,9 +243,12 @@ class Trainer:
         # All micro-batches (through the pipeline schedule when pp > 1); gradient reductions
         # overlap backward, the last ones are awaited in finish_grads.
         out = self.par.forward_backward(batches, self.forward, seq_length=run.train.seq_length, scale=self.scaler.scale)
+        self.inst.lap("forward_backward")
         self.par.finish_grads()
+        self.inst.lap("grad_sync")
         self.guard.loss(self.state.step + 1, lr, out.loss)
         self.saver.wait()  # a save in flight still reads the parameters and optimizer state
+        self.inst.lap("checkpoint")
         fp16 = run.train.precision == "fp16"  # overflow is the loss scale's to handle
         step, first = self.state.step + 1, self.state.consumed_samples
         skip = None if fp16 else (lambda norm: self.guard.skip(norm, step=step, first_sample=first))
@@ -266,6 +271,7 @@ class Trainer:
             self.ema.update()
         self.state.step += 1
         self.state.consumed_samples += self.layout.global_batch_size
+        self.inst.lap("optimizer")
         return out, grad_norm
 
     def check_losses(self) -> None:
@@ -354,6 +360,8 @@ class Trainer:
         dtypes = {self.amp_dtype or torch.float32, torch.float32}
         self.peak = max(measured_peak_flops(env.device, d) for d in dtypes) if env.is_main else 1.0
         self.progress = Progress(run.train.steps, enabled=env.is_main and run.logging.progress, start=self.state.step)
+        self.inst = Instruments(run.logging, rank=env.rank, world_size=env.world_size, device=self.par.device,
+                                stage=self.par.pp_rank, run_dir=self.run_dir, is_main=env.is_main)
         # An async save writes from the live tensors while the next forward and backward run; the
         # optimizer update (the only thing that changes them) waits for it.
         self.saver = Saver(asynchronous=run.checkpoint.async_save, copy=False, on_error=run.checkpoint.on_save_error,
@@ -367,6 +375,7 @@ class Trainer:
 
     def close_outputs(self) -> None:
         self.preempt.restore()
+        self.inst.close()
         if self.log is None:
             return
         note = self.log.close(plot=self.run_dir / "loss.png" if self.state.step > 0 and self.run.logging.plot else None,
@@ -404,46 +413,46 @@ class Trainer:
             record.update({f"val_{k}": float(v) for k, v in val.metrics.items() if k != "loss"})
         return record
 
-    def show(self, record: Mapping[str, Any]) -> None:
-        label = UNIT_LABELS.get(self.family.throughput.unit, f"{self.family.throughput.unit}/s")
-        fields = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.3g}",
-                  label: f"{record[self.family.throughput.unit + '_per_s']:,.0f}", "mfu": f"{record['mfu']:.1%}"}
-        fields.update({m.name: f"{record[m.name]:.4g}" for m in self.family.metrics if m.name in record})
-        if "val_loss" in record:
-            fields["val"] = f"{record['val_loss']:.4f}"
-        self.progress.update(self.state.step, fields, log_line=True)
-
     # ------------------------------------------------------------------------------- the loop
 
     def loop(self) -> None:
         run, env, lay = self.run, self.env, self.layout
         train_iter = self.data("train", self.state.consumed_samples)
-        t_last, units, flops, out = time.perf_counter(), 0, 0.0, None
+        t_last, units, flops, out, logged = time.perf_counter(), 0, 0.0, None, self.state.step
         while self.state.step < run.train.steps:
+            self.inst.step_begin(self.state.step + 1)
             lr = optim.lr_at(self.state.step, peak=run.optimizer.lr, warmup=run.schedule.warmup_steps,
                              total=run.train.steps, decay=run.schedule.decay, min_ratio=run.schedule.min_lr_ratio)
             batches = [_to(next(train_iter), env.device) for _ in range(lay.grad_accum)]
+            self.inst.lap("data")
             for n, f in map(self.work, batches):  # this rank's share, as every data-parallel rank's
                 units, flops = units + n * lay.dp, flops + f * lay.dp
             out, grad_norm = self.train_step(batches, lr)
             step = self.state.step
+            self.inst.step_end(step)
             log_now = step % run.logging.interval == 0 or step == run.train.steps
             eval_now = bool(run.train.eval_interval) and log_now and (
                 step % run.train.eval_interval == 0 or step == run.train.steps)
             if log_now:
                 self.check_losses()  # every rank: each raises the same error
+            self.inst.lap("other")
             val = self.evaluate() if eval_now else None
+            self.inst.lap("eval")
+            timings = self.inst.interval(step - logged) if log_now else {}  # every rank: a collective
             if env.is_main and log_now:
                 now = time.perf_counter()
-                record = self.record(out, lr=lr, grad_norm=grad_norm, units=units, flops=flops, seconds=now - t_last,
-                                     val=val)
-                t_last, units, flops = now, 0, 0.0
+                record = {**self.record(out, lr=lr, grad_norm=grad_norm, units=units, flops=flops, seconds=now - t_last,
+                                        val=val), **timings}
+                t_last, units, flops, logged = now, 0, 0.0, step
                 assert self.log is not None
                 self.log.log(record)
-                self.show(record)
+                self.progress.update(step, log_fields(record, self.family), log_line=True)
             elif env.is_main and self.progress.tty:  # a live bar reads the loss every step; a log file does not
                 self.progress.update(step, {"loss": f"{float(out.metrics['loss']):.4f}"}, log_line=False)
-            if self.checkpoint_due():
+            self.inst.lap("other")
+            stop = self.checkpoint_due()
+            self.inst.lap("checkpoint")
+            if stop:
                 break
         if run.train.steps > 0 and self.state.step == run.train.steps and self.saved_step != self.state.step:
             self.save()
@@ -477,17 +486,6 @@ class Trainer:
               f"final loss {loss:.4f}; run directory {self.run_dir}", flush=True)
         if self.log is not None and self.log.tb_dir is not None:
             print(f"TensorBoard event files in {self.log.tb_dir} (tensorboard --logdir {self.log.tb_dir})", flush=True)
-
-
-def _path_kind(path: Any) -> str:
-    """``energon`` for a prepared WebDataset directory (or URL) or a metadataset YAML, else Megatron data."""
-    if isinstance(path, str):
-        from zoo.data.energon import is_dataset
-        from zoo.data.energon.metadataset import is_metadataset
-
-        if is_metadataset(path) or ("://" in path or Path(path).is_dir()) and is_dataset(path):
-            return "energon"
-    return "megatron"
 
 
 def _to(batch: Any, device: str) -> Any:

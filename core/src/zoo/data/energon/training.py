@@ -163,4 +163,15 @@ class DataPosition:
         self.saved = saved
 
 
-__all__ = ["DataPosition", "build", "build_cached", "prepared_once", "task_encoder_for"]
+def path_kind(path: Any) -> str:
+    """``energon`` for a prepared WebDataset directory (or URL) or a metadataset YAML, else Megatron data."""
+    if isinstance(path, str):
+        from zoo.data.energon.dataset import is_dataset
+        from zoo.data.energon.metadataset import is_metadataset
+
+        if is_metadataset(path) or ("://" in path or Path(path).is_dir()) and is_dataset(path):
+            return "energon"
+    return "megatron"
+
+
+__all__ = ["DataPosition", "build", "build_cached", "path_kind", "prepared_once", "task_encoder_for"]
