@@ -324,7 +324,7 @@ def test_format_1_checkpoints_still_resume(tmp_path, corpus_cache):
 DATA = Path(__file__).parent / "data"
 
 
-def test_format_2_checkpoints_still_load_and_their_crc32_still_catches_corruption(tmp_path):
+def test_format_2_checkpoints_still_load_and_their_crc32_still_catches_corruption(tmp_path, capsys):
     """data/ckpt_format2 was written by zoo before CRC-32C (format 2, zlib CRC-32 pieces): a tiny
     LLaMA with AdamW state at TP=2; data/ckpt_format2_reference.safetensors holds every tensor as
     that zoo read it back. Today's reader gives the same tensors, whole and as TP=1 and TP=4
@@ -361,6 +361,12 @@ def test_format_2_checkpoints_still_load_and_their_crc32_still_catches_corruptio
     with ShardedCheckpoint(bad) as ck, pytest.raises(Exception, match="checksum mismatch"):
         for name in ck.names():
             ck.full(name)
+    from zoo.testing import run_zoo
+
+    ok = run_zoo(capsys, "checkpoint", "inspect", str(src), "--verify")
+    assert ok.returncode == 0 and f"all {len(ref)} tensors intact" in ok.stdout, ok.stdout
+    broken = run_zoo(capsys, "checkpoint", "inspect", str(bad), "--verify")
+    assert broken.returncode == 1 and "shards/rank00001.safetensors: " in broken.stdout, broken.stdout
 
 
 def test_time_based_interval_and_retention(tmp_path, corpus_cache):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,10 +19,14 @@ from typing import Any
 import torch
 
 from zoo.checkpoint.model_dir import read_meta, resolve_checkpoint
-from zoo.checkpoint.tensorio import CheckpointError
+from zoo.checkpoint.tensorio import SAFETENSORS_DTYPES, CheckpointError, read_json
 
-_SIZES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2,
-          "int8": 1, "uint8": 1, "bool": 1}
+# safetensors' dtype names (format 1 files) -> torch's
+_TORCH_DTYPES = {v: str(k).removeprefix("torch.") for k, v in SAFETENSORS_DTYPES.items()}
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    return math.prod(shape) * getattr(torch, dtype).itemsize
 
 
 def _layout(path: Path, world: int | None) -> str:
@@ -46,7 +49,7 @@ def describe(path: Path) -> list[str]:
     """The lines of ``inspect``."""
     md = read_meta(path)
     meta = md.meta
-    state = json.loads((path / "state.json").read_text()) if (path / "state.json").is_file() else {}
+    state = read_json(path / "state.json") if (path / "state.json").is_file() else {}
     lines = [f"{path}", f"  family {meta.get('family')}, flavor {meta.get('flavor')}, kind {meta.get('kind', 'model')}, "
              f"step {state.get('step', meta.get('step', '?'))}, consumed samples {state.get('consumed_samples', '?')}",
              f"  format version {meta.get('format_version')} ({'sharded' if meta.get('sharded') else 'single file'}); "
@@ -68,7 +71,7 @@ def describe(path: Path) -> list[str]:
 
 def _ranks(path: Path) -> int | None:
     index = path / "index.json"
-    return json.loads(index.read_text()).get("world_size") if index.is_file() else None
+    return read_json(index).get("world_size") if index.is_file() else None
 
 
 def _world(path: Path) -> str:
@@ -94,7 +97,7 @@ def _tensors(path: Path, md: Any) -> Iterator[tuple[str, tuple[int, ...], str, i
                 where = f"{len(ps)} piece{'s' if len(ps) != 1 else ''} in {', '.join(files)}"
                 if len(ps) > 1:
                     where += ": " + " ".join(f"{p['offset']}+{p['shape']}" for p in ps)
-                yield name, tuple(t["shape"]), t["dtype"], math.prod(t["shape"]) * _SIZES.get(t["dtype"], 4), where
+                yield name, tuple(t["shape"]), t["dtype"], _nbytes(tuple(t["shape"]), t["dtype"]), where
         return
     from safetensors import safe_open
 
@@ -103,8 +106,8 @@ def _tensors(path: Path, md: Any) -> Iterator[tuple[str, tuple[int, ...], str, i
             with safe_open(str(path / f), framework="pt") as h:
                 for name in h.keys():  # noqa: SIM118 (not a dict)
                     sl = h.get_slice(name)
-                    shape, dtype = tuple(sl.get_shape()), str(sl.get_dtype())
-                    yield name, shape, dtype, math.prod(shape) * _SIZES.get(dtype.lower(), 4), f"whole in {f}"
+                    shape, dtype = tuple(sl.get_shape()), _TORCH_DTYPES[str(sl.get_dtype())]
+                    yield name, shape, dtype, _nbytes(shape, dtype), f"whole in {f}"
 
 
 def verify(path: Path) -> list[str]:
@@ -118,7 +121,7 @@ def verify(path: Path) -> list[str]:
             for name, t in ck.tensors.items():
                 for p in t["pieces"]:
                     try:
-                        ck._piece(p, getattr(torch, t["dtype"]))
+                        ck.read_piece(p, getattr(torch, t["dtype"]))
                     except CheckpointError as e:
                         problems.append(f"{p['file']}: {name} {p['offset']}+{p['shape']}: {_short(e, path)}")
         return problems

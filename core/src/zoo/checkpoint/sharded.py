@@ -50,6 +50,7 @@ from zoo.checkpoint.model_dir import META, SHARDED_FORMAT_VERSION, _fsync_dir, c
 from zoo.checkpoint.tensorio import (
     CheckpointError,
     check_sharded_index,
+    checksum_field,
     read_json,
     relative_name,
     tensor_bytes,
@@ -264,7 +265,7 @@ class ShardedCheckpoint:
         check_sharded_index(index, index_path)
         self.index = index
         self.tensors: dict[str, dict[str, Any]] = index["tensors"]
-        self.checksum = "crc32c" if version >= 3 else "crc32"
+        self.checksum = checksum_field(version)
         self._open: dict[str, Any] = {}
         self._advised: dict[str, int] = {}  # per file: where the read-ahead asked for so far ends
 
@@ -304,7 +305,7 @@ class ShardedCheckpoint:
             os.posix_fadvise(f.fileno(), begin, at + _AHEAD - begin, os.POSIX_FADV_WILLNEED)
             self._advised[rel] = at + _AHEAD
 
-    def _piece(self, p: Mapping[str, Any], dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read_piece(self, p: Mapping[str, Any], dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """A whole piece, read with plain reads (into ``out`` when given) and CRC-checked."""
         f, start, header = self._file(p["file"])
         info = header.get(p["key"])
@@ -354,9 +355,9 @@ class ShardedCheckpoint:
             dst = tuple(slice(lo_ - o, h - o) for lo_, h, o in zip(lo, hi, offset))
             dtype = getattr(torch, t["dtype"])
             if list(p["offset"]) == list(offset) and list(p["shape"]) == list(shape):
-                return self._piece(p, dtype, out=into)  # exactly this piece: read straight into the result
+                return self.read_piece(p, dtype, out=into)  # exactly this piece: read straight into the result
             # Otherwise the whole piece is read (its CRC-32 covers all of it) and the box's part used.
-            piece = self._piece(p, dtype)
+            piece = self.read_piece(p, dtype)
             if out is None:
                 out = torch.empty(tuple(shape), dtype=dtype)
             part = piece[src]

@@ -15,7 +15,7 @@ import torch
 
 from zoo.errors import ZooError, reading
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                        torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                        torch.bool: "BOOL"}
 
@@ -42,7 +42,7 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], *, direct
     offset = 0
     for key, t in tensors.items():
         nbytes = t.numel() * t.element_size()
-        header[key] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     # Pad the header so the data starts on a block boundary (the format allows trailing spaces).
@@ -163,6 +163,11 @@ def relative_name(name: Any) -> str:
     return name
 
 
+def checksum_field(version: Any) -> str:
+    """The key of a piece's checksum in a sharded index: CRC-32C from format 3 on, CRC-32 before."""
+    return "crc32" if version == 2 else "crc32c"
+
+
 def check_sharded_index(index: dict[str, Any], where: Path) -> None:
     """Everything a load reads from index.json, checked once: a damaged or hand-edited index fails
     here, naming the file, not as a KeyError halfway through a restore (or as a huge allocation)."""
@@ -170,7 +175,7 @@ def check_sharded_index(index: dict[str, Any], where: Path) -> None:
         return isinstance(v, list) and all(type(x) is int and 0 <= x < 2**48 for x in v) and n in (None, len(v))
 
     tensors, files = index.get("tensors"), index.get("files")
-    checksum = "crc32" if index.get("format_version") == 2 else "crc32c"  # (format 2: CRC-32)
+    checksum = checksum_field(index.get("format_version"))
     if not isinstance(tensors, dict) or not isinstance(files, dict) or not all(
             type(v) is int and v >= 0 for v in files.values()):
         raise CheckpointError(f"{where}: needs 'tensors' and 'files' (file name -> size) objects")
