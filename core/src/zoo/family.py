@@ -78,11 +78,31 @@ class MetricSpec:
     is a scalar tensor with a gradient, an auxiliary term (a router's load-balancing loss, a
     z-loss) that the core adds to the loss it backpropagates, coefficient already applied; the
     logged ``loss`` is the main objective without it, the term is logged under its own name.
+    ``vector``: the value is a 1-D tensor of a fixed length (one entry per MoE layer, say), reduced
+    element-wise and logged as ``name/0``, ``name/1``, ... beside ``name``, their max (``max``),
+    sum (``sum``) or mean (``mean``); an aux-loss metric cannot be one.
     """
 
     name: str
     reduce: Literal["mean", "sum", "max"] = "mean"
     aux_loss: bool = False
+    vector: bool = False
+
+    def __post_init__(self) -> None:
+        if self.vector and self.aux_loss:
+            raise ValueError(f"MetricSpec {self.name!r}: an auxiliary loss is a scalar (vector=False)")
+
+
+# What a family with mixture-of-experts layers reports (`zoo.nn.moe.balance_metrics`): the
+# balancing terms as auxiliary losses (coefficients applied), each MoE layer's load (its busiest
+# expert's tokens / mean tokens per expert; `expert_load` is the worst layer's) and the
+# (token, expert) assignments dropped over capacity. Declared once here for every MoE family.
+MOE_METRICS = (
+    MetricSpec(name="aux_loss", aux_loss=True),
+    MetricSpec(name="z_loss", aux_loss=True),
+    MetricSpec(name="expert_load", reduce="max", vector=True),
+    MetricSpec(name="dropped", reduce="sum"),
+)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,5 +1,6 @@
 """Expert parallelism equals one process (gloo, fp32): EP alone, with DP + ZeRO-1, TP + sequence
-parallelism, PP, and a 4-process combination; idle experts never hang a collective; a run that
+parallelism, PP, CP, 4-process combinations, both dispatchers (all-to-all, all-gather), the
+step's metrics (each layer's load) included; idle experts never hang a collective; a run that
 starts from a Hugging Face Mixtral resumes across EP sizes on the same curve; bad layouts fail
 with one clear line."""
 
@@ -44,6 +45,9 @@ LAYOUTS = [
     (2, {"ep": 2, "tp": 2, "sequence_parallel": True}, "qwen2-moe", False),  # EP over the TP ranks; shared expert TP-split
     (4, {"ep": 2, "pp": 2}, "mixtral", False),  # routing statistics carried across the stage boundary
     (4, {"ep": 4, "tp": 2, "sequence_parallel": True}, "mixtral", True),  # EP spans TP and DP ranks, ZeRO-1
+    (4, {"ep": 2, "cp": 2}, "mixtral", True),  # EP x CP: each layer's statistics summed over the sequence's parts
+    # Megatron's allgather dispatcher, as it is used with TP: every EP rank sees every token
+    (2, {"ep": 2, "tp": 2, "sequence_parallel": True, "ep_dispatcher": "allgather"}, "qwen2-moe", False),
 ]
 
 
@@ -54,12 +58,19 @@ def test_expert_parallel_layouts_equal_one_process(world, layout, family, zero):
     ref = _reference(family)
     for got in run_distributed(_train, world, layout, family, zero, timeout=240):
         assert_same_training(got, ref)
+        # The step's metrics too: balancing terms, and each layer's load reduced element-wise.
+        assert sorted(got["metrics"]) == sorted(ref["metrics"])
+        assert {"expert_load/0", "expert_load/1"} <= set(ref["metrics"]) and "expert_load/2" not in ref["metrics"]
+        assert ref["metrics"]["expert_load"] == max(ref["metrics"]["expert_load/0"], ref["metrics"]["expert_load/1"])
+        for k, v in ref["metrics"].items():
+            assert got["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
 
 
-def test_idle_experts_train_under_ep2_without_hanging():
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_idle_experts_train_under_ep2_without_hanging(dispatcher):
     # Every token goes to experts 0 and 1, both on EP rank 0: rank 1's experts see no token at all.
     ref = _reference("mixtral", (0, 1))
-    got = run_distributed(_train, 2, {"ep": 2}, "mixtral", False, (0, 1), timeout=120)
+    got = run_distributed(_train, 2, {"ep": 2, "ep_dispatcher": dispatcher}, "mixtral", False, (0, 1), timeout=120)
     for g in got:
         assert_same_training(g, ref)
         assert g["grads"]["layers.0.moe.down"][4:].abs().sum() == 0  # idle experts: zero gradient, not none

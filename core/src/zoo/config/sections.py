@@ -46,6 +46,10 @@ class ParallelConfig:
     cp: int = 1  # context parallel size (ring attention)
     ep: int = 1  # expert parallel size
     etp: int | None = None  # expert tensor parallel size; only 1 (experts whole, sharded over ep)
+    # How tokens reach the experts of other EP ranks: alltoall sends each token only where its
+    # experts are (counts exchanged first); allgather gives every EP rank every token and sums the
+    # experts' outputs back with a reduce-scatter (more traffic, no counts, no uneven splits).
+    ep_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     sequence_parallel: bool = False  # shard norm/dropout regions along the sequence inside TP
     zero: int = 0  # 1: distributed optimizer (fp32 master weights and Adam state sharded over DP)
     # FSDP (torch's fully_shard): parameters, gradients and optimizer state sharded over this many

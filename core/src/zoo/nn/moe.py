@@ -81,6 +81,62 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
+class _ExpertMLPs(torch.autograd.Function):
+    """Each expert's MLP on its contiguous slice of rows (sorted by expert), one GEMM per slice each
+    way, outputs and gradients written in place into whole tensors: autograd's graph of the same
+    loop would concatenate the outputs, split the rows' gradient and stack the experts' weight
+    gradients, a copy of each. Keeps the rows and the first GEMM's output; the activation is
+    recomputed in backward (elementwise). Weights are used in the rows' dtype (autocast's cast)."""
+
+    @staticmethod
+    def forward(ctx: Any, xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, sizes: list[int],
+                act: Any, gated: bool) -> torch.Tensor:
+        w1, w2 = gate_up.to(xs.dtype), down.to(xs.dtype)
+        h = xs.new_empty(xs.shape[0], w1.shape[1])
+        out = xs.new_empty(xs.shape[0], w2.shape[1])
+        with torch.autocast(xs.device.type, enabled=False):
+            start = 0
+            for e, n in enumerate(sizes):
+                if n:  # an idle expert costs nothing
+                    rows = slice(start, start + n)
+                    torch.mm(xs[rows], w1[e].t(), out=h[rows])
+                    torch.mm(_activation(h[rows], act, gated), w2[e].t(), out=out[rows])
+                    start += n
+        ctx.save_for_backward(xs, w1, w2, h)
+        ctx.sizes, ctx.act, ctx.gated, ctx.dtypes = sizes, act, gated, (gate_up.dtype, down.dtype)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        xs, w1, w2, h = ctx.saved_tensors
+        grad = grad.to(xs.dtype)
+        gx, g1, g2 = torch.empty_like(xs), torch.empty_like(w1), torch.empty_like(w2)
+        start = 0
+        for e, n in enumerate(ctx.sizes):
+            if not n:  # an idle expert's gradient is zero, not missing (DP/EP reductions expect it)
+                g1[e].zero_()
+                g2[e].zero_()
+                continue
+            rows = slice(start, start + n)
+            start += n
+            with torch.enable_grad():
+                he = h[rows].detach().requires_grad_(True)
+                a = _activation(he, ctx.act, ctx.gated)
+            torch.mm(grad[rows].t(), a.detach(), out=g2[e])
+            (gh,) = torch.autograd.grad(a, he, grad[rows] @ w2[e])
+            torch.mm(gh.t(), xs[rows], out=g1[e])
+            torch.mm(gh, w1[e], out=gx[rows])
+        return gx, g1.to(ctx.dtypes[0]), g2.to(ctx.dtypes[1]), None, None, None
+
+
+def _activation(h: torch.Tensor, act: Any, gated: bool) -> torch.Tensor:
+    if not gated:
+        return act(h)
+    gate, up = h.chunk(2, dim=-1)
+    return act(gate) * up
+
+
 _GROUPED: dict[tuple[str, torch.dtype], bool] = {}
 
 
@@ -189,6 +245,7 @@ class MoE(nn.Module):
         # Set from outside (zoo.parallel.engine); read only here.
         self.ep_group: Any = None
         self.ep_size, self.ep_rank = 1, 0
+        self.dispatcher: Literal["alltoall", "allgather"] = "alltoall"
         self.stats_group: Any = None
         self.stats_scale = 1.0
         self.stats: torch.Tensor | None = None
@@ -215,12 +272,15 @@ class MoE(nn.Module):
             dropped = (~keep).sum().float()
             order = order[keep]
             counts = counts.clamp(max=capacity)
-        token = order // k
-        picked = gates.reshape(-1)[order]  # gate of each kept assignment (gradients reach the router)
-        xs = flat.index_select(0, token)
-        ys = self._dispatch(xs, counts) if self.ep_size > 1 else self._experts(xs, counts, self.gate_up, self.down)
-        ys = (ys.float() * picked[:, None]).to(x.dtype)
-        out = flat.new_zeros(n, d).index_add_(0, token, ys)
+        if self.ep_size > 1 and self.dispatcher == "allgather":
+            out = self._gather_dispatch(flat, gates, flat_e, order)
+        else:
+            token = order // k
+            picked = gates.reshape(-1)[order]  # gate of each kept assignment (gradients reach the router)
+            xs = flat.index_select(0, token)
+            ys = self._dispatch(xs, counts) if self.ep_size > 1 else self._experts(xs, counts, self.gate_up, self.down)
+            ys = (ys.float() * picked[:, None]).to(x.dtype)
+            out = flat.new_zeros(n, d).index_add_(0, token, ys)
         y = out.view(b, t, d)
         if self.shared is not None:
             shared = self.shared(x)
@@ -252,25 +312,9 @@ class MoE(nn.Module):
             h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)
             h = gated_activation(h, self.activation) if self.gated else self.act(h)
             return torch._grouped_mm(h, down.transpose(1, 2), offs=offs)
-        outs = []
-        sizes = counts.tolist()  # one host read per layer: the slice boundaries
-        # unbind, not gate_up[e]: its backward stacks the experts' gradients once, where indexing
-        # would add one zero-filled (E, ...) gradient per expert
-        gate_ups, downs = gate_up.unbind(0), down.unbind(0)
-        for e, chunk in enumerate(xs.split(sizes)):
-            if sizes[e] == 0:  # an idle expert costs nothing
-                continue
-            outs.append(self._mlp(chunk, gate_ups[e], downs[e]))
-        if not outs:  # no tokens here at all: an empty pass still gives the experts a (zero) gradient
-            return self._mlp(xs[:0], gate_up[0], down[0])
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
-
-    def _mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        from zoo.nn import gated_activation
-
-        h = x @ gate_up.t()
-        h = gated_activation(h, self.activation) if self.gated else self.act(h)
-        return h @ down.t()
+        if torch.is_autocast_enabled(xs.device.type):  # the dtype F.linear would compute in
+            xs = xs.to(torch.get_autocast_dtype(xs.device.type))
+        return _ExpertMLPs.apply(xs, gate_up, down, counts.tolist(), self.act, self.gated)
 
     def _dispatch(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert parallel: assignments sorted by global expert go to the rank holding it (counts
@@ -289,6 +333,30 @@ class MoE(nn.Module):
         ys = self._experts(recv.index_select(0, perm), recv_counts.sum(0), self.gate_up, self.down)
         back = torch.empty_like(ys).index_copy(0, perm, ys) if ys.shape[0] else ys
         return _AllToAll.apply(back, in_splits, out_splits, self.ep_group)
+
+    def _gather_dispatch(self, flat: torch.Tensor, gates: torch.Tensor, flat_e: torch.Tensor,
+                         order: torch.Tensor) -> torch.Tensor:
+        """Expert parallel by all-gather (Megatron's ``allgather`` dispatcher): every EP rank gets
+        every rank's tokens, gates and kept assignments, runs its own experts on the assignments
+        routed to them, and the partial outputs are summed back to each token's rank by a
+        reduce-scatter. The backward is the same exchange reversed, so the tokens' and gates'
+        gradients from every rank's experts reach their own rank summed."""
+        from zoo.parallel import comm
+
+        el, k = self.local_experts, self.top_k
+        kept = torch.full_like(flat_e, -1)  # capacity-dropped assignments go to no expert
+        kept[order] = flat_e[order]
+        local = comm.all_gather(kept, self.ep_group, 0) - self.ep_rank * el
+        tokens = comm.gather_seq(flat, self.ep_group, 0)  # (ep * N, D)
+        all_gates = comm.gather_seq(gates.reshape(-1), self.ep_group, 0)
+        mine = ((local >= 0) & (local < el)).nonzero().squeeze(1)
+        mine = mine[torch.argsort(local[mine], stable=True)]  # by local expert, then rank and position
+        token = mine // k
+        ys = self._experts(tokens.index_select(0, token), torch.bincount(local[mine], minlength=el),
+                           self.gate_up, self.down)
+        ys = (ys.float() * all_gates[mine][:, None]).to(flat.dtype)
+        out = tokens.new_zeros(tokens.shape).index_add_(0, token, ys)
+        return comm.reduce_scatter_seq(out, self.ep_group, 0)
 
     @torch.no_grad()
     def shard_experts(self, group: Any, size: int, rank: int) -> None:
@@ -319,7 +387,7 @@ def balance_losses(stats: torch.Tensor, *, num_experts: int, top_k: int, convent
     ``hf``: Hugging Face's ``load_balancing_loss_func``, every layer's tokens pooled into one set and
     counts divided by tokens, not assignments (k per layer pooled when balanced).
     ``z``: the router z-loss (Zoph et al. 2022), ``mean(logsumexp(logits)^2)`` summed over layers.
-    ``load``: max over layers of (tokens of the busiest expert / mean tokens per expert);
+    ``load``: per layer, tokens of the busiest expert / mean tokens per expert;
     ``dropped``: assignments dropped by the capacity factor."""
     e = num_experts
     counts, probs = stats[:, :e], stats[:, e:2 * e]
@@ -333,14 +401,15 @@ def balance_losses(stats: torch.Tensor, *, num_experts: int, top_k: int, convent
     else:
         raise ValueError(f"aux loss convention {convention!r}: one of megatron, hf")
     mean = counts.sum(1) / e
-    load = (counts.max(1).values / mean.clamp(min=1e-9)).max()
+    load = counts.max(1).values / mean.clamp(min=1e-9)
     return {"aux": aux, "z": (z_sum / n).sum(), "load": load.detach(), "dropped": dropped.sum().detach()}
 
 
 def balance_metrics(stats: torch.Tensor, *, num_experts: int, top_k: int, convention: str, aux_coeff: float,
                     z_coeff: float) -> dict[str, torch.Tensor]:
     """A MoE family's metrics from its carried statistics: ``aux_loss`` and ``z_loss`` (coefficients
-    applied; the core backpropagates them), ``expert_load`` and ``dropped``."""
+    applied; the core backpropagates them), ``expert_load`` (one per layer) and ``dropped``
+    (`zoo.family.MOE_METRICS` declares them)."""
     terms = balance_losses(stats, num_experts=num_experts, top_k=top_k, convention=convention)
     return {"aux_loss": aux_coeff * terms["aux"], "z_loss": z_coeff * terms["z"], "expert_load": terms["load"],
             "dropped": terms["dropped"]}

@@ -115,6 +115,8 @@ class Parallel:
         self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         self._metric_specs = [("loss", "mean")] + [(m.name, m.reduce) for m in family.metrics]
         self._aux = [m.name for m in family.metrics if m.aux_loss]
+        self._vectors = {m.name for m in family.metrics if m.vector}
+        self._vector_sizes: dict[str, int] | None = None
 
     # ----------------------------------------------------------------------------- set-up
 
@@ -203,6 +205,7 @@ class Parallel:
         for name, m in layers:
             with torch.device("meta") if meta else contextlib.nullcontext():
                 m.shard_experts(self.ep_group, self.layout.ep, self.ep_rank)
+            m.dispatcher = self.layout.ep_dispatcher
             for pname in ("gate_up", "down"):
                 out[f"{name}.{pname}"] = EPShard("rows", self.layout.ep, self.ep_rank, group=self.ep_group)
         return out
@@ -281,33 +284,56 @@ class Parallel:
         rank then knows their names)."""
         extra = sorted(set(per_mb[0]) - {"total"} - {n for n, _ in self._metric_specs}) if per_mb else []
         specs = [*([("total", "mean")] if self._aux else []), *self._metric_specs, *[(name, "mean") for name in extra]]
+        sizes = self._metric_sizes(specs, per_mb)
+        starts = [sum(sizes[:i]) for i in range(len(specs))]
         m = len(weights)
         # Everything stays on the device (a collective of the device's backend reduces it); the
         # trainer reads the results once per logging interval.
-        sums = torch.zeros(len(specs), dtype=torch.float32, device=self.device)
-        maxes = torch.full((len(specs),), -math.inf, dtype=torch.float32, device=self.device)
-        for i, (name, kind) in enumerate(specs):
+        sums = torch.zeros(sum(sizes), dtype=torch.float32, device=self.device)
+        maxes = torch.full((sum(sizes),), -math.inf, dtype=torch.float32, device=self.device)
+        for (name, kind), a, z in zip(specs, starts, sizes):
             for metrics, w in zip(per_mb, weights):
-                v = torch.as_tensor(metrics[name], device=self.device).detach().float()
+                v = torch.as_tensor(metrics[name], device=self.device).detach().float().reshape(z)
                 if kind == "mean":
-                    sums[i] += v * w / m  # (w is 1 unless context parallelism weighs the ranks)
+                    sums[a:a + z] += v * w / m  # (w is 1 unless context parallelism weighs the ranks)
                 elif kind == "sum":
-                    sums[i] += v
+                    sums[a:a + z] += v
                 else:
-                    maxes[i] = torch.maximum(maxes[i], v)
+                    maxes[a:a + z] = torch.maximum(maxes[a:a + z], v)
         if self.pp > 1:
             sums = comm.all_reduce(sums, self.pp_group)  # only the last stage had them
-        ranks = self.dp * self.cp
         if self.dp_cp_group is not None:
             sums = comm.all_reduce(sums, self.dp_cp_group)
-        out = {}
-        for i, (name, kind) in enumerate(specs):
-            out[name] = sums[i] / ranks if kind == "mean" and self.dp_cp_group is not None else sums[i]
+            for (_, kind), a, z in zip(specs, starts, sizes):
+                if kind == "mean":
+                    sums[a:a + z] /= self.dp * self.cp
         if any(kind == "max" for _, kind in specs):
             for group in (self.pp_group if self.pp > 1 else None, self.dp_cp_group):
                 maxes = comm.all_reduce(maxes, group, torch.distributed.ReduceOp.MAX)
-            out.update({name: maxes[i] for i, (name, kind) in enumerate(specs) if kind == "max"})
+        out = {}
+        for (name, kind), a, z in zip(specs, starts, sizes):
+            v = (maxes if kind == "max" else sums)[a:a + z]
+            if name not in self._vectors:
+                out[name] = v[0]
+                continue
+            # One value per element (an MoE layer's load, say) and the whole under the plain name.
+            out.update({f"{name}/{j}": v[j] for j in range(z)})
+            out[name] = (v.max() if kind == "max" else v.sum() if kind == "sum" else v.mean()) if z else sums.new_zeros(())
         return out
+
+    def _metric_sizes(self, specs: Sequence[tuple[str, str]], per_mb: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Elements of each metric: 1, or a vector metric's length, which under pipeline
+        parallelism only the last stage knows (told to the others once: it never changes)."""
+        if not self._vectors:
+            return [1] * len(specs)
+        if self._vector_sizes is None:
+            known = [(torch.as_tensor(per_mb[0][name]).numel() if per_mb else 0) if name in self._vectors else 1
+                     for name, _ in specs]
+            if self.pp > 1:
+                known = comm.all_reduce(torch.tensor(known, device=self.device), self.pp_group,
+                                        torch.distributed.ReduceOp.MAX).tolist()
+            self._vector_sizes = {name: int(z) for (name, _), z in zip(specs, known)}
+        return [self._vector_sizes.get(name, 1) for name, _ in specs]
 
     def forward_backward(self, batches: Sequence[Mapping[str, Any]], step_fn: StepFn, *, seq_length: int,
                          scale: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> StepOutput:

@@ -183,7 +183,8 @@ def train_layout(layout: Mapping[str, Any], family: str, layers: int, zero: bool
     ranks this runs on: call it through `run_distributed`, or directly for one process), through
     `zoo.parallel.engine.Parallel` as `zoo train` does: ``micro`` micro-batches of ``rows`` rows
     from the family's ``example_batch`` per step, each data-parallel rank taking its share. Returns
-    the losses and every gradient gathered to full shape under its single-process name.
+    the losses, every gradient gathered to full shape under its single-process name and the last
+    step's metrics.
     ``split_rows``: every micro-batch is cut into data-parallel slices of rows instead (a loss over
     a whole micro-batch, CLIP's global negatives, then equals one process's)."""
     import torch
@@ -229,7 +230,8 @@ def train_layout(layout: Mapping[str, Any], family: str, layers: int, zero: bool
             mine = [{k: v[par.dp_rank * n:(par.dp_rank + 1) * n] for k, v in mb.items()} for mb in batch]
         else:
             mine = batch[par.dp_rank::par.dp]
-        losses.append(par.forward_backward(mine, loss_fn, seq_length=seq_length).loss.item())
+        out = par.forward_backward(mine, loss_fn, seq_length=seq_length)
+        losses.append(out.loss.item())
         par.finish_grads()
         if step == steps:
             break
@@ -242,7 +244,8 @@ def train_layout(layout: Mapping[str, Any], family: str, layers: int, zero: bool
                 buckets.zero_grad()
             else:
                 opt.zero_grad(set_to_none=True)
-    return {"losses": losses, "grads": par.full_grads(), "pp_sent": par.pipeline.sent if par.pp > 1 else 0}
+    return {"losses": losses, "grads": par.full_grads(), "pp_sent": par.pipeline.sent if par.pp > 1 else 0,
+            "metrics": {k: float(v) for k, v in out.metrics.items()}}  # the last step's, reduced over ranks
 
 
 def assert_same_training(got: Mapping[str, Any], ref: Mapping[str, Any], *, rtol: float = 1e-5) -> None:

@@ -155,7 +155,9 @@ def check_declarations(name: str, *, flavor: str = "tiny", registry: Any = None)
     for m in fam.metrics:
         assert m.name in metrics, f"{name}: declared metric {m.name!r} is not in what the loss returns ({sorted(metrics)})"
         value = metrics[m.name]
-        assert torch.as_tensor(value).numel() == 1 and math.isfinite(float(torch.as_tensor(value).detach())), f"{name}: metric {m.name!r} is {value!r}"
+        seen = torch.as_tensor(value).detach()
+        shape_ok = seen.dim() == 1 if m.vector else seen.numel() == 1  # a vector metric: one value per element
+        assert shape_ok and bool(torch.isfinite(seen).all()), f"{name}: metric {m.name!r} is {value!r}"
         if m.aux_loss:
             assert isinstance(value, torch.Tensor) and value.requires_grad, \
                 f"{name}: auxiliary loss {m.name!r} must be a tensor with a gradient (the core backpropagates it)"

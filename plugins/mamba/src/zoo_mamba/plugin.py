@@ -13,8 +13,9 @@ import math
 import warnings
 from dataclasses import dataclass
 
-from zoo import Family, MetricSpec, PipelineSpec, Throughput, hookimpl
+from zoo import Family, PipelineSpec, Throughput, hookimpl
 from zoo.config import check_sizes
+from zoo.family import MOE_METRICS
 from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, SSMSpec
 
 SYMBOLS = {"M": "Mamba mixer", "*": "self-attention", "-": "MLP", "E": "mixture of experts"}
@@ -204,13 +205,6 @@ def hybrid_moe_tiny() -> MambaConfig:
                        tie_embeddings=False, layer_spec="nemotron_h")
 
 
-_MOE_METRICS = (
-    MetricSpec(name="aux_loss", aux_loss=True),
-    MetricSpec(name="z_loss", aux_loss=True),
-    MetricSpec(name="expert_load", reduce="max"),
-    MetricSpec(name="dropped", reduce="sum"),
-)
-
 # Every rank holds whole heads and groups: in_proj's segments and the conv's channels split per
 # segment, the per-head/per-channel parameters by rows, out_proj by columns; Mamba-1's x_proj is
 # row-parallel and all-reduced (dt, B, C are whole on every rank), dt_proj column-parallel from it.
@@ -265,5 +259,5 @@ def zoo_families() -> list[Family]:
                # The MoE layers' routing statistics travel with the hidden state to the loss.
                pipeline=PipelineSpec(layers="layers", first=("embed",), last=("norm", "head"), input_key="tokens",
                                      carries=("moe_stats",)),
-               metrics=_MOE_METRICS, tp_local=_TP_LOCAL, **_COMMON),
+               metrics=MOE_METRICS, tp_local=_TP_LOCAL, **_COMMON),
     ]

@@ -11,8 +11,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-from zoo import Family, MetricSpec, PipelineSpec, SequenceSpec, Throughput, hookimpl
+from zoo import Family, PipelineSpec, SequenceSpec, Throughput, hookimpl
 from zoo.config import check_sizes
+from zoo.family import MOE_METRICS
 from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, MoESpec, NormSpec
 from zoo_gpt.plugin import GPTConfig
 
@@ -114,12 +115,6 @@ def qwen2_moe_57b() -> MoEConfig:  # Qwen2-57B-A14B
                 spec="qwen2_moe")
 
 
-METRICS = (
-    MetricSpec(name="aux_loss", aux_loss=True),  # coefficient applied
-    MetricSpec(name="z_loss", aux_loss=True),
-    MetricSpec(name="expert_load", reduce="max"),  # busiest expert's tokens / mean tokens per expert, worst layer
-    MetricSpec(name="dropped", reduce="sum"),  # (token, expert) assignments over capacity
-)
 
 _COMMON = dict(
     task="causal_lm",
@@ -141,7 +136,7 @@ _COMMON = dict(
                           carries=("moe_stats",)),
     sequence=SequenceSpec(dim=1, keys=("tokens", "labels", "loss_mask", "position_ids", "segment_ids"),
                           positions="position_ids", loss_mask="loss_mask"),
-    metrics=METRICS,
+    metrics=MOE_METRICS,
     throughput=Throughput(flops_per_unit="zoo_moe.model:flops_per_token"),
     recipe={"train.seq_length": 128, "train.micro_batch_size": 16, "optimizer.lr": 2e-3, "optimizer.weight_decay": 0.1,
             "schedule.warmup_steps": 30, "train.steps": 300, "train.eval_interval": 100, "logging.interval": 20},
