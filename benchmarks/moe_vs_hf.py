@@ -70,6 +70,7 @@ def worker(a: argparse.Namespace) -> None:
     from llama_vs_hf import time_training  # the same timed AdamW loop as the LLaMA benchmark
 
     torch.set_num_threads(a.threads)
+    torch.set_flush_denormal(a.flush_denormal == "on")
     model, loss_of = build(a)
     print(json.dumps(time_training(model, loss_of, a)))
 
@@ -83,6 +84,7 @@ def dispatch(a: argparse.Namespace) -> None:
     from zoo.spec import MLPSpec, MoESpec
 
     torch.set_num_threads(a.threads)
+    torch.set_flush_denormal(a.flush_denormal == "on")
     torch.manual_seed(0)
     layer = MoE(MoESpec(expert=MLPSpec(activation="silu", gated=True, bias=False)), hidden=a.hidden, ffn_hidden=a.ffn,
                 num_experts=a.experts, top_k=a.top_k)
@@ -117,7 +119,7 @@ def dispatch(a: argparse.Namespace) -> None:
 
 
 def run_child(extra: list[str], a: argparse.Namespace, *, live: bool = True) -> dict:
-    keep = {k: v for k, v in vars(a).items() if k not in ("worker", "dispatch", "impl", "precision", "quick")}
+    keep = {k: v for k, v in vars(a).items() if k not in ("worker", "dispatch", "impl", "precision", "quick", "flush_denormal")}
     cmd = [sys.executable, __file__, *extra, *[f"--{k.replace('_', '-')}={v}" for k, v in keep.items()]]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), **(LIVE_ENV if live else {})}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
@@ -140,6 +142,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--quick", action="store_true")
+    # Subnormal floats run a slow microcode path on x86 CPUs (AdamW's tiny second moments in bf16
+    # autocast produce them); "both" measures each precision with and without flushing them to zero.
+    p.add_argument("--flush-denormal", choices=("off", "on", "both"), default="both")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dispatch", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", default="zoo", help=argparse.SUPPRESS)
@@ -153,20 +158,21 @@ def main() -> None:
         a.layers, a.seq, a.steps = 2, 256, 3
     print(f"# {platform.processor() or platform.machine()}, {a.threads} threads; {a.layers} layers, hidden {a.hidden}, "
           f"{a.experts} experts top-{a.top_k} (width {a.ffn}), seq {a.seq}, batch {a.batch}")
-    for precision in ("fp32", "bf16"):
+    flushes = ("off", "on") if a.flush_denormal == "both" else (a.flush_denormal,)
+    for precision, flush in [(prec, f) for prec in ("fp32", "bf16") for f in flushes]:
         res = {}
         for impl in ("hf", "zoo"):
-            args = ["--worker", f"--impl={impl}", f"--precision={precision}"]
+            args = ["--worker", f"--impl={impl}", f"--precision={precision}", f"--flush-denormal={flush}"]
             # Timed under the default allocator; memory in a second process whose mmap threshold
             # makes peak RSS follow live memory (its page faults would distort the timing).
             res[impl] = {**run_child(args, a), "tokens_per_s": run_child(args, a, live=False)["tokens_per_s"]}
         z, h = res["zoo"], res["hf"]
-        print(f"{precision}: zoo {z['tokens_per_s']:,.0f} tok/s vs HF {h['tokens_per_s']:,.0f} -> "
+        print(f"{precision} (denormals flushed: {flush}): zoo {z['tokens_per_s']:,.0f} tok/s vs HF {h['tokens_per_s']:,.0f} -> "
               f"{z['tokens_per_s'] / h['tokens_per_s']:.2f}x; peak RSS zoo {z['peak_rss_mb']:,.0f} MB vs HF "
               f"{h['peak_rss_mb']:,.0f} MB -> {z['peak_rss_mb'] / h['peak_rss_mb']:.2f}x; above the built model "
               f"{z['rss_over_model_mb']:,.0f} vs {h['rss_over_model_mb']:,.0f} MB -> "
               f"{z['rss_over_model_mb'] / h['rss_over_model_mb']:.2f}x")
-    d = run_child(["--dispatch"], a)
+    d = run_child(["--dispatch", f"--flush-denormal={flushes[-1]}"], a)
     print(f"dispatch: MoE layer fwd+bwd {d['layer_s'] * 1e3:.1f} ms, expert GEMMs {d['gemm_s'] * 1e3:.1f} ms -> "
           f"dispatch overhead {d['dispatch_fraction']:.0%} of the layer")
 

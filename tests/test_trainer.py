@@ -168,3 +168,15 @@ def test_lr_multiplier_and_ema_follow_their_formulas(tmp_path):
     for name, t in init.items():
         if not name.startswith("embed."):
             torch.testing.assert_close(final["half"][f"ema/{name}"], torch.lerp(t, final["half"][name], 0.1))
+
+
+def _fit_and_probe(run_dir: str, overrides: list[str], flushed: bool) -> None:
+    _fit(run_dir, 1, overrides)
+    tiny = torch.tensor([1e-40]) * 1.0  # a subnormal float32: kept, or flushed to zero
+    assert (tiny.item() == 0.0) == flushed, tiny
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_flush_denormal_sets_the_processs_float_mode(tmp_path, flush):
+    run_distributed(_fit_and_probe, 1, str(tmp_path), [*COMMON, "train.steps=1", "train.eval_interval=0",
+                                                         f"train.flush_denormal={str(flush).lower()}"], flush, timeout=240)

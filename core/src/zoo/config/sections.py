@@ -163,6 +163,10 @@ class TrainConfig:
     # no gradient, no optimizer state, still saved with the model.
     freeze: list[str] = field(default_factory=list)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Flush subnormal floats to zero on the CPU (process-wide; CUDA is unaffected). Some x86 CPUs run
+    # them on a slow microcode path and bf16 AdamW produces them: a Mixtral bf16 step went 10.9 -> 2.5 s
+    # on one such VM, on another no change (docs/benchmarks.md). Changes no value above 1.2e-38.
+    flush_denormal: bool = False
 
     def __post_init__(self) -> None:
         check_sizes(self, "steps", "micro_batch_size", "seq_length")

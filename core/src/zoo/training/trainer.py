@@ -123,6 +123,7 @@ class Trainer:
 
         run, env, fam = self.run, self.env, self.family
         torch.manual_seed(run.train.seed)
+        torch.set_flush_denormal(run.train.flush_denormal)
         self.dev_type = "cuda" if env.device.startswith("cuda") else "cpu"
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.train.precision)
         full, record = self._model_on_meta()
