@@ -22,6 +22,19 @@ def test_clips_move_as_captioned_and_the_measure_reads_it():
     assert direction_of(flipped[0][::-1]) != flipped[2]  # played backwards, it goes the other way
 
 
+def test_the_quality_judge_reads_real_clips_and_catches_wrong_captions():
+    from zoo.data.moving_digits import clips, judge
+
+    real = list(clips(60, seed=2))
+    stacked = np.stack([c for c, _, _ in real])
+    digits, directions = [d for _, d, _ in real], [r for _, _, r in real]
+    right = judge(stacked, digits, directions)
+    assert right["digit"] >= 0.9 and right["direction"] == 1.0, right
+    wrong = judge(stacked, [(d + 1) % 10 for d in digits], [{"left": "right", "right": "left", "up": "down",
+                                                            "down": "up"}[r] for r in directions])
+    assert wrong["digit"] <= 0.2 and wrong["direction"] == 0.0, wrong
+
+
 def test_default_text_encoder_is_the_same_everywhere_and_keeps_true_lengths():
     from zoo.data.encoders import TextEncoder
 
@@ -50,7 +63,7 @@ def test_moving_digits_dataset_feeds_the_video_dit(tmp_path):
     ds = get_train_dataset(str(out), worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0), batch_size=4,
                            shuffle_buffer_size=10, max_samples_per_sequence=10, task_encoder=te)
     batch = next(iter(get_loader(ds)))
-    assert batch["latents"].shape == (4, 8 * 8 * 8, 4)  # 8 frames of 8x8 patches of 2x2
+    assert batch["latents"].shape == (4, 4 * 4 * 4, 2 * 4 * 4)  # 8 frames of 16x16 in patches of 2x4x4
     assert batch["context"].shape[-1] == 64 and batch["context_segment_ids"].shape == batch["context"].shape[:2]
     value, _ = loss(build(cfg, DIT_VIDEO), batch)
     assert torch.isfinite(value)

@@ -1,6 +1,7 @@
 """Mamba layouts equal one process (gloo, fp32): Mamba-1 under TP (x_proj's all-reduce both ways),
 Mamba-2 over 4 processes (TP + sequence parallelism + DP with ZeRO-1), a hybrid cut into pipeline
-stages by its pattern's "|"; bad layouts fail with one clear line."""
+stages by its pattern's "|", and the hybrid with an MoE layer under pp2 x ep2 (4 processes); bad
+layouts fail with one clear line."""
 
 from __future__ import annotations
 
@@ -14,13 +15,17 @@ LAYERS = {"mamba": 4, "mamba2": 4, "hybrid": 6}  # the tiny flavors' depths (a p
 def _train(layout: dict, family: str, zero: bool) -> dict:
     from zoo.testing import train_layout
 
-    return train_layout(layout, family, LAYERS[family], zero, steps=1, micro=4, seq_length=16)
+    family, _, flavor = family.partition(":")
+    return train_layout(layout, family, LAYERS[family], zero, steps=1, micro=4, seq_length=16, flavor=flavor or "tiny")
 
 
 LAYOUTS = [
     (2, {"tp": 2}, "mamba", False),
     (4, {"tp": 2, "sequence_parallel": True}, "mamba2", True),  # tp2 x dp2, ZeRO-1
     (2, {"pp": 2}, "hybrid", False),  # stages from the pattern "M-M|*-M"
+    # "M-M|*EM": the MoE layer's experts split over ep2 on the second of two pattern-cut stages
+    # (its routing statistics carried across the cut), over 4 processes.
+    (4, {"pp": 2, "ep": 2}, "hybrid:moe-tiny", False),
 ]
 
 
@@ -30,11 +35,16 @@ LAYOUTS = [
 def test_mamba_layouts_equal_one_process(world, layout, family, zero):
     ref = _train({}, family, False)
     # A_log's gradient is a sum of many cancelling terms (every position, channel and state of its
-    # head); TP's partial GEMMs round differently, which one AdamW step carries to ~1.2e-5 (1.3e-6
-    # on the first gradient). Without TP the layouts agree to 1e-6.
-    rtol = 3e-5 if layout.get("tp", 1) > 1 else 1e-5
+    # head); TP's partial GEMMs, or data-parallel halves summed, round differently, which one AdamW
+    # step carries to ~1.3e-5 (1.3e-6 on the first gradient). Pipeline stages alone agree to 1e-6.
+    dp = world // (layout.get("tp", 1) * layout.get("pp", 1))
+    rtol = 3e-5 if layout.get("tp", 1) > 1 or dp > 1 else 1e-5
     for got in run_distributed(_train, world, layout, family, zero, timeout=240):
         assert_same_training(got, ref, rtol=rtol)
+        if "expert_load" in ref["metrics"]:  # the MoE layer's balancing terms and load, reduced
+            assert sorted(got["metrics"]) == sorted(ref["metrics"]) and "expert_load/0" in ref["metrics"]
+            for k, v in ref["metrics"].items():
+                assert got["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
 
 
 @pytest.mark.parametrize(("family", "world", "parallel", "message"), [

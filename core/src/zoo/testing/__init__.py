@@ -178,8 +178,8 @@ def layout_for(family: Any, world_size: int, *, model: Any = None, seq_length: i
 
 
 def train_layout(layout: Mapping[str, Any], family: str, layers: int, zero: bool, *, steps: int = 3, micro: int = 4,
-                 seq_length: int = 16, rows: int = 2, split_rows: bool = False) -> dict[str, Any]:
-    """``steps`` AdamW steps of ``family``'s tiny flavor (``layers`` deep) under ``layout`` (on the
+                 seq_length: int = 16, rows: int = 2, split_rows: bool = False, flavor: str = "tiny") -> dict[str, Any]:
+    """``steps`` AdamW steps of ``family``'s ``flavor`` (``layers`` deep) under ``layout`` (on the
     ranks this runs on: call it through `run_distributed`, or directly for one process), through
     `zoo.parallel.engine.Parallel` as `zoo train` does: ``micro`` micro-batches of ``rows`` rows
     from the family's ``example_batch`` per step, each data-parallel rank taking its share. Returns
@@ -196,7 +196,7 @@ def train_layout(layout: Mapping[str, Any], family: str, layers: int, zero: bool
     from zoo.training.optim import ParamRules, param_groups
 
     fam = get_registry().get(family).family
-    cfg = fam.flavors["tiny"]()
+    cfg = fam.flavors[flavor]()
     cfg.num_layers = layers
     build, example, loss_fn = (resolve(r, owner="test") for r in (fam.build, fam.example_batch, fam.loss))
     torch.manual_seed(0)

@@ -102,28 +102,31 @@ def flops_of_batch(model: nn.Module, run: Any) -> Callable[[dict[str, Any]], flo
     6 x (the weights applied to each of its tokens x tokens + the weights applied once per sample:
     the timestep MLP and every adaLN modulation, a third of a DiT's linear weights) + PaLM's
     12 x layers x width x tokens^2 for self-attention within the sample; with text, the
-    cross-attention K/V over its own caption and the scores between the two. Padding, and the
-    attention across packed samples that the masks throw away, are not counted."""
+    cross-attention K/V over its own caption and the scores between the two. Layers whose input is
+    data (the patch embedding of the noisy latents, the timestep MLP's first layer on sinusoids,
+    K/V of the frozen text) compute no input gradient: 4 x, not 6 x. Padding, and the attention
+    across packed samples that the masks throw away, are not counted."""
     cfg: DiTConfig = run.model
-    each_token = each_sample = text_kv = 0
+    each_token = each_sample = text_kv = 0.0  # FLOPs per token / per sample / per text token
     for name, m in model.named_modules():
         if not isinstance(m, nn.Linear):
             continue
+        passes = 4.0 if name in ("x_embed", "t_embed.fc1") or name.endswith("cross.kv") else 6.0
         if name.endswith("cross.kv"):
-            text_kv += m.weight.numel()
+            text_kv += passes * m.weight.numel()
         elif name.startswith("t_embed") or "ada" in name.split("."):  # (layers.N.ada.1, final.ada.1)
-            each_sample += m.weight.numel()
+            each_sample += passes * m.weight.numel()
         else:
-            each_token += m.weight.numel()
+            each_token += passes * m.weight.numel()
     attn = 12.0 * cfg.num_layers * cfg.hidden_size
 
     def flops(batch: dict[str, Any]) -> float:
         tokens = batch["grids"].prod(-1).double()  # per sample, row-major over rows like the grids
-        total = 6.0 * (each_token * tokens.sum() + each_sample * len(tokens)) + attn * (tokens * tokens).sum()
+        total = each_token * tokens.sum() + each_sample * len(tokens) + attn * (tokens * tokens).sum()
         if "context_segment_ids" in batch:
             seg, n = batch["context_segment_ids"], batch["sample_mask"].sum(1).long().tolist()
             text = torch.cat([torch.bincount(s[s >= 0], minlength=k)[:k] for s, k in zip(seg, n)]).double()
-            total += 6.0 * text_kv * text.sum() + attn * (tokens * text).sum()
+            total += text_kv * text.sum() + attn * (tokens * text).sum()
         return float(total)
 
     return flops
