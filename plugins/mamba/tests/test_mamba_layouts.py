@@ -12,37 +12,36 @@ from zoo.testing import assert_same_training, run_distributed
 LAYERS = {"mamba": 4, "mamba2": 4, "hybrid": 6}  # the tiny flavors' depths (a pattern fixes the depth)
 
 
-def _train(layout: dict, family: str, zero: bool) -> dict:
+def _train(layout: dict, family: str, zero: bool, flavor: str = "tiny") -> dict:
     from zoo.testing import train_layout
 
-    family, _, flavor = family.partition(":")
-    return train_layout(layout, family, LAYERS[family], zero, steps=1, micro=4, seq_length=16, flavor=flavor or "tiny")
+    return train_layout(layout, family, LAYERS[family], zero, steps=1, micro=4, seq_length=16, flavor=flavor)
 
 
 LAYOUTS = [
-    (2, {"tp": 2}, "mamba", False),
-    (4, {"tp": 2, "sequence_parallel": True}, "mamba2", True),  # tp2 x dp2, ZeRO-1
-    (2, {"pp": 2}, "hybrid", False),  # stages from the pattern "M-M|*-M"
+    (2, {"tp": 2}, "mamba", False, "tiny"),
+    (4, {"tp": 2, "sequence_parallel": True}, "mamba2", True, "tiny"),  # tp2 x dp2, ZeRO-1
+    (2, {"pp": 2}, "hybrid", False, "tiny"),  # stages from the pattern "M-M|*-M"
     # "M-M|*EM": the MoE layer's experts split over ep2 on the second of two pattern-cut stages
     # (its routing statistics carried across the cut), over 4 processes.
-    (4, {"pp": 2, "ep": 2}, "hybrid:moe-tiny", False),
+    (4, {"pp": 2, "ep": 2}, "hybrid", False, "moe-tiny"),
 ]
 
 
-@pytest.mark.parametrize(("world", "layout", "family", "zero"), LAYOUTS,
-                         ids=[f"{f}-w{w}-" + "-".join(f"{k}{v}" if v is not True else k for k, v in lay.items())
-                              + ("-zero" if z else "") for w, lay, f, z in LAYOUTS])
-def test_mamba_layouts_equal_one_process(world, layout, family, zero):
-    ref = _train({}, family, False)
+@pytest.mark.parametrize(("world", "layout", "family", "zero", "flavor"), LAYOUTS,
+                         ids=[f"{f}-{fl}-w{w}-" + "-".join(f"{k}{v}" if v is not True else k for k, v in lay.items())
+                              + ("-zero" if z else "") for w, lay, f, z, fl in LAYOUTS])
+def test_mamba_layouts_equal_one_process(world, layout, family, zero, flavor):
+    ref = _train({}, family, False, flavor)
     # A_log's gradient is a sum of many cancelling terms (every position, channel and state of its
     # head); TP's partial GEMMs, or data-parallel halves summed, round differently, which one AdamW
     # step carries to ~1.3e-5 (1.3e-6 on the first gradient). Pipeline stages alone agree to 1e-6.
     dp = world // (layout.get("tp", 1) * layout.get("pp", 1))
     rtol = 3e-5 if layout.get("tp", 1) > 1 or dp > 1 else 1e-5
-    for got in run_distributed(_train, world, layout, family, zero, timeout=240):
+    for got in run_distributed(_train, world, layout, family, zero, flavor, timeout=240):
         assert_same_training(got, ref, rtol=rtol)
         assert sorted(got["metrics"]) == sorted(ref["metrics"])
-        if family.endswith("moe-tiny"):  # the MoE layer's balancing terms and its load, reduced
+        if flavor == "moe-tiny":  # the MoE layer's balancing terms and its load, reduced
             assert "expert_load/0" in ref["metrics"] and ref["metrics"]["aux_loss"] > 0
         for k, v in ref["metrics"].items():
             assert got["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k

@@ -15,6 +15,7 @@ is simply not checked on that point.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from zoo.config import RunConfig
 from zoo.errors import ConfigError
@@ -35,7 +36,7 @@ class Layout:
     grad_accum: int  # micro-batches per optimizer step on each DP rank
     global_batch_size: int
     sequence_parallel: bool = False
-    ep_dispatcher: str = "alltoall"
+    ep_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     zero: int = 0
     order: str = "tp-cp-ep-dp-pp"
     pp_layers: tuple[int, ...] | None = None
@@ -161,7 +162,8 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
         etp=etp, expert_dp=expert_dp, grad_accum=accum, global_batch_size=gbs,
         # Low-precision parameters always keep fp32 master weights in the distributed optimizer
         # (Megatron's --bf16): on one data-parallel rank it shards nothing, with more it is ZeRO-1.
-        sequence_parallel=p.sequence_parallel, ep_dispatcher=p.ep_dispatcher, zero=p.zero or int(train.param_dtype != "fp32"), order=p.order,
+        sequence_parallel=p.sequence_parallel, ep_dispatcher=p.ep_dispatcher,
+        zero=p.zero or int(train.param_dtype != "fp32"), order=p.order,
         pp_layers=pp_layers, pp_schedule=p.pp_schedule,
         fsdp=p.fsdp if p.fsdp > 1 else 0, fsdp_dtype=train.precision,
     )

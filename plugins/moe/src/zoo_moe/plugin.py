@@ -115,7 +115,6 @@ def qwen2_moe_57b() -> MoEConfig:  # Qwen2-57B-A14B
                 spec="qwen2_moe")
 
 
-
 _COMMON = dict(
     task="causal_lm",
     config=MoEConfig,
