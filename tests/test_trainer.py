@@ -157,12 +157,15 @@ def test_resume_across_layouts_reshards_ema_and_frozen_state(runs, tmp_path):
 def test_lr_multiplier_and_ema_follow_their_formulas(tmp_path):
     """One step: the cond_embed update with multiplier 0.5 is half the update without it (Adam's
     step and decoupled weight decay both scale with the learning rate), and the EMA is
-    ``0.9 * initial + 0.1 * updated``."""
+    ``0.9 * initial + 0.1 * updated``; torch's per-tensor AdamW loop gives the default fused
+    kernel's update."""
     init = _initial().state_dict()
     final = {}
-    for name, extra in (("half", ()), ("whole", ("optimizer.lr_mult={}",))):
+    for name, extra in (("half", ()), ("whole", ("optimizer.lr_mult={}",)),
+                        ("loop", ("optimizer.implementation=for-loop",))):
         _train(tmp_path / name, 1, "train.steps=1", "train.eval_interval=0", *extra)
         final[name] = _tensors(tmp_path / name / "checkpoints" / "step_00000001")
+    _same(final["loop"], final["half"])  # the default fused kernel, as the per-tensor loop
     key = "cond_embed.weight"
     torch.testing.assert_close(final["half"][key] - init[key], 0.5 * (final["whole"][key] - init[key]), rtol=1e-4, atol=1e-8)
     for name, t in init.items():

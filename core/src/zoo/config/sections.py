@@ -114,6 +114,10 @@ class OptimizerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    # torch's AdamW kernels: "fused" (one pass over each tensor, ~3x the per-tensor loop's speed on a
+    # CPU; the HF Trainer's default too), falling back to "foreach" on a device torch has no fused
+    # kernel for; "foreach" and "for-loop" on request. All three compute the same update.
+    implementation: Literal["fused", "foreach", "for-loop"] = "fused"
     # Learning-rate multipliers by parameter-name pattern (fnmatch over single-process names, the
     # first matching pattern wins), e.g. {"vision.*": 0.1}; parameters matching none get 1.
     lr_mult: dict[str, float] = field(default_factory=dict)

@@ -68,6 +68,23 @@ class ParamRules:
                                       + (suggest(pattern, names) or f" (e.g. {', '.join(list(names)[:3])})"))
 
 
+def adamw_factory(cfg: Any, *, note: Any = print) -> Any:
+    """``groups -> torch.optim.AdamW`` for an `OptimizerConfig` (``cfg``), with its kernel choice:
+    ``fused`` falls back to ``foreach``, with one ``note``, where torch has no fused kernel for the
+    parameters' device (torch refuses those at construction)."""
+
+    def adamw(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        if cfg.implementation == "fused":
+            try:
+                return torch.optim.AdamW(groups, **kw, fused=True)
+            except RuntimeError as e:
+                note(f"note: optimizer.implementation=fused unavailable here, using foreach ({str(e).splitlines()[0]})")
+        return torch.optim.AdamW(groups, **kw, foreach=cfg.implementation != "for-loop")
+
+    return adamw
+
+
 def param_groups(model: nn.Module, weight_decay: float, *, rules: ParamRules | None = None,
                  placements: Placements | None = None) -> list[dict[str, Any]]:
     """Optimizer groups of the model's trainable parameters, one per distinct options (in the

@@ -164,10 +164,7 @@ class Trainer:
         if run.train.param_dtype != "fp32":
             self.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[run.train.param_dtype])
 
-        def adamw(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(groups, lr=run.optimizer.lr, betas=(run.optimizer.beta1, run.optimizer.beta2),
-                                     eps=run.optimizer.eps)
-
+        adamw = optim.adamw_factory(run.optimizer, note=lambda m: print(m, flush=True) if self.env.is_main else None)
         self.buckets = par.make_buckets(run.parallel.bucket_size, shard=bool(self.layout.zero))
         self.zero = None
         if self.layout.zero:

@@ -1,0 +1,56 @@
+"""The trainer's AdamW kernels (`optimizer.implementation`): each computes the update of
+Loshchilov & Hutter's AdamW written out here (bias-corrected moments, decoupled weight decay), and
+``fused`` falls back to ``foreach`` with one note where torch has no fused kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zoo.config.sections import OptimizerConfig
+from zoo.training.optim import adamw_factory
+
+
+def _paper_adamw(p: torch.Tensor, grads: list[torch.Tensor], *, lr: float, b1: float, b2: float, eps: float,
+                 wd: float) -> torch.Tensor:
+    p, m, v = p.double().clone(), torch.zeros_like(p, dtype=torch.float64), torch.zeros_like(p, dtype=torch.float64)
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        p = p * (1 - lr * wd)
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        p = p - lr * (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+    return p
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach", "for-loop"])
+def test_each_implementation_follows_the_papers_update(impl):
+    cfg = OptimizerConfig(implementation=impl, lr=1e-2, beta1=0.8, beta2=0.9, eps=1e-6)
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(16, 8, generator=gen), torch.randn(8, generator=gen)
+    grads = [[torch.randn(16, 8, generator=gen), torch.randn(8, generator=gen)] for _ in range(5)]
+    params = [torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())]
+    opt = adamw_factory(cfg)([{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}])
+    assert opt.defaults["fused"] is (True if impl == "fused" else None)
+    for g in grads:
+        for p, gp in zip(params, g):
+            p.grad = gp.clone()
+        opt.step()
+    kw = dict(lr=1e-2, b1=0.8, b2=0.9, eps=1e-6)
+    torch.testing.assert_close(params[0].double(), _paper_adamw(w, [g[0] for g in grads], wd=0.1, **kw), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(params[1].double(), _paper_adamw(b, [g[1] for g in grads], wd=0.0, **kw), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_falls_back_to_foreach_with_a_note(monkeypatch):
+    real = torch.optim.AdamW
+
+    def no_fused(*args, fused=None, **kw):  # what torch raises for a device without the kernel
+        if fused:
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported devices\nmore")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(torch.optim, "AdamW", no_fused)
+    notes = []
+    opt = adamw_factory(OptimizerConfig(), note=notes.append)([{"params": [torch.nn.Parameter(torch.ones(2))]}])
+    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
+    assert notes == ["note: optimizer.implementation=fused unavailable here, using foreach "
+                     "(`fused=True` requires all the params to be floating point Tensors of supported devices)"]
