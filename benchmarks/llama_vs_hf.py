@@ -4,7 +4,7 @@ Each side trains with its own training step (HF: logits, float32 upcast, cross e
 `labels=` path does; zoo: the family's loss, which never materialises the logits, under the
 recompute scope `zoo train` uses by default: norm and activation outputs recomputed, bitwise exact). Both models get
 the identical config (8 layers, hidden 512, 8 heads, 2 KV heads, vocab 8192,
-seq 512 by default), the same batch, the same AdamW, the same thread count, in fp32 and in bf16
+seq 512 by default), the same batch, the same fused AdamW (both frameworks' default), the same thread count, in fp32 and in bf16
 autocast. Each measurement runs in its own fresh process (so peak RSS is that model's alone), one
 after another in the same run, and the GEMM peak that MFU is measured against is taken on the same
 machine in the same run.
@@ -79,7 +79,9 @@ def time_training(model, loss_of, args: argparse.Namespace, *, bf16_params: bool
     import torch
 
     model.train()
-    make_opt = lambda groups: torch.optim.AdamW(groups, lr=1e-4, weight_decay=0.0)  # noqa: E731
+    # torch's fused AdamW on both sides: `zoo train`'s default (optimizer.implementation) and the HF
+    # Trainer's (adamw_torch_fused), ~3x the per-tensor loop's speed on a CPU.
+    make_opt = lambda groups: torch.optim.AdamW(groups, lr=1e-4, weight_decay=0.0, fused=True)  # noqa: E731
     buckets = None
     if bf16_params:
         from zoo.parallel.data_parallel import GradBuckets

@@ -93,7 +93,8 @@ def worker(a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
     model, loss_of, batch = build(a)
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
+    # fused on both sides: `zoo train`'s default (optimizer.implementation) and the HF Trainer's
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0, fused=True)
     dtype = torch.bfloat16 if a.precision == "bf16" else None
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

@@ -136,6 +136,50 @@ def test_dropless_dispatch_equals_the_per_token_formula(router):
         assert layer.stats[-1].item() == 0  # nothing dropped
 
 
+@pytest.mark.parametrize("precision", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_expert_gradients_equal_the_per_token_formulas(precision):
+    """The experts' hand-written backward (`zoo.nn.moe._ExpertMLPs`) against autograd through the
+    token-by-token formula in fp32: exact in fp32; under bf16 autocast (weights cast one expert at
+    a time, gradients made in bf16 and kept in the weights' fp32) within bf16's rounding."""
+    layer = _layer(MoESpec(expert=SWIGLU, normalize_topk=True))
+    x = torch.randn(3, 40, 16, generator=torch.Generator().manual_seed(4))  # ~40 rows an expert: several tiles
+    probe = torch.randn(3, 40, 16, generator=torch.Generator().manual_seed(5))
+    ref = torch.autograd.grad((_by_token(layer, x) * probe).sum(), [layer.gate_up, layer.down])
+    with torch.autocast("cpu", dtype=precision or torch.float32, enabled=precision is not None):
+        got = torch.autograd.grad((layer(x).float() * probe).sum(), [layer.gate_up, layer.down])
+    for g, r in zip(got, ref):
+        assert g.dtype == torch.float32 and g.shape == r.shape
+        err = float((g - r).norm() / r.norm())
+        assert err <= (1e-6 if precision is None else 2e-2), err
+
+
+def test_bf16_expert_products_on_a_cpu_use_a_fixed_set_of_shapes():
+    """oneDNN keeps kernels per matrix-product shape: under bf16 autocast on a CPU every expert
+    product's row count (or, for weight gradients, summed length) is a power of two >= 16, however
+    the tokens were routed, so the set of shapes cannot grow with training."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.rows = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out) and args[0].dtype == torch.bfloat16:
+                self.rows.add(tuple(args[0].shape))  # (the router's products are fp32)
+            return func(*args, **(kwargs or {}))
+
+    layer = _layer(MoESpec(expert=SWIGLU, normalize_topk=True))
+    with Shapes() as seen:
+        for seed in range(4):
+            x = torch.randn(2, 20 + 17 * seed, 16, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = layer(x)
+            y.float().sum().backward()
+    dims = {d for shape in seen.rows for d in shape} - {16, 24, 48}  # hidden, ffn, gated ffn: fixed
+    assert dims and all(d >= 16 and d & (d - 1) == 0 for d in dims), sorted(dims)
+
+
 @pytest.mark.parametrize("policy", ["probs", "position"])
 def test_capacity_factor_drops_what_the_policy_says(policy):
     layer = _layer(MoESpec(expert=SWIGLU, normalize_topk=True), capacity_factor=0.5, drop_policy=policy)

@@ -83,35 +83,37 @@ class _AllToAll(torch.autograd.Function):
 
 class _ExpertMLPs(torch.autograd.Function):
     """Each expert's MLP on its contiguous slice of rows (sorted by expert), one GEMM per slice each
-    way, outputs and gradients written in place into whole tensors: autograd's graph of the same
-    loop would concatenate the outputs, split the rows' gradient and stack the experts' weight
-    gradients, a copy of each. Keeps the rows and the first GEMM's output; the activation is
-    recomputed in backward (elementwise). Weights are used in the rows' dtype (autocast's cast)."""
+    way (`_mm`, `_mm_t`), outputs and gradients written in place into whole tensors: autograd's
+    graph of the same loop would concatenate the outputs, split the rows' gradient and stack the
+    experts' weight gradients, a copy of each. Keeps the rows and the first GEMM's output; the
+    activation is recomputed in backward (elementwise). Weights are used in the rows' dtype
+    (autocast's cast), cast one expert at a time in each pass: under bf16 autocast a saved cast copy
+    of every layer's experts would outweigh the layer's activations, and the weight gradients go
+    straight into tensors of the weights' dtype instead of through a whole low-precision copy."""
 
     @staticmethod
     def forward(ctx: Any, xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, sizes: list[int],
                 act: Any, gated: bool) -> torch.Tensor:
-        w1, w2 = gate_up.to(xs.dtype), down.to(xs.dtype)
-        h = xs.new_empty(xs.shape[0], w1.shape[1])
-        out = xs.new_empty(xs.shape[0], w2.shape[1])
+        h = xs.new_empty(xs.shape[0], gate_up.shape[1])
+        out = xs.new_empty(xs.shape[0], down.shape[1])
         with torch.autocast(xs.device.type, enabled=False):
             start = 0
             for e, n in enumerate(sizes):
                 if n:  # an idle expert costs nothing
                     rows = slice(start, start + n)
-                    torch.mm(xs[rows], w1[e].t(), out=h[rows])
-                    torch.mm(_activation(h[rows], act, gated), w2[e].t(), out=out[rows])
+                    _mm(xs[rows], gate_up[e].to(xs.dtype).t(), h[rows])
+                    _mm(_activation(h[rows], act, gated), down[e].to(xs.dtype).t(), out[rows])
                     start += n
-        ctx.save_for_backward(xs, w1, w2, h)
-        ctx.sizes, ctx.act, ctx.gated, ctx.dtypes = sizes, act, gated, (gate_up.dtype, down.dtype)
+        ctx.save_for_backward(xs, gate_up, down, h)
+        ctx.sizes, ctx.act, ctx.gated = sizes, act, gated
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        xs, w1, w2, h = ctx.saved_tensors
+        xs, gate_up, down, h = ctx.saved_tensors
         grad = grad.to(xs.dtype)
-        gx, g1, g2 = torch.empty_like(xs), torch.empty_like(w1), torch.empty_like(w2)
+        gx, g1, g2 = torch.empty_like(xs), torch.empty_like(gate_up), torch.empty_like(down)
         start = 0
         for e, n in enumerate(ctx.sizes):
             if not n:  # an idle expert's gradient is zero, not missing (DP/EP reductions expect it)
@@ -120,14 +122,70 @@ class _ExpertMLPs(torch.autograd.Function):
                 continue
             rows = slice(start, start + n)
             start += n
+            w1, w2 = gate_up[e].to(xs.dtype), down[e].to(xs.dtype)
             with torch.enable_grad():
                 he = h[rows].detach().requires_grad_(True)
                 a = _activation(he, ctx.act, ctx.gated)
-            torch.mm(grad[rows].t(), a.detach(), out=g2[e])
-            (gh,) = torch.autograd.grad(a, he, grad[rows] @ w2[e])
-            torch.mm(gh.t(), xs[rows], out=g1[e])
-            torch.mm(gh, w1[e], out=gx[rows])
-        return gx, g1.to(ctx.dtypes[0]), g2.to(ctx.dtypes[1]), None, None, None
+            _mm_t(grad[rows], a.detach(), g2[e])
+            (gh,) = torch.autograd.grad(a, he, _mm(grad[rows], w2, xs.new_empty(n, w2.shape[1])))
+            _mm_t(gh, xs[rows], g1[e])
+            _mm(gh, w1, gx[rows])
+        return gx, g1, g2, None, None, None
+
+
+# oneDNN, which runs bf16/fp16 matrix products on a CPU, builds and keeps kernels for every new
+# shape, and the experts' row counts change every step: a bf16 Mixtral step grew the process by
+# 20-45 MB a step (2,000 row counts of one product held ~800 MB). There the rows are cut into
+# power-of-two tiles, the last (< _TILE) zero-padded: a fixed set of shapes, whatever the routing.
+_TILE = 16
+
+
+def _tiles(n: int) -> list[tuple[int, int]]:
+    """``(start, rows)`` pieces of ``n`` rows: powers of two >= `_TILE`, largest first, then the
+    remainder below `_TILE`."""
+    pieces, start = [], 0
+    while n - start >= _TILE:
+        size = 1 << ((n - start).bit_length() - 1)
+        pieces.append((start, size))
+        start += size
+    return pieces + ([(start, n - start)] if start < n else [])
+
+
+def _tiled(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
+
+
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    pad = t.new_zeros(_TILE, t.shape[1])
+    pad[: t.shape[0]] = t
+    return pad
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = a @ b``, ``a``'s rows tiled where `_tiled`."""
+    if not _tiled(a):
+        return torch.mm(a, b, out=out)
+    for s, m in _tiles(a.shape[0]):
+        if m >= _TILE:
+            torch.mm(a[s:s + m], b, out=out[s:s + m])
+        else:
+            out[s:s + m] = (_padded(a[s:s + m]) @ b)[:m]
+    return out
+
+
+def _mm_t(a: torch.Tensor, c: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = a^T c`` summed over the rows (a weight's gradient), kept in ``out``'s dtype: where
+    `_tiled`, each tile's product is added to ``out`` (the weights' fp32 under autocast)."""
+    if not _tiled(a):
+        if out.dtype == a.dtype:
+            torch.mm(a.t(), c, out=out)
+        else:
+            out.copy_(a.t() @ c)
+        return
+    out.zero_()
+    for s, m in _tiles(a.shape[0]):
+        x, y = (a[s:s + m], c[s:s + m]) if m >= _TILE else (_padded(a[s:s + m]), _padded(c[s:s + m]))
+        out.add_(x.t() @ y)
 
 
 def _activation(h: torch.Tensor, act: Any, gated: bool) -> torch.Tensor:
@@ -162,7 +220,7 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class Router(nn.Module):
-    """Token-choice top-k router: ``logits = x W^T`` (fp32), scores by softmax or sigmoid over all
+    """Token-choice top-k router: ``logits = x W^T`` (in fp32, autocast or not), scores by softmax or sigmoid over all
     experts, top-k chosen on the scores (plus ``expert_bias`` when aux-loss-free balancing is on),
     gates = the chosen unbiased scores, renormalised to sum to one when ``normalize``."""
 
@@ -182,7 +240,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, D) -> gates (N, k) fp32, experts (N, k), logits (N, E) fp32, scores (N, E) fp32."""
-        logits = F.linear(x, self.weight).float()
+        # fp32 under autocast too (Megatron's moe_router_dtype=fp32): a token's experts should not
+        # flip on the bf16 rounding of near-tied logits; E columns, a negligible product.
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
         scores = torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
         choose = scores if self.expert_bias is None else scores.detach() + self.expert_bias
         experts = torch.topk(choose, self.top_k, dim=-1).indices
