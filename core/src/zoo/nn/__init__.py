@@ -2,9 +2,8 @@
 
 These are the primitives the parallel core knows how to shard and recompute, so a model built
 from them gets tensor/sequence/context parallelism and selective recomputation without changing.
-Numerics follow the Hugging Face reference implementations (norms computed in float32, RoPE
-cos/sin computed in float32 in the rotate-half layout), which is what makes logit parity at 1e-5
-possible.
+Numerics follow the Hugging Face implementations (norms and RoPE's cos/sin in float32, rotate-half
+layout): what makes logit parity at 1e-5 possible.
 """
 
 from __future__ import annotations
@@ -81,9 +80,7 @@ class _SwiGLUFn(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         (gate_up,) = ctx.saved_tensors
         gate, up = gate_up.chunk(2, dim=-1)
-        # Both halves written in place into the fused gradient, d gate by torch's own silu_backward
-        # kernel (bitwise what autograd of F.silu gives): the derivative spelled out in elementwise
-        # ops and a cat of the halves took 7x as long in fp32 (25 vs 3.6 ms a LLaMA layer here).
+        # d gate by torch's silu_backward (bitwise autograd's), halves in place: 7x faster than ops + cat
         out = torch.empty_like(gate_up)
         d_gate, d_up = out.chunk(2, dim=-1)
         torch.mul(grad, F.silu(gate), out=d_up)
@@ -195,8 +192,7 @@ def make_norm(spec: NormSpec, dim: int, eps: float) -> nn.Module:
 ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    # x sigmoid(1.702 x) as silu(1.702 x) / 1.702: one saved tensor and three backward kernels
-    # instead of two and five (CLIP's MLP).
+    # x sigmoid(1.702 x) as silu(1.702 x) / 1.702: CLIP's MLP with one saved tensor, not two
     "quick_gelu": lambda x: F.silu(x * 1.702) * (1 / 1.702),
     "silu": F.silu,
     "relu": F.relu,
