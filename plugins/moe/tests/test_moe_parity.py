@@ -136,21 +136,29 @@ def test_dropless_dispatch_equals_the_per_token_formula(router):
         assert layer.stats[-1].item() == 0  # nothing dropped
 
 
-@pytest.mark.parametrize("precision", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast", "bf16-params"])
 def test_expert_gradients_equal_the_per_token_formulas(precision):
     """The experts' hand-written backward (`zoo.nn.moe._ExpertMLPs`) against autograd through the
     token-by-token formula in fp32: exact in fp32; under bf16 autocast (weights cast one expert at
-    a time, gradients made in bf16 and kept in the weights' fp32) within bf16's rounding."""
+    a time, gradients made in bf16 and kept in the weights' fp32) and with bf16 parameters (tiles
+    summed in fp32, rounded once) within bf16's rounding."""
     layer = _layer(MoESpec(expert=SWIGLU, normalize_topk=True))
     x = torch.randn(3, 40, 16, generator=torch.Generator().manual_seed(4))  # ~40 rows an expert: several tiles
     probe = torch.randn(3, 40, 16, generator=torch.Generator().manual_seed(5))
+    if precision == "bf16-params":  # the reference sees the same (bf16-representable) values
+        x = x.bfloat16().float()
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(p.bfloat16().float())
     ref = torch.autograd.grad((_by_token(layer, x) * probe).sum(), [layer.gate_up, layer.down])
-    with torch.autocast("cpu", dtype=precision or torch.float32, enabled=precision is not None):
+    if precision == "bf16-params":
+        layer, x = layer.to(torch.bfloat16), x.bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-autocast"):
         got = torch.autograd.grad((layer(x).float() * probe).sum(), [layer.gate_up, layer.down])
     for g, r in zip(got, ref):
-        assert g.dtype == torch.float32 and g.shape == r.shape
-        err = float((g - r).norm() / r.norm())
-        assert err <= (1e-6 if precision is None else 2e-2), err
+        assert g.dtype == (torch.bfloat16 if precision == "bf16-params" else torch.float32) and g.shape == r.shape
+        err = float((g.float() - r).norm() / r.norm())
+        assert err <= (1e-6 if precision == "fp32" else 2e-2), err
 
 
 def test_bf16_expert_products_on_a_cpu_use_a_fixed_set_of_shapes():

@@ -175,17 +175,21 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 def _mm_t(a: torch.Tensor, c: torch.Tensor, out: torch.Tensor) -> None:
     """``out = a^T c`` summed over the rows (a weight's gradient), kept in ``out``'s dtype: where
-    `_tiled`, each tile's product is added to ``out`` (the weights' fp32 under autocast)."""
+    `_tiled`, the tiles' products are summed in fp32 (the weights' own under autocast) and rounded
+    once, as one product's accumulator would be."""
     if not _tiled(a):
         if out.dtype == a.dtype:
             torch.mm(a.t(), c, out=out)
         else:
             out.copy_(a.t() @ c)
         return
-    out.zero_()
+    acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    acc.zero_()
     for s, m in _tiles(a.shape[0]):
         x, y = (a[s:s + m], c[s:s + m]) if m >= _TILE else (_padded(a[s:s + m]), _padded(c[s:s + m]))
-        out.add_(x.t() @ y)
+        acc.add_(x.t() @ y)
+    if acc is not out:
+        out.copy_(acc)
 
 
 def _activation(h: torch.Tensor, act: Any, gated: bool) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch import nn
 
 from zoo.checkpoint.state import Checkpoint
 from zoo.checkpoint.tensorio import CheckpointError
+from zoo.config import OptimizerConfig
 from zoo.errors import ConfigError
 from zoo.parallel.engine import Parallel
 from zoo.parallel.sharding import Placements, Split, TPShard, like, local
@@ -68,7 +69,8 @@ class ParamRules:
                                       + (suggest(pattern, names) or f" (e.g. {', '.join(list(names)[:3])})"))
 
 
-def adamw_factory(cfg: Any, *, note: Any = print) -> Any:
+def adamw_factory(cfg: OptimizerConfig, *, note: Callable[[str], None] = print
+                  ) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
     """``groups -> torch.optim.AdamW`` for an `OptimizerConfig` (``cfg``), with its kernel choice:
     ``fused`` falls back to ``foreach``, with one ``note``, where torch has no fused kernel for the
     parameters' device (torch refuses those at construction)."""
