@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.nn.attention_ops import attend, attend_at
 from zoo.nn.recompute import SelectiveCore, recomputable
 from zoo.parallel.context import ContextParallelSite, SequenceShard  # noqa: F401 (SequenceShard: for models)
 from zoo.spec import NormSpec
@@ -338,8 +339,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         k = k.contiguous() if k._base is not None else k
         v = v.clone(memory_format=torch.contiguous_format) if v._base is not None else v
     if q_positions is not None:
-        return _attention_at(q, k, v, causal, offset, segment_ids, kv_segment_ids, q_positions)
-    return _attention(q, k, v, causal, offset, segment_ids, kv_segment_ids)
+        return attend_at(q, k, v, causal, offset, segment_ids, kv_segment_ids, q_positions)
+    return attend(q, k, v, causal, offset, segment_ids, kv_segment_ids)
 
 
 class AttentionCore(SelectiveCore, ContextParallelSite):
@@ -379,40 +380,6 @@ class AttentionCore(SelectiveCore, ContextParallelSite):
                          q_positions=q_positions)
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
-               segment_ids: torch.Tensor | None = None, kv_segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-    # enable_gqa: query head i attends with KV head i // (H // KV) (HF's grouping) without copying K/V.
-    gqa = q.shape[1] != k.shape[1]
-    t, s = q.shape[2], k.shape[2]
-    if segment_ids is not None:  # block-diagonal (causal) mask: (B, 1, T, S)
-        keys = segment_ids if kv_segment_ids is None else kv_segment_ids
-        mask = segment_ids[:, None, :, None] == keys[:, None, None, :]
-        if causal:
-            mask = mask & torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=offset)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    if not causal or t == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-    if offset == 0 and s == t:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=offset)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-
-def _attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
-                  segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None, at: torch.Tensor) -> torch.Tensor:
-    # q holds the queries of positions ``at`` (B, T') only: the causal and document masks are
-    # those rows of the full masks.
-    s = k.shape[2]
-    mask = None
-    if causal:
-        mask = torch.arange(s, device=q.device)[None, None, None, :] <= (at + offset)[:, None, :, None]
-    if segment_ids is not None:
-        keys = segment_ids if kv_segment_ids is None else kv_segment_ids
-        same = segment_ids.gather(1, at)[:, None, :, None] == keys[:, None, None, :]
-        mask = same if mask is None else mask & same
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-
-
 # ----------------------------------------------------------------------------------------- loss
 
 
@@ -437,18 +404,18 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         w = weight.to(hidden.dtype)
         for s in range(0, n, chunk):
             h = hidden[s:s + chunk]
-            logits = (h @ w.t()).float()  # (c, V)
-            lse = torch.logsumexp(logits, dim=-1)
+            # one fused log-softmax over the chunk's float32 logits gives the loss, and its exp the
+            # softmax, d loss / d logits once each row's label is taken off
+            logp = torch.log_softmax((h @ w.t()).float(), dim=-1)  # (c, V)
             lab = labels[s:s + chunk]
             m = mask[s:s + chunk].float()
-            picked = logits.gather(1, lab[:, None]).squeeze(1)
-            total += ((lse - picked) * m).sum()
+            total -= (logp.gather(1, lab[:, None]).squeeze(1) * m).sum()
             if need:
-                d = torch.softmax(logits, dim=-1)  # reuse the chunk's logits for d loss / d logits
+                d = logp.exp_()
                 d[torch.arange(d.shape[0], device=d.device), lab] -= 1.0
-                d *= (m / denom)[:, None]
-                grad_h[s:s + chunk] = (d.to(w.dtype) @ w).to(hidden.dtype)
-                grad_w += (d.to(h.dtype).t() @ h).float()
+                d = d.mul_((m / denom)[:, None]).to(w.dtype)  # one cast for both GEMMs
+                grad_h[s:s + chunk] = (d @ w).to(hidden.dtype)
+                grad_w += (d.t() @ h).float()
         if need:
             ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype

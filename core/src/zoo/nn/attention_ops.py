@@ -1,0 +1,211 @@
+"""How the attention core is computed: torch's `scaled_dot_product_attention` with zoo's masks,
+or, for bf16/fp16 on a CPU, blocks of batched GEMMs (`blocked_attention`).
+
+torch's CPU flash-attention kernel (what `scaled_dot_product_attention` picks on a CPU) spends most
+of its time outside matrix products in bf16: on a 2-core AVX-512 machine whose bf16 GEMMs run at
+~1 TFLOP/s, one LLaMA layer's attention (4 x 512 tokens, 8 query and 2 KV heads of 64) takes 35 ms
+forward and backward, a third of a bf16 training step. The blocked path does the same work as
+oneDNN's batched GEMMs and torch's fused softmax kernels, a block of query rows at a time: 12 ms
+(measured by `benchmarks/attention_cpu.py`). In fp32 torch's kernel is near the GEMM speed and is
+kept.
+
+- grouped-query heads are stacked as rows: the G query heads of one KV head and a block of
+  positions form one matrix against that KV head's keys, so K and V are never repeated and each
+  product is one `bmm` over (batch x KV head) matrices;
+- causal blocks stop at their last key (about half the products of the square) and only the
+  diagonal strip of each block is masked;
+- backward recomputes each block's probabilities (one GEMM and one softmax) instead of keeping
+  the (T x S) matrix: forward keeps q (scaled, row-stacked), k and v, as flash attention does;
+  dK and dV add up over the query blocks in float32.
+
+Numerics: the GEMMs accumulate in float32 and round their outputs to bf16, so the scores are
+rounded to bf16 before the float32 softmax (torch's kernel keeps them in float32). Against float64
+(`tests/test_attention_ops.py`) the output's and gradients' errors are the size of torch's bf16
+kernel's (4e-3 to 7e-3 relative); run in fp32 the blocked path is at 3e-7 as torch's is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# A block is a chunk of (batch x KV head) matrices times a block of query rows: enough rows for
+# the GEMMs to run near the peak, few enough elements that the block's scores stay in cache for the
+# elementwise passes over them (masking, softmax, its backward).
+_BLOCK_ROWS = 256
+_BLOCK_ELEMENTS = 1 << 20
+
+
+def blocked_supported(q: torch.Tensor, k: torch.Tensor, *, segment_ids: torch.Tensor | None,
+                      kv_segment_ids: torch.Tensor | None) -> bool:
+    """Whether `attend` takes the blocked path: bf16/fp16 (or autocast to them) on a CPU, more than
+    one query (a decoding step is a matrix-vector product either way), self-attention or
+    cross-attention without packed keys."""
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
+    if q.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or q.shape[2] < 2:
+        return False
+    if segment_ids is not None and (k.shape[2] != q.shape[2] or (kv_segment_ids is not None and kv_segment_ids is not segment_ids)):
+        return False  # packed cross-attention can leave a query no key: SDPA's path handles it
+    return kv_segment_ids is None or kv_segment_ids is segment_ids
+
+
+def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, offset: int = 0,
+                      segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(hd)) v`` for q (B, H, T, hd), k/v (B, KV, S, hd), H a multiple of KV
+    (query head i reads KV head i // (H // KV)). ``causal``: query i sees keys up to ``offset + i``
+    (S = offset + T with a KV cache). ``segment_ids`` (B, T), self-attention only: attention stays
+    inside each packed sample. Returns (B, H, T, hd) laid out as (B, T, H, hd) in memory, so the
+    usual ``transpose(1, 2).reshape(B, T, H * hd)`` before the output projection copies nothing."""
+    if torch.is_autocast_enabled("cpu"):  # what autocast does to scaled_dot_product_attention
+        dtype = torch.get_autocast_dtype("cpu")
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    with torch.autocast("cpu", enabled=False):
+        return _BlockedAttention.apply(q, k, v, causal, offset, segment_ids)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
+           segment_ids: torch.Tensor | None = None, kv_segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hd)) v with the masks `zoo.nn.attention` describes: the blocked path
+    where it is the faster one, torch's scaled_dot_product_attention otherwise."""
+    if blocked_supported(q, k, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids):
+        return blocked_attention(q, k, v, causal=causal, offset=offset, segment_ids=segment_ids)
+    # enable_gqa: query head i attends with KV head i // (H // KV) (HF's grouping) without copying K/V.
+    gqa = q.shape[1] != k.shape[1]
+    t, s = q.shape[2], k.shape[2]
+    if segment_ids is not None:  # block-diagonal (causal) mask: (B, 1, T, S)
+        keys = segment_ids if kv_segment_ids is None else kv_segment_ids
+        mask = segment_ids[:, None, :, None] == keys[:, None, None, :]
+        if causal:
+            mask = mask & torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    if not causal or t == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    if offset == 0 and s == t:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def attend_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
+              segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None, at: torch.Tensor) -> torch.Tensor:
+    """`attend` for q holding the queries of positions ``at`` (B, T') only: the causal and document
+    masks are those rows of the full masks."""
+    s = k.shape[2]
+    mask = None
+    if causal:
+        mask = torch.arange(s, device=q.device)[None, None, None, :] <= (at + offset)[:, None, :, None]
+    if segment_ids is not None:
+        keys = segment_ids if kv_segment_ids is None else kv_segment_ids
+        same = segment_ids.gather(1, at)[:, None, :, None] == keys[:, None, None, :]
+        mask = same if mask is None else mask & same
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _row_stacked(x: torch.Tensor, kv: int, scale: float | None = None) -> torch.Tensor:
+    """(B, H, T, hd) in any layout -> contiguous (B*KV, T, G, hd), times ``scale`` on the way."""
+    b, h, t, hd = x.shape
+    src = x.unflatten(1, (kv, h // kv)).permute(0, 1, 3, 2, 4)
+    out = torch.empty((b, kv, t, h // kv, hd), dtype=x.dtype, device=x.device)
+    out = out.copy_(src) if scale is None else torch.mul(src, scale, out=out)
+    return out.flatten(0, 1)
+
+
+class _Plan:
+    """The blocks of one call and their masks, shared by forward and backward. Matrices are the
+    (batch, KV head) pairs; a matrix's rows are (position, query head of the group) pairs."""
+
+    def __init__(self, b: int, h: int, kv: int, t: int, s: int, causal: bool, offset: int,
+                 segment_ids: torch.Tensor | None, device: torch.device) -> None:
+        self.b, self.kv, self.g, self.t, self.s = b, kv, h // kv, t, s
+        self.causal, self.offset, self.segment_ids = causal, offset, segment_ids
+        self.tb = max(1, min(t, _BLOCK_ROWS // self.g))
+        mb = max(1, _BLOCK_ELEMENTS // (self.tb * self.g * s))
+        # whole batch rows of KV heads, or KV heads of one batch row: a block of matrices is then a
+        # rectangle of the (B, T, KV, G, hd) output as well as a range of the (B*KV) matrices
+        self.bb, self.kb = (min(b, mb // kv), kv) if mb >= kv else (1, mb)
+        # Causal mask of a block's diagonal strip relative to its first query: the same for every
+        # block (keys from the block's first position on).
+        self.strip = torch.ones(self.tb, self.tb, dtype=torch.bool, device=device).triu(1)[:, None] if causal else None
+
+    def blocks(self) -> list[tuple[slice, slice, slice, int, int, int, int]]:
+        """Per block: its batch rows, KV heads and queries (slices of the (B, T, KV, G, hd) output),
+        its first and end matrix of the (B*KV) ones, its first query and its end key."""
+        out = []
+        for b0 in range(0, self.b, self.bb):
+            b1 = min(self.b, b0 + self.bb)
+            for k0 in range(0, self.kv, self.kb):
+                k1 = min(self.kv, k0 + self.kb)
+                for i0 in range(0, self.t, self.tb):
+                    i1 = min(self.t, i0 + self.tb)
+                    end = self.offset + i1 if self.causal else self.s
+                    out.append((slice(b0, b1), slice(k0, k1), slice(i0, i1), b0 * self.kv + k0,
+                                (b1 - 1) * self.kv + k1, i0, end))
+        return out
+
+    def put(self, out: torch.Tensor, block: tuple, value: torch.Tensor) -> None:
+        """Writes a block's (matrices, rows, G, hd) result into the (B, T, KV, G, hd) ``out``."""
+        bs, ks, ts = block[:3]
+        nb, nk = bs.stop - bs.start, ks.stop - ks.start
+        out[bs, ts, ks] = value.view(nb, nk, ts.stop - ts.start, self.g, value.shape[-1]).transpose(1, 2)
+
+    def scores(self, qb: torch.Tensor, kb: torch.Tensor, m0: int, m1: int, i0: int, i1: int) -> torch.Tensor:
+        """Masked ``qb kb^T`` of one block: (m1-m0, (i1-i0)*G, end)."""
+        scores = torch.bmm(qb.flatten(1, 2), kb.transpose(1, 2))
+        tb, end = i1 - i0, kb.shape[1]
+        view = scores.view(m1 - m0, tb, self.g, end)
+        if self.causal:  # keys before the block's first position are visible to all its queries
+            view[..., self.offset + i0:end].masked_fill_(self.strip[:tb, :, :tb], float("-inf"))
+        if self.segment_ids is not None:
+            ids = self.segment_ids.repeat_interleave(self.kv, 0)[m0:m1]  # a matrix's batch row
+            view.masked_fill_((ids[:, i0:i1, None] != ids[:, None, :end])[:, :, None], float("-inf"))
+        return scores
+
+
+class _BlockedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
+                segment_ids: torch.Tensor | None) -> torch.Tensor:
+        b, h, t, hd = q.shape
+        kv, s = k.shape[1], k.shape[2]
+        plan = _Plan(b, h, kv, t, s, causal, offset, segment_ids, q.device)
+        qs = _row_stacked(q, kv, hd ** -0.5)  # (B*KV, T, G, hd)
+        kf, vf = k.reshape(b * kv, s, hd), v.reshape(b * kv, s, hd)
+        out = q.new_empty(b, t, kv, plan.g, hd)
+        for block in plan.blocks():
+            m0, m1, i0, end = block[3:]
+            i1 = block[2].stop
+            probs = torch.softmax(plan.scores(qs[m0:m1, i0:i1], kf[m0:m1, :end], m0, m1, i0, i1), -1)
+            plan.put(out, block, torch.bmm(probs, vf[m0:m1, :end]))
+        ctx.save_for_backward(qs, kf, vf)
+        ctx.plan, ctx.shape = plan, q.shape
+        return out.view(b, t, h, hd).transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        qs, kf, vf = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        b, h, t, hd = ctx.shape
+        kv, s = plan.kv, plan.s
+        gs = _row_stacked(grad.to(qs.dtype), kv)
+        dq = qs.new_empty(b, t, kv, plan.g, hd)
+        dk = torch.zeros(b * kv, s, hd, dtype=torch.float32, device=qs.device)
+        dv = torch.zeros_like(dk)
+        for block in plan.blocks():
+            m0, m1, i0, end = block[3:]
+            i1 = block[2].stop
+            qb, gb = qs[m0:m1, i0:i1].flatten(1, 2), gs[m0:m1, i0:i1].flatten(1, 2)
+            kb, vb = kf[m0:m1, :end], vf[m0:m1, :end]
+            probs = torch.softmax(plan.scores(qs[m0:m1, i0:i1], kb, m0, m1, i0, i1), -1)
+            dv[m0:m1, :end] += torch.bmm(probs.transpose(1, 2), gb)
+            # d scores = P * (dP - rowsum(dP * P)): torch's fused softmax backward
+            dscores = torch._softmax_backward_data(torch.bmm(gb, vb.transpose(1, 2)), probs, -1, probs.dtype)
+            plan.put(dq, block, torch.bmm(dscores, kb))
+            dk[m0:m1, :end] += torch.bmm(dscores.transpose(1, 2), qb)  # qb holds the scale already
+        dq.mul_(hd ** -0.5)
+        return (dq.view(b, t, h, hd).transpose(1, 2), dk.view(b, kv, s, hd).to(kf.dtype),
+                dv.view(b, kv, s, hd).to(vf.dtype), None, None, None)
+
+
+__all__ = ["attend", "attend_at", "blocked_attention", "blocked_supported"]

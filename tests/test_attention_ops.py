@@ -1,0 +1,117 @@
+"""The blocked CPU attention (zoo.nn.attention_ops) against float64 scaled_dot_product_attention:
+outputs and all three gradients, for every mask it takes, with blocks small enough that each
+call is cut into several (query blocks, matrix chunks within and across batch rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from zoo.nn import attention
+from zoo.nn import attention_ops as ops
+
+
+def _reference(q, k, v, *, causal, offset=0, segment_ids=None):
+    """float64 SDPA with the masks spelled out: key j visible to query i when j <= offset + i
+    (causal) and both lie in the same packed sample."""
+    t, s = q.shape[2], k.shape[2]
+    mask = torch.ones(t, s, dtype=torch.bool)
+    if causal:
+        mask = torch.ones(t, s, dtype=torch.bool).tril(diagonal=offset)
+    mask = mask[None, None]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _inputs(b, h, kv, t, s, hd, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # q and k as (B, T, H, hd) memory seen as (B, H, T, hd), the layout the attention layers pass
+    q = torch.randn(b, t, h, hd, generator=g).transpose(1, 2)
+    k = torch.randn(b, s, kv, hd, generator=g).transpose(1, 2)
+    v = torch.randn(b, kv, s, hd, generator=g)
+    return q, k, v, torch.randn(b, h, t, hd, generator=g)
+
+
+def _run(fn, q, k, v, grad, dtype):
+    xs = [x.detach().to(dtype).requires_grad_(True) for x in (q, k, v)]
+    out = fn(*xs)
+    out.backward(grad.to(dtype))
+    return [out.detach().double()] + [x.grad.double() for x in xs]
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+CASES = {
+    # name: (b, h, kv, t, s, hd, causal, offset, packed)
+    "causal-gqa": (2, 8, 2, 40, 40, 16, True, 0, False),
+    "full-mha": (2, 4, 4, 33, 33, 8, False, 0, False),
+    "cross-lengths": (2, 4, 2, 12, 20, 8, False, 0, False),
+    "causal-offset": (1, 6, 3, 9, 25, 8, True, 16, False),
+    "packed-causal": (2, 4, 1, 30, 30, 8, True, 0, True),
+    "packed-full": (3, 2, 2, 21, 21, 8, False, 0, True),
+}
+
+
+@pytest.mark.parametrize("blocks", [(256, 1 << 20), (8, 400), (4, 60)], ids=["default", "few-rows", "tiny"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_blocked_attention_matches_float64(case, blocks, monkeypatch):
+    monkeypatch.setattr(ops, "_BLOCK_ROWS", blocks[0])
+    monkeypatch.setattr(ops, "_BLOCK_ELEMENTS", blocks[1])
+    b, h, kv, t, s, hd, causal, offset, packed = CASES[case]
+    q, k, v, grad = _inputs(b, h, kv, t, s, hd)
+    seg = None
+    if packed:  # samples of uneven lengths packed along the sequence
+        seg = torch.cat([torch.full((n,), i) for i, n in enumerate((7, 1, t - 12, 4))])[None].repeat(b, 1)
+        seg[-1] = torch.arange(t) // 5
+    ref = _run(lambda q, k, v: _reference(q, k, v, causal=causal, offset=offset, segment_ids=seg), q, k, v, grad,
+               torch.float64)
+
+    def ours(q, k, v):
+        return ops.blocked_attention(q, k, v, causal=causal, offset=offset, segment_ids=seg)
+
+    for got, want in zip(_run(ours, q, k, v, grad, torch.float32), ref):
+        assert _rel(got, want) < 2e-6
+    # bf16: the errors of torch's own bf16 kernel on the same inputs, within a factor
+    torch_bf16 = _run(lambda q, k, v: _reference(q, k, v, causal=causal, offset=offset, segment_ids=seg), q, k, v,
+                      grad, torch.bfloat16)
+    for got, theirs, want in zip(_run(ours, q, k, v, grad, torch.bfloat16), torch_bf16, ref):
+        assert _rel(got, want) < max(2.5 * _rel(theirs, want), 4e-3)
+
+
+def test_output_is_laid_out_for_the_output_projection():
+    q, k, v, _ = _inputs(2, 4, 2, 10, 10, 8)
+    out = ops.blocked_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True)
+    assert out.shape == (2, 4, 10, 8) and out.transpose(1, 2).is_contiguous()
+
+
+def test_attention_dispatch(monkeypatch):
+    """bf16 (or autocast to it) on a CPU takes the blocked path, fp32 and decoding steps torch's
+    kernel; both give the same attention."""
+    calls = []
+    real = ops.blocked_attention
+    monkeypatch.setattr(ops, "blocked_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, _ = _inputs(1, 4, 2, 16, 16, 8)
+    ref = _reference(q.double(), k.double(), v.double(), causal=True)
+    out32 = attention(q, k, v, causal=True)
+    assert not calls
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_ac = attention(q, k, v, causal=True)
+    assert calls == [1] and out_ac.dtype == torch.bfloat16
+    out16 = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True)
+    assert calls == [1, 1]
+    attention(q[:, :, -1:].bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, offset=15)  # one query: torch's
+    assert calls == [1, 1]
+    assert _rel(out32.double(), ref) < 1e-6
+    assert _rel(out_ac.double(), ref) < 1e-2 and _rel(out16.double(), ref) < 1e-2
+
+
+def test_packed_cross_attention_keeps_torch_kernel():
+    """Packed text keys can leave a query none to attend to: that case stays on torch's kernel."""
+    q, k, v, _ = _inputs(1, 2, 2, 6, 6, 8)
+    seg = torch.tensor([[0, 0, 1, 1, 2, 2]])
+    assert not ops.blocked_supported(q.bfloat16(), k.bfloat16(), segment_ids=seg, kv_segment_ids=seg.clone())
+    assert ops.blocked_supported(q.bfloat16(), k.bfloat16(), segment_ids=seg, kv_segment_ids=seg)
