@@ -56,9 +56,11 @@ def build(a: argparse.Namespace):
 
 def worker(a: argparse.Namespace) -> None:
     import torch
-    from llama_vs_hf import time_training  # the same timed AdamW loop as the LLaMA benchmark
+    from llama_vs_hf import time_training, zoo_process_settings  # the LLaMA benchmark's timed AdamW loop
 
     torch.set_num_threads(a.threads)
+    if a.impl != "hf":
+        zoo_process_settings()
     model, loss_of = build(a)
     if a.generate:
         model.eval()

@@ -70,10 +70,12 @@ def build(a: argparse.Namespace):
 
 def worker(a: argparse.Namespace) -> None:
     import torch
-    from llama_vs_hf import time_training  # the same timed AdamW loop as the LLaMA benchmark
+    from llama_vs_hf import time_training, zoo_process_settings  # the LLaMA benchmark's timed AdamW loop
 
     torch.set_num_threads(a.threads)
     torch.set_flush_denormal(a.flush_denormal == "on")
+    if a.impl != "hf":
+        zoo_process_settings()
     model, loss_of = build(a)
     # The state every AdamW step holds on either side: fp32 gradients and two moments per parameter.
     state_mb = 3 * sum(p.numel() * 4 for p in model.parameters()) / 2**20

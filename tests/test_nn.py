@@ -240,3 +240,20 @@ def test_a_last_layer_computing_only_kept_positions_equals_the_full_layer_there(
     torch.testing.assert_close(out_k, out_f, atol=1e-6, rtol=1e-5)
     for a, b in zip(g_k, g_f, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "silu", "relu", "quick_gelu", "relu2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_gradient_is_autograds(name, dtype):
+    """`activation` keeps only its input and differentiates with autograd's own kernel: bitwise the
+    plain function's gradient (zeros included, for relu)."""
+    from zoo.nn import ACTIVATIONS, activation
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 64).to(dtype)
+    x[0, :4] = 0.0
+    g = torch.randn(5, 64).to(dtype)
+    a, b = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    activation(a, name).backward(g)
+    ACTIVATIONS[name](b).backward(g)
+    assert torch.equal(a.grad, b.grad)
