@@ -6,7 +6,8 @@ same batch, noise levels and noise, computes EDM's preconditioned loss and runs 
 AdamW step. Reported: training images/s, the peak bytes autograd keeps for backward (every tensor
 saved by the forward, counted once per storage: the activations' live peak on any device), and
 sampling time for 18 Heun steps (35 network evaluations) with batched classifier-free guidance.
-fp32 and bf16 autocast.
+fp32 and bf16 autocast. Both sides run in this one process, under `zoo train`'s allocator setting
+(`train.cpu_malloc`: freed memory kept for reuse), which therefore helps both.
 
     python benchmarks/dit_vs_diffusers.py [--layers 6] [--batch 8] [--steps 6] [--threads 2]
 """
@@ -51,6 +52,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from zoo.config import TrainConfig
+    from zoo.training import malloc
+
+    malloc.configure(TrainConfig().cpu_malloc)
 
     from diffusers import DiTTransformer2DModel
     from zoo_dit import edm

@@ -91,6 +91,10 @@ def worker(a: argparse.Namespace) -> None:
     from zoo.nn import recompute
 
     torch.set_num_threads(a.threads)
+    if a.impl != "hf":
+        from llama_vs_hf import zoo_process_settings
+
+        zoo_process_settings()
     model, loss_of, batch = build(a)
     model.train()
     # fused on both sides: `zoo train`'s default (optimizer.implementation) and the HF Trainer's

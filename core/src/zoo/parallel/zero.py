@@ -77,7 +77,10 @@ class DistributedOptimizer:
         `zoo.training.guard`)."""
         inv = 1.0 / loss_scale.scale_value if loss_scale is not None else 1.0
         for b, a, n, master, _, _ in self.pieces:
-            master.grad = b.buffer[a:a + n].float() * inv  # this rank's reduced gradient slice, unscaled
+            # this rank's reduced gradient slice, unscaled: a float32 buffer's own memory (the step
+            # reads it before the buffer is reused for the parameters below), a bf16/fp16 one's copy
+            grad = b.buffer[a:a + n].float()
+            master.grad = grad.mul_(inv) if inv != 1.0 else grad
         pairs = [(piece[3].grad, piece[4]) for piece in self.pieces]
         if norm_squared is None:
             from zoo.parallel.apply import grad_norm_squared
@@ -102,7 +105,7 @@ class DistributedOptimizer:
             scale_grads([piece[3].grad for piece in self.pieces], norm, max_norm)
         self.optimizer.step()
         for b, a, n, master, _, _ in self.pieces:
-            b.buffer[a:a + n].copy_(master.to(b.buffer.dtype))  # reuse the grad buffer to gather params
+            b.buffer[a:a + n].copy_(master)  # (cast on the way) reuse the grad buffer to gather params
         for b in self.buckets.buckets:
             full = self._gather(b.buffer, b)
             offset = 0
