@@ -60,9 +60,13 @@ def main() -> None:
             want = [out.detach(), *(x.grad for x in ref)]
             for dtype in (torch.bfloat16, torch.float32):
                 row = {}
-                for side, fn in (("torch", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                                                                           enable_gqa=h != kv)),
-                                 ("zoo", lambda q, k, v: blocked_attention(q, k, v, causal=causal))):
+                def torch_side(q, k, v, causal=causal, gqa=h != kv):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+                def zoo_side(q, k, v, causal=causal):
+                    return blocked_attention(q, k, v, causal=causal)
+
+                for side, fn in (("torch", torch_side), ("zoo", zoo_side)):
                     xs = [x.detach().to(dtype).clone().requires_grad_(True) for x in base]
                     gd = grad.to(dtype)
 
