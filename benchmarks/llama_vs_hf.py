@@ -7,7 +7,9 @@ the identical config (8 layers, hidden 512, 8 heads, 2 KV heads, vocab 8192,
 seq 512 by default), the same batch, the same fused AdamW (both frameworks' default), the same thread count, in fp32 and in bf16
 autocast. Each measurement runs in its own fresh process (so peak RSS is that model's alone), one
 after another in the same run, and the GEMM peak that MFU is measured against is taken on the same
-machine in the same run.
+machine in the same run. zoo's processes apply what `zoo train` applies to a CPU process (freed
+memory kept for reuse, `train.cpu_malloc`); the `hf+retain` rows run HF under that same setting, so
+the table shows which part of the ratio it is.
 
     python benchmarks/llama_vs_hf.py                 # full size
     python benchmarks/llama_vs_hf.py --quick         # a smaller, faster check
