@@ -46,9 +46,9 @@ def blocked_supported(q: torch.Tensor, k: torch.Tensor, *, segment_ids: torch.Te
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
     if q.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or q.shape[2] < 2:
         return False
-    if segment_ids is not None and (k.shape[2] != q.shape[2] or (kv_segment_ids is not None and kv_segment_ids is not segment_ids)):
+    if kv_segment_ids is not None and kv_segment_ids is not segment_ids:
         return False  # packed cross-attention can leave a query no key: SDPA's path handles it
-    return kv_segment_ids is None or kv_segment_ids is segment_ids
+    return segment_ids is None or k.shape[2] == q.shape[2]
 
 
 def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, offset: int = 0,
