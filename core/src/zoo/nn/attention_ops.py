@@ -117,17 +117,26 @@ class _Plan:
     (batch, KV head) pairs; a matrix's rows are (position, query head of the group) pairs."""
 
     def __init__(self, b: int, h: int, kv: int, t: int, s: int, causal: bool, offset: int,
-                 segment_ids: torch.Tensor | None, device: torch.device) -> None:
+                 segment_ids: torch.Tensor | None, like: torch.Tensor) -> None:
         self.b, self.kv, self.g, self.t, self.s = b, kv, h // kv, t, s
-        self.causal, self.offset, self.segment_ids = causal, offset, segment_ids
+        self.causal, self.offset = causal, offset
+        # each matrix's batch row's sample ids
+        self.segment_ids = None if segment_ids is None else segment_ids.repeat_interleave(kv, 0)
         self.tb = max(1, min(t, _BLOCK_ROWS // self.g))
         mb = max(1, _BLOCK_ELEMENTS // (self.tb * self.g * s))
         # whole batch rows of KV heads, or KV heads of one batch row: a block of matrices is then a
         # rectangle of the (B, T, KV, G, hd) output as well as a range of the (B*KV) matrices
         self.bb, self.kb = (min(b, mb // kv), kv) if mb >= kv else (1, mb)
         # Causal mask of a block's diagonal strip relative to its first query: the same for every
-        # block (keys from the block's first position on).
-        self.strip = torch.ones(self.tb, self.tb, dtype=torch.bool, device=device).triu(1)[:, None] if causal else None
+        # block (keys from the block's first position on). As an additive bias whose last tb
+        # columns are the strip, a whole block's keys are its last `end` columns, and the GEMM adds
+        # the mask as it writes the scores (baddbmm: bitwise the masked product, no second pass).
+        self.strip = torch.ones(self.tb, self.tb, dtype=torch.bool, device=like.device).triu(1)[:, None] if causal else None
+        self.bias = None
+        if causal:
+            self.bias = torch.zeros(self.tb, self.g, s, dtype=like.dtype, device=like.device)
+            self.bias[..., s - self.tb:].masked_fill_(self.strip, float("-inf"))
+            self.bias = self.bias.flatten(0, 1)
 
     def blocks(self) -> list[tuple[slice, slice, slice, int, int, int, int]]:
         """Per block: its batch rows, KV heads and queries (slices of the (B, T, KV, G, hd) output),
@@ -152,13 +161,16 @@ class _Plan:
 
     def scores(self, qb: torch.Tensor, kb: torch.Tensor, m0: int, m1: int, i0: int, i1: int) -> torch.Tensor:
         """Masked ``qb kb^T`` of one block: (m1-m0, (i1-i0)*G, end)."""
-        scores = torch.bmm(qb.flatten(1, 2), kb.transpose(1, 2))
         tb, end = i1 - i0, kb.shape[1]
+        if self.bias is not None and tb == self.tb:
+            scores = torch.baddbmm(self.bias[:, self.s - end:], qb.flatten(1, 2), kb.transpose(1, 2))
+        else:
+            scores = torch.bmm(qb.flatten(1, 2), kb.transpose(1, 2))
         view = scores.view(m1 - m0, tb, self.g, end)
-        if self.causal:  # keys before the block's first position are visible to all its queries
+        if self.causal and tb != self.tb:  # keys before the block's first position are visible to all its queries
             view[..., self.offset + i0:end].masked_fill_(self.strip[:tb, :, :tb], float("-inf"))
         if self.segment_ids is not None:
-            ids = self.segment_ids.repeat_interleave(self.kv, 0)[m0:m1]  # a matrix's batch row
+            ids = self.segment_ids[m0:m1]
             view.masked_fill_((ids[:, i0:i1, None] != ids[:, None, :end])[:, :, None], float("-inf"))
         return scores
 
@@ -169,7 +181,7 @@ class _BlockedAttention(torch.autograd.Function):
                 segment_ids: torch.Tensor | None) -> torch.Tensor:
         b, h, t, hd = q.shape
         kv, s = k.shape[1], k.shape[2]
-        plan = _Plan(b, h, kv, t, s, causal, offset, segment_ids, q.device)
+        plan = _Plan(b, h, kv, t, s, causal, offset, segment_ids, q)
         qs = _row_stacked(q, kv, hd ** -0.5)  # (B*KV, T, G, hd)
         kf, vf = k.reshape(b * kv, s, hd), v.reshape(b * kv, s, hd)
         out = q.new_empty(b, t, kv, plan.g, hd)
