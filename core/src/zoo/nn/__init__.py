@@ -39,8 +39,9 @@ class _RMSNormFn(torch.autograd.Function):
         g = grad.float()
         grad_w = (g * xhat.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
         gx = g * weight.float()
-        gx = rstd * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))
-        return gx.to(x.dtype), grad_w, None
+        # rstd * (gx - xhat * mean(gx * xhat)): a fused row dot and multiply-add, no temporaries
+        dot = torch.linalg.vecdot(gx, xhat, dim=-1).unsqueeze(-1).div_(x.shape[-1])
+        return torch.addcmul(gx, xhat, dot, value=-1).mul_(rstd).to(x.dtype), grad_w, None
 
 
 def _rms_normed(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
