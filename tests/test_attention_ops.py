@@ -89,15 +89,20 @@ def test_output_is_laid_out_for_the_output_projection():
 
 
 def test_attention_dispatch(monkeypatch):
-    """bf16 (or autocast to it) on a CPU takes the blocked path, fp32 and decoding steps torch's
-    kernel; both give the same attention."""
+    """bf16 (or autocast to it) on a CPU takes the blocked path, and so does fp32 causal attention
+    with grouped KV heads; other fp32 attention and decoding steps torch's kernel; both give the same
+    attention."""
     calls = []
     real = ops.blocked_attention
     monkeypatch.setattr(ops, "blocked_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v, _ = _inputs(1, 4, 2, 16, 16, 8)
     ref = _reference(q.double(), k.double(), v.double(), causal=True)
-    out32 = attention(q, k, v, causal=True)
+    attention(q, k, v, causal=False)  # fp32, not causal
+    attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), causal=True)  # fp32, one KV head a head
     assert not calls
+    out32 = attention(q, k, v, causal=True)  # fp32, causal, grouped
+    assert calls == [1]
+    calls.clear()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out_ac = attention(q, k, v, causal=True)
     assert calls == [1] and out_ac.dtype == torch.bfloat16
@@ -113,5 +118,6 @@ def test_packed_cross_attention_keeps_torch_kernel():
     """Packed text keys can leave a query none to attend to: that case stays on torch's kernel."""
     q, k, v, _ = _inputs(1, 2, 2, 6, 6, 8)
     seg = torch.tensor([[0, 0, 1, 1, 2, 2]])
-    assert not ops.blocked_supported(q.bfloat16(), k.bfloat16(), segment_ids=seg, kv_segment_ids=seg.clone())
-    assert ops.blocked_supported(q.bfloat16(), k.bfloat16(), segment_ids=seg, kv_segment_ids=seg)
+    assert not ops.blocked_supported(q.bfloat16(), k.bfloat16(), causal=False, segment_ids=seg,
+                                     kv_segment_ids=seg.clone())
+    assert ops.blocked_supported(q.bfloat16(), k.bfloat16(), causal=False, segment_ids=seg, kv_segment_ids=seg)
