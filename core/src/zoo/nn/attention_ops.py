@@ -136,15 +136,21 @@ class _Plan:
         # columns are the strip, a whole block's keys are its last `end` columns, and the GEMM adds
         # the mask as it writes the scores (baddbmm: bitwise the masked product, no second pass).
         self.strip = torch.ones(self.tb, self.tb, dtype=torch.bool, device=like.device).triu(1)[:, None] if causal else None
+        # A causal block reads its keys up to a multiple of key_step (at most 16 distinct lengths),
+        # the ones past its last position masked: oneDNN builds and keeps a kernel for every matrix
+        # shape it meets, and one length per block held ~400 MB at 8,192 positions.
+        self.key_step = self.tb * -(-s // (16 * self.tb))
         self.bias = None
-        if causal:
-            self.bias = torch.zeros(self.tb, self.g, s, dtype=like.dtype, device=like.device)
-            self.bias[..., s - self.tb:].masked_fill_(self.strip, float("-inf"))
+        if causal:  # [zeros | strip | -inf for the padding keys]
+            self.bias = torch.zeros(self.tb, self.g, s + self.key_step, dtype=like.dtype, device=like.device)
+            self.bias[..., s - self.tb:s].masked_fill_(self.strip, float("-inf"))
+            self.bias[..., s:] = float("-inf")
             self.bias = self.bias.flatten(0, 1)
 
     def blocks(self) -> list[tuple[slice, slice, slice, int, int, int, int]]:
         """Per block: its batch rows, KV heads and queries (slices of the (B, T, KV, G, hd) output),
-        its first and end matrix of the (B*KV) ones, its first query and its end key."""
+        its first and end matrix of the (B*KV) ones, its first query and the end of the keys it
+        reads (a causal block's own end rounded up to a multiple of key_step)."""
         out = []
         for b0 in range(0, self.b, self.bb):
             b1 = min(self.b, b0 + self.bb)
@@ -152,7 +158,7 @@ class _Plan:
                 k1 = min(self.kv, k0 + self.kb)
                 for i0 in range(0, self.t, self.tb):
                     i1 = min(self.t, i0 + self.tb)
-                    end = self.offset + i1 if self.causal else self.s
+                    end = min(self.s, -(-(self.offset + i1) // self.key_step) * self.key_step) if self.causal else self.s
                     out.append((slice(b0, b1), slice(k0, k1), slice(i0, i1), b0 * self.kv + k0,
                                 (b1 - 1) * self.kv + k1, i0, end))
         return out
@@ -167,8 +173,9 @@ class _Plan:
         """Masked ``qb kb^T`` of one block: (m1-m0, (i1-i0)*G, end)."""
         tb, end = i1 - i0, kb.shape[1]
         if self.bias is not None and tb == self.tb:
-            scores = torch.baddbmm(self.bias[:, self.s - end:], qb.flatten(1, 2), kb.transpose(1, 2))
-        else:
+            first = self.s - (self.offset + i1)  # the bias column of key 0: the strip ends at the block's end
+            scores = torch.baddbmm(self.bias[:, first:first + end], qb.flatten(1, 2), kb.transpose(1, 2))
+        else:  # the last block, fewer rows: its keys end at its own end (S)
             scores = torch.bmm(qb.flatten(1, 2), kb.transpose(1, 2))
         view = scores.view(m1 - m0, tb, self.g, end)
         if self.causal and tb != self.tb:  # keys before the block's first position are visible to all its queries
