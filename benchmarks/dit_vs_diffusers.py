@@ -52,10 +52,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from zoo.config import TrainConfig
-    from zoo.training import malloc
+    from llama_vs_hf import zoo_process_settings
 
-    malloc.configure(TrainConfig().cpu_malloc)
+    zoo_process_settings()
 
     from diffusers import DiTTransformer2DModel
     from zoo_dit import edm

@@ -24,7 +24,7 @@ print(min([faults_of_a_64mb_tensor() for _ in range(8)][-3:]))
 
 
 def _probe(mode: str, **env: str) -> tuple[str, int]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES")}
     out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True,
                          env={**clean, **env}, timeout=120).stdout.split("\n")
     return out[0], int(out[1])
@@ -47,3 +47,7 @@ def test_users_allocator_settings_win():
     assert faults > 8000
     said, _ = _probe("retain", LD_PRELOAD="/nonexistent/libjemalloc.so.2")
     assert said == "system (jemalloc is preloaded)"
+    said, _ = _probe("retain", GLIBC_TUNABLES="glibc.malloc.trim_threshold=1048576")
+    assert said == "system (GLIBC_TUNABLES is set)"
+    said, faults = _probe("retain", GLIBC_TUNABLES="glibc.rtld.nns=4")  # not about malloc
+    assert said.startswith("retain") and faults < 1000

@@ -21,8 +21,7 @@ import sys
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 _RETAIN_BYTES = 1 << 30
-_USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
-                   "GLIBC_TUNABLES")
+_USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 
@@ -31,6 +30,8 @@ def configure(mode: str) -> str:
     if mode == "system":
         return "system (glibc's defaults)"
     user = [v for v in _USER_VARIABLES if v in os.environ]
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):  # other tunables leave malloc to us
+        user.append("GLIBC_TUNABLES")
     if user:
         return f"system ({user[0]} is set)"
     preload = os.environ.get("LD_PRELOAD", "")
