@@ -257,3 +257,32 @@ def test_activation_gradient_is_autograds(name, dtype):
     activation(a, name).backward(g)
     ACTIVATIONS[name](b).backward(g)
     assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("name", ["gelu_tanh", "quick_gelu"])
+def test_plain_mlp_recomputes_its_activation(name):
+    """The ungated MLP (GPT-2, CLIP): under elementwise recomputation the output projection keeps a
+    recipe for the activation's output instead of the output itself (one activation-sized tensor
+    less per layer), and the gradients are bitwise those without recomputation."""
+    import weakref
+
+    from zoo.nn import recompute
+    from zoo.nn.layers import MLP
+    from zoo.spec import MLPSpec
+
+    torch.manual_seed(0)
+    mlp = MLP(MLPSpec(activation=name, gated=False, bias=True), hidden=16, ffn_hidden=48)
+    x = torch.randn(3, 7, 16, requires_grad=True)
+    kept: list[weakref.ref] = []
+    hook = mlp.proj.register_forward_pre_hook(lambda _m, args: kept.append(weakref.ref(args[0])))
+    grads = {}
+    for mode in ("none", "elementwise"):
+        x.grad = None
+        mlp.zero_grad(set_to_none=True)
+        with recompute.scope(mode):
+            out = mlp(x)
+        assert (kept[-1]() is None) == (mode == "elementwise")  # freed: only a recipe refers to it
+        out.square().sum().backward()
+        grads[mode] = [x.grad.clone(), *(p.grad.clone() for p in mlp.parameters())]
+    hook.remove()
+    assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads["elementwise"], strict=True))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zoo.nn import ACTIVATIONS, AttentionCore, KVCache, apply_rotary, gated_activation, make_norm
+from zoo.nn import AttentionCore, KVCache, activation, apply_rotary, gated_activation, make_norm
 from zoo.spec import AttentionSpec, BlockSpec, MLPSpec
 
 
@@ -57,14 +57,14 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, spec: MLPSpec, *, hidden: int, ffn_hidden: int) -> None:
         super().__init__()
-        self.gated, self.activation, self.act = spec.gated, spec.activation, ACTIVATIONS[spec.activation]
+        self.gated, self.activation = spec.gated, spec.activation
         self.fc = nn.Linear(hidden, ffn_hidden * (2 if spec.gated else 1), bias=spec.bias)
         self.proj = nn.Linear(ffn_hidden, hidden, bias=spec.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
             return self.proj(gated_activation(self.fc(x), self.activation))
-        return self.proj(self.act(self.fc(x)))
+        return self.proj(activation(self.fc(x), self.activation))
 
 
 class TransformerLayer(nn.Module):
