@@ -44,9 +44,15 @@ def test_swiglu_matches_formula():
     torch.testing.assert_close(g_a, g_b, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("chunk,dropped", [(7, 0.1), (64, 0.3), (1000, 0.3), (7, 0.9)])
-def test_linear_cross_entropy_matches_full_logits(chunk, dropped):
-    # A mask dropping most rows takes the kept-rows path (the head runs on them only).
+@pytest.mark.parametrize("chunk,dropped,block", [(7, 0.1, None), (64, 0.3, None), (1000, 0.3, None), (7, 0.9, None),
+                                                 (1000, 0.3, 40 * 3)])
+def test_linear_cross_entropy_matches_full_logits(chunk, dropped, block, monkeypatch):
+    # A mask dropping most rows takes the kept-rows path (the head runs on them only). ``block``:
+    # the cap on a chunk's logits (elements), which here sets 3 rows a chunk instead of ``chunk``.
+    import zoo.nn
+
+    if block is not None:
+        monkeypatch.setattr(zoo.nn, "_LOGITS_BLOCK", block)
     torch.manual_seed(0)
     h, w = torch.randn(50, 16), torch.randn(40, 16) * 0.3
     labels = torch.randint(0, 40, (50,))

@@ -397,6 +397,9 @@ class AttentionCore(SelectiveCore, ContextParallelSite):
 # ----------------------------------------------------------------------------------------- loss
 
 
+_LOGITS_BLOCK = 1 << 22  # elements of one chunk of logits in `linear_cross_entropy`
+
+
 class _LinearCrossEntropyFn(torch.autograd.Function):
     """Mean cross entropy of ``hidden @ weight.T`` without keeping the logits.
 
@@ -411,8 +414,12 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 mask: torch.Tensor, chunk: int, need: bool) -> torch.Tensor:
         n = hidden.shape[0]
+        # The chunk's float32 logits and their log-softmax are the loss's transient peak (the last
+        # layer's activations are all still live then): rows are capped so each is ~16 MB, whatever
+        # the vocabulary (1,024 rows of a 128k vocabulary would be 1 GB).
+        chunk = max(1, min(chunk, _LOGITS_BLOCK // weight.shape[0]))
         denom = mask.sum().clamp(min=1)
-        grad_h = torch.empty_like(hidden) if need else None
+        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         w = weight.to(hidden.dtype)
@@ -428,8 +435,11 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                 d = logp.exp_()
                 d[torch.arange(d.shape[0], device=d.device), lab] -= 1.0
                 d = d.mul_((m / denom)[:, None]).to(w.dtype)  # one cast for both GEMMs
-                grad_h[s:s + chunk] = (d @ w).to(hidden.dtype)
-                grad_w += (d.t() @ h).float()
+                torch.mm(d, w, out=grad_h[s:s + chunk])
+                if h.dtype == torch.float32:  # accumulated by the GEMM: no (V, D) temporary
+                    grad_w.addmm_(d.t(), h)
+                else:
+                    grad_w += (d.t() @ h).float()
         if need:
             ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
