@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from llama_vs_hf import zoo_process_settings
+    from llama_vs_hf import ceiling, measured_gemm_peaks, zoo_process_settings
 
     zoo_process_settings()
 
@@ -62,7 +62,7 @@ def main() -> None:
     from zoo_dit.model import DiT, patchify, unpatchify
     from zoo_dit.plugin import DIT
 
-    from zoo.nn import recompute
+    from zoo.nn import gemm, recompute
 
     dconf = {"num_attention_heads": args.heads, "attention_head_dim": args.hidden // args.heads, "in_channels": 4,
              "out_channels": 4, "num_layers": args.layers, "sample_size": 32, "patch_size": 2,
@@ -75,6 +75,7 @@ def main() -> None:
     initial = {k: v.clone() for k, v in theirs.state_dict().items()}
     cfg = config_from_diffusers(dconf)
     ours = DiT(cfg, DIT)
+    gemm.adopt(ours)  # as `zoo train` does (diffusers' linears keep torch's product)
     ours.load_state_dict(from_diffusers(theirs.state_dict(), cfg))
     n_params = sum(p.numel() for p in ours.parameters())
     print(f"DiT {args.layers} layers x {args.hidden} ({n_params / 1e6:.1f}M parameters), 4x32x32 latents, patch 2 "
@@ -105,6 +106,12 @@ def main() -> None:
         out = ours(toks, positions=pos, noise_level=cn[:, None], labels=labels[:, None])
         return torch.stack([unpatchify(o, (1, 16, 16), 1, 2, 2)[:, 0] for o in out])
 
+    # The matrix products of a training step any implementation needs (forward and backward: 6 FLOPs
+    # a weight per token): each block's q, k, v, out and MLP weights and the final projection per
+    # token, attention's scores (non-causal); the per-image adaLN and embedders are left out.
+    tokens, h = b * 256, args.hidden
+    gemm_flops = 6.0 * tokens * (args.layers * (12 * h * h + 2 * 256 * h) + h * 2 * 2 * 4)
+    peaks = measured_gemm_peaks(args.threads)
     results: dict[tuple[str, str], dict[str, float]] = {}
     for dtype in ("fp32", "bf16"):
         for name, model, fwd in (("diffusers", theirs, f_theirs), ("zoo", ours, f_ours)):
@@ -128,6 +135,7 @@ def main() -> None:
         print(f"train {dtype}: images/s zoo {z['img_s']:7.2f}  diffusers {d['img_s']:7.2f}  -> "
               f"{z['img_s'] / d['img_s']:.2f}x | saved for backward zoo {z['saved_mb']:7.1f} MiB  diffusers "
               f"{d['saved_mb']:7.1f} MiB -> {z['saved_mb'] / d['saved_mb']:.2f}x")
+        print(f"  {dtype} images/s {ceiling(gemm_flops, peaks[dtype], b / d['img_s'])}")
 
     # Sampling: 18 Heun steps (35 evaluations), cond + uncond in one forward, same noise, same weights
     # (the initial ones: diffusers trains its per-block embedder copies apart, so they no longer convert).

@@ -18,6 +18,7 @@ the table shows which part of the ratio it is.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -47,7 +48,7 @@ def build(impl: str, args: argparse.Namespace):
         return hf, lambda m, x, y: F.cross_entropy(m(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
     # zoo's model from the same config, translated by the plugin's own HF config reader.
     from zoo.config import TrainConfig
-    from zoo.nn import recompute
+    from zoo.nn import gemm, recompute
     from zoo_gpt.convert import from_hf_config
     from zoo_gpt.model import build as zoo_build
     from zoo_gpt.plugin import SPECS
@@ -61,7 +62,9 @@ def build(impl: str, args: argparse.Namespace):
         with recompute.scope(mode):
             return m(x, labels=y)
 
-    return zoo_build(cfg, SPECS[cfg.layer_spec]), zoo_loss
+    model = zoo_build(cfg, SPECS[cfg.layer_spec])
+    gemm.adopt(model)  # as `zoo train` does: its linears' products through zoo.nn.gemm
+    return model, zoo_loss
 
 
 def zoo_process_settings(malloc_mode: str | None = None) -> None:
@@ -70,9 +73,12 @@ def zoo_process_settings(malloc_mode: str | None = None) -> None:
     does in the live-memory runs). ``malloc_mode`` overrides the default (the HF rows with zoo's
     allocator setting)."""
     from zoo.config import TrainConfig
+    from zoo.nn import gemm
     from zoo.training import malloc
 
     malloc.configure(malloc_mode or TrainConfig().cpu_malloc)
+    if malloc_mode is None:  # zoo's own processes: its float32 CPU products (the HF rows keep torch's)
+        gemm.configure(TrainConfig().cpu_gemm)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -142,20 +148,45 @@ def time_training(model, loss_of, args: argparse.Namespace, *, bf16_params: bool
 def gemm_peak(args: argparse.Namespace) -> None:
     import torch
 
+    from zoo.nn import gemm
+
     torch.set_num_threads(args.threads)
+    with contextlib.suppress(RuntimeError):  # no oneDNN matmul in this build: gemm.mm is torch's own
+        gemm.configure("onednn")
     out = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    # fp32: torch's BLAS (what HF computes with) and oneDNN's (what zoo takes where faster); the peak
+    # is the better of the two, so MFU is against what this machine can do, not what a library does.
+    for name, dtype, product in (("fp32_blas", torch.float32, torch.mm), ("fp32_onednn", torch.float32, gemm.mm),
+                                 ("bf16", torch.bfloat16, torch.mm)):
         n = 2048
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         for _ in range(2):
-            a @ b
+            product(a, b)
         best = float("inf")
         for _ in range(5):
             t = time.perf_counter()
-            a @ b
+            product(a, b)
             best = min(best, time.perf_counter() - t)
         out[name] = 2 * n**3 / best
+    out["fp32"] = max(out["fp32_blas"], out["fp32_onednn"])
     print(json.dumps(out))
+
+
+def measured_gemm_peaks(threads: int) -> dict[str, float]:
+    """This machine's GEMM peaks (FLOP/s, "fp32" and "bf16"), measured in a fresh process as this
+    benchmark's MFU is: for the other benchmarks' ceilings."""
+    out = subprocess.run([sys.executable, __file__, "--peak", f"--threads={threads}"], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": str(threads)}, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def ceiling(gemm_flops_per_step: float, peak: float, peer_step_s: float) -> str:
+    """The largest speed-up over a peer whose step took ``peer_step_s`` that any implementation could
+    reach on this machine: the step's matrix products (``gemm_flops_per_step``, a lower bound of its
+    work) at the measured GEMM ``peak`` and nothing else. A ratio target above it cannot be met here."""
+    floor = gemm_flops_per_step / peak
+    return (f"ceiling {peer_step_s / floor:.2f}x (the step's {gemm_flops_per_step / 1e9:.0f} GFLOP of matrix products "
+            f"alone take {floor * 1e3:.0f} ms at the {peak / 1e9:.0f} GFLOP/s peak; the peer's step {peer_step_s * 1e3:.0f} ms)")
 
 
 def flops_per_token(args: argparse.Namespace) -> float:

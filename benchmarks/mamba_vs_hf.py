@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from llama_vs_hf import ceiling, measured_gemm_peaks
+
 
 def hf_model(a: argparse.Namespace):
     import transformers as tf
@@ -51,7 +53,11 @@ def build(a: argparse.Namespace):
     cfg = from_hf_config(hf.config.to_dict())
     cfg.chunk_size = 64
     del hf
-    return zoo_build(cfg, SPECS[cfg.layer_spec]), lambda m, x, y: m(x, labels=y)
+    from zoo.nn import gemm
+
+    model = zoo_build(cfg, SPECS[cfg.layer_spec])
+    gemm.adopt(model)  # as `zoo train` does
+    return model, lambda m, x, y: m(x, labels=y)
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -81,7 +87,10 @@ def worker(a: argparse.Namespace) -> None:
         print(json.dumps({"tokens_per_s": a.new_tokens / (time.perf_counter() - t)}))
         return
     a.batch, a.precision = 1, "fp32"
-    print(json.dumps(time_training(model, loss_of, a)))
+    # The products with weight matrices (projections, head) a token needs forward and backward:
+    # the part of the step any implementation must do; the scan's own work comes on top.
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    print(json.dumps({**time_training(model, loss_of, a), "gemm_flops_per_token": 6.0 * linear}))
 
 
 def run_child(a: argparse.Namespace, **over: object) -> dict | str:
@@ -112,6 +121,7 @@ def main() -> None:
     p.add_argument("--limit", type=float, default=180.0, help="seconds each measurement may take")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--kinds", default="mamba,mamba2", help="which of mamba, mamba2 to measure")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--generate", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kind", default="mamba", help=argparse.SUPPRESS)
@@ -124,7 +134,9 @@ def main() -> None:
         a.steps, a.limit = 2, 90.0
     print(f"# {platform.processor() or platform.machine()}, {a.threads} threads; {a.layers} layers, hidden {a.hidden}, "
           f"vocab {a.vocab}, batch 1, fp32; each measurement limited to {a.limit:.0f} s")
-    for kind in ("mamba", "mamba2"):
+    peaks = measured_gemm_peaks(a.threads)
+    print(f"# GEMM peak (best 2048^3 product) fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s")
+    for kind in a.kinds.split(","):
         for seq in lengths:
             res = {impl: run_child(a, kind=kind, impl=impl, seq=seq) for impl in ("hf", "zoo")}
             z, h = res["zoo"], res["hf"]
@@ -133,7 +145,8 @@ def main() -> None:
             line += "; HF " + (f"{h['tokens_per_s']:,.0f} tok/s, {h['peak_rss_mb']:,.0f} MB" if isinstance(h, dict) else h)
             if isinstance(z, dict) and isinstance(h, dict):
                 line += (f" -> {z['tokens_per_s'] / h['tokens_per_s']:.2f}x tokens/s, "
-                         f"{z['peak_rss_mb'] / h['peak_rss_mb']:.2f}x memory")
+                         f"{z['peak_rss_mb'] / h['peak_rss_mb']:.2f}x memory; tokens/s "
+                         f"{ceiling(h['gemm_flops_per_token'] * seq, peaks['fp32'], h['step_s'])}")
             print(line, flush=True)
         gen = {impl: run_child(a, kind=kind, impl=impl, generate=True) for impl in ("hf", "zoo")}
         z, h = gen["zoo"], gen["hf"]

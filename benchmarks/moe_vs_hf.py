@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+from llama_vs_hf import ceiling, measured_gemm_peaks
+
 LIVE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 
@@ -54,11 +56,12 @@ def build(a: argparse.Namespace):
     from zoo_moe.plugin import SPECS
 
     from zoo.config import TrainConfig
-    from zoo.nn import recompute
+    from zoo.nn import gemm, recompute
 
     cfg = from_hf_config({"model_type": "mixtral", **hf_config(a), "router_aux_loss_coef": 0.01})
     mode = TrainConfig().recompute
     model = zoo_build(cfg, SPECS[cfg.layer_spec])
+    gemm.adopt(model)  # as `zoo train` does
 
     def zoo_loss(m, x, y):
         with recompute.scope(mode):
@@ -66,6 +69,16 @@ def build(a: argparse.Namespace):
             return ce + metrics["aux_loss"] + metrics["z_loss"]
 
     return model, zoo_loss
+
+
+def gemm_flops_per_token(a: argparse.Namespace) -> float:
+    """The matrix products one trained token needs whatever the implementation (forward and backward,
+    6 FLOPs a weight it passes through): attention projections, the top-k experts' SwiGLU, the
+    router, the head, and causal attention's scores at half of the PaLM count (a lower bound)."""
+    hd = a.hidden // a.heads
+    attention = a.hidden * (a.heads + 2 * a.kv_heads) * hd + a.heads * hd * a.hidden
+    per_layer = attention + a.top_k * 3 * a.hidden * a.ffn + a.experts * a.hidden
+    return 6.0 * (a.layers * per_layer + a.hidden * a.vocab) + 6.0 * a.layers * a.hidden * a.seq
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -165,6 +178,8 @@ def main() -> None:
         a.layers, a.seq, a.steps = 2, 256, 3
     print(f"# {platform.processor() or platform.machine()}, {a.threads} threads; {a.layers} layers, hidden {a.hidden}, "
           f"{a.experts} experts top-{a.top_k} (width {a.ffn}), seq {a.seq}, batch {a.batch}")
+    peaks = measured_gemm_peaks(a.threads)
+    print(f"# GEMM peak (best 2048^3 product) fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s")
     flushes = ("off", "on") if a.flush_denormal == "both" else (a.flush_denormal,)
     for precision, flush in [(prec, f) for prec in ("fp32", "bf16") for f in flushes]:
         res = {}
@@ -172,7 +187,8 @@ def main() -> None:
             args = ["--worker", f"--impl={impl}", f"--precision={precision}", f"--flush-denormal={flush}"]
             # Timed under the default allocator; memory in a second process whose mmap threshold
             # makes peak RSS follow live memory (its page faults would distort the timing).
-            res[impl] = {**run_child(args, a), "tokens_per_s": run_child(args, a, live=False)["tokens_per_s"]}
+            timed = run_child(args, a, live=False)
+            res[impl] = {**run_child(args, a), "tokens_per_s": timed["tokens_per_s"], "step_s": timed["step_s"]}
         z, h = res["zoo"], res["hf"]
         z_act, h_act = z["rss_over_model_mb"] - z["state_mb"], h["rss_over_model_mb"] - h["state_mb"]
         print(f"{precision} (denormals flushed: {flush}): zoo {z['tokens_per_s']:,.0f} tok/s vs HF {h['tokens_per_s']:,.0f} -> "
@@ -181,6 +197,7 @@ def main() -> None:
               f"{z['rss_over_model_mb']:,.0f} vs {h['rss_over_model_mb']:,.0f} MB -> "
               f"{z['rss_over_model_mb'] / h['rss_over_model_mb']:.2f}x; less the gradients and Adam moments "
               f"({z['state_mb']:,.0f} MB each side) {z_act:,.0f} vs {h_act:,.0f} MB -> {z_act / h_act:.2f}x")
+        print(f"  {precision} tokens/s {ceiling(gemm_flops_per_token(a) * a.batch * a.seq, peaks[precision], h['step_s'])}")
     d = run_child(["--dispatch", f"--flush-denormal={flushes[-1]}"], a)
     print(f"dispatch: MoE layer fwd+bwd {d['layer_s'] * 1e3:.1f} ms, expert GEMMs {d['gemm_s'] * 1e3:.1f} ms -> "
           f"dispatch overhead {d['dispatch_fraction']:.0%} of the layer")

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.nn import gemm
 from zoo.nn.attention_ops import attend, attend_at
 from zoo.nn.recompute import SelectiveCore, recomputable
 from zoo.parallel.context import ContextParallelSite, SequenceShard  # noqa: F401 (SequenceShard: for models)
@@ -427,7 +428,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             h = hidden[s:s + chunk]
             # one fused log-softmax over the chunk's float32 logits gives the loss, and its exp the
             # softmax, d loss / d logits once each row's label is taken off
-            logp = torch.log_softmax((h @ w.t()).float(), dim=-1)  # (c, V)
+            logp = torch.log_softmax(gemm.mm(h, w.t()).float(), dim=-1)  # (c, V)
             lab = labels[s:s + chunk]
             m = mask[s:s + chunk].float()
             total -= (logp.gather(1, lab[:, None]).squeeze(1) * m).sum()
@@ -435,11 +436,11 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                 d = logp.exp_()
                 d[torch.arange(d.shape[0], device=d.device), lab] -= 1.0
                 d = d.mul_((m / denom)[:, None]).to(w.dtype)  # one cast for both GEMMs
-                torch.mm(d, w, out=grad_h[s:s + chunk])
-                if h.dtype == torch.float32:  # accumulated by the GEMM: no (V, D) temporary
+                gemm.mm(d, w, grad_h[s:s + chunk])
+                if h.dtype == torch.float32 and not gemm.onednn_for(h):  # no (V, D) temporary
                     grad_w.addmm_(d.t(), h)
                 else:
-                    grad_w += (d.t() @ h).float()
+                    grad_w += gemm.mm(d.t(), h).float()
         if need:
             ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.nn import gemm
 from zoo.spec import MoESpec
 
 AuxConvention = Literal["megatron", "hf"]
@@ -164,7 +165,7 @@ def _padded(t: torch.Tensor) -> torch.Tensor:
 def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = a @ b``, ``a``'s rows tiled where `_tiled`."""
     if not _tiled(a):
-        return torch.mm(a, b, out=out)
+        return gemm.mm(a, b, out)
     for s, m in _tiles(a.shape[0]):
         if m >= _TILE:
             torch.mm(a[s:s + m], b, out=out[s:s + m])
@@ -179,7 +180,7 @@ def _mm_t(a: torch.Tensor, c: torch.Tensor, out: torch.Tensor) -> None:
     once, as one product's accumulator would be."""
     if not _tiled(a):
         if out.dtype == a.dtype:
-            torch.mm(a.t(), c, out=out)
+            gemm.mm(a.t(), c, out)
         else:
             out.copy_(a.t() @ c)
         return

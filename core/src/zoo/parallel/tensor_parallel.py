@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.nn import gemm
 from zoo.parallel import comm
 from zoo.parallel.sharding import TPShard, local
 
@@ -67,7 +68,7 @@ class ColumnParallelLinear(nn.Module):
             x = comm.gather_seq(x, self.group, self.seq_dim)
         elif not self.local:
             x = comm.copy_to(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = gemm.linear(x, self.weight, self.bias)
         return comm.gather_from(y, self.group, -1) if self.gather_output else y
 
 
@@ -98,7 +99,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = comm.scatter_to(x, self.group, -1)
-        y = F.linear(x, self.weight)
+        y = gemm.linear(x, self.weight)
         if self.feeds_split:  # consumers on every rank use the whole output: their gradients are partial
             y = comm.copy_to(comm.reduce_from(y, self.group), self.group)
         elif self.sequence_parallel:

@@ -31,6 +31,7 @@ from zoo.data.energon.training import path_kind
 from zoo.errors import ConfigError
 from zoo.family import DatasetSpec, Family, resolve
 from zoo.io import atomic_write_text
+from zoo.nn import gemm
 from zoo.parallel.engine import Parallel, StepOutput
 from zoo.parallel.layout import Layout
 from zoo.training import malloc, optim
@@ -127,6 +128,7 @@ class Trainer:
         self.dev_type = "cuda" if env.device.startswith("cuda") else "cpu"
         if self.dev_type == "cpu":
             malloc.configure(run.train.cpu_malloc)
+            gemm.configure(run.train.cpu_gemm)
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.train.precision)
         full, record = self._model_on_meta()
         self.n_params = sum(p.numel() for p in full.parameters())
@@ -140,6 +142,7 @@ class Trainer:
         self.par = Parallel(full, fam, self.layout, rank=env.rank, seed=run.train.seed, init=record, device=env.device)
         del full
         self.model = self.par.model  # this rank's parameters (its tensor-parallel pieces of its stages)
+        gemm.adopt(self.model)  # its plain linears' products through `zoo.nn.gemm` (oneDNN where chosen)
         self.model_state = ModelState(self.model, self.par.placements)
         if self.dataset.stateful:
             from zoo.data.energon.training import DataPosition

@@ -1,0 +1,123 @@
+"""`zoo.nn.gemm`: float32 CPU products through oneDNN, against float64 and torch's own F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from zoo.nn import gemm
+
+
+@pytest.fixture
+def onednn():
+    """oneDNN's products for the test, whatever this machine's "auto" chose; restored after."""
+    before = gemm._ONEDNN
+    gemm.configure("onednn")
+    yield
+    gemm._ONEDNN = before
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("bias,shape,frozen", [(True, (3, 5, 24), False), (False, (7, 24), False), (True, (6, 24), True)])
+def test_linear_and_its_gradients_are_float32_products(onednn, bias, shape, frozen):
+    """Output and every gradient within float32 rounding of the float64 product (as close as torch's
+    own kernel is), the weight frozen or not; the module keeps nn.Linear's type and state dict."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(24, 40, bias=bias)
+    ref_lin = torch.nn.Linear(24, 40, bias=bias).double()
+    ref_lin.load_state_dict(lin.state_dict())
+    keys = list(lin.state_dict())
+    assert gemm.adopt(torch.nn.Sequential(lin)) == 1
+    assert isinstance(lin, torch.nn.Linear) and list(lin.state_dict()) == keys
+    lin.weight.requires_grad_(not frozen)
+    x = torch.randn(*shape, requires_grad=True)
+    xd = x.detach().double().requires_grad_(True)
+    g = torch.randn(*shape[:-1], 40)
+    y, yd = lin(x), ref_lin(xd)
+    assert type(y.grad_fn).__name__ == "_LinearBackward"
+    y.backward(g)
+    yd.backward(g.double())
+    torch_y = F.linear(x.detach(), lin.weight.detach(), None if lin.bias is None else lin.bias.detach())
+    assert _rel(y.detach(), yd.detach()) < max(4 * _rel(torch_y, yd.detach()), 1e-6)
+    assert _rel(x.grad, xd.grad) < 1e-6
+    if frozen:
+        assert lin.weight.grad is None
+    else:
+        assert _rel(lin.weight.grad, ref_lin.weight.grad) < 1e-6
+    if bias:
+        assert _rel(lin.bias.grad, ref_lin.bias.grad) < 1e-6
+
+
+def test_mm_writes_into_out_and_reads_transposed_operands(onednn):
+    torch.manual_seed(0)
+    a, b = torch.randn(40, 17), torch.randn(33, 17)
+    out = torch.empty(30, 33)
+    got = gemm.mm(a[5:35], b.t(), out)  # a row slice, a transposed view
+    assert got.data_ptr() == out.data_ptr()
+    assert _rel(out, a[5:35].double() @ b.double().t()) < 1e-6
+
+
+def test_other_dtypes_autocast_and_blas_keep_torchs_own_product(onednn):
+    torch.manual_seed(0)
+    lin, plain = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+    plain.load_state_dict(lin.state_dict())
+    gemm.adopt(lin)
+    x = torch.randn(4, 16, requires_grad=True)
+    assert type(lin(x).grad_fn).__name__ == "_LinearBackward"  # float32 on the CPU: oneDNN's
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(lin(x), plain(x)) and lin(x).dtype == torch.bfloat16
+    lin64, plain64 = torch.nn.Linear(16, 8).double(), torch.nn.Linear(16, 8).double()
+    plain64.load_state_dict(lin64.state_dict())
+    gemm.adopt(lin64)
+    x64 = x.detach().double()
+    assert torch.equal(lin64(x64), plain64(x64))  # float64: torch's own
+    gemm.configure("blas")
+    y = lin(x)
+    assert torch.equal(y, plain(x)) and type(y.grad_fn).__name__ == "AddmmBackward0"
+
+
+def test_auto_follows_the_machine_not_a_timing():
+    """"auto" is decided from the CPU (MKL on a non-Intel x86 takes its generic path), so every rank
+    and every resumed run of a machine computes with the same products; "blas" is torch's."""
+    before = gemm._ONEDNN
+    try:
+        line = gemm.configure("auto")
+        assert (gemm.blas_is_generic() and gemm._onednn_works()) == gemm._ONEDNN
+        assert ("oneDNN" in line) == gemm._ONEDNN
+        assert "BLAS" in gemm.configure("blas") and not gemm._ONEDNN
+    finally:
+        gemm._ONEDNN = before
+
+
+def test_a_trained_step_matches_torchs_product_and_recomputation_stays_exact(onednn):
+    """A LLaMA block stack's loss and gradients with oneDNN's products against torch's (float32
+    rounding apart), and under elementwise recomputation bitwise the same as without it."""
+    from zoo.nn import recompute
+    from zoo_gpt.convert import from_hf_config
+    from zoo_gpt.model import build
+    from zoo_gpt.plugin import SPECS
+
+    cfg = from_hf_config({"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+                          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                          "max_position_embeddings": 32})
+    torch.manual_seed(0)
+    model = build(cfg, SPECS[cfg.layer_spec])
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+
+    def run(mode: str) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with recompute.scope(mode):
+            loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+        loss.backward()
+        return [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+
+    ref = run("none")  # torch's products: nothing adopted yet
+    assert gemm.adopt(model) > 0
+    fast, fast_rc = run("none"), run("elementwise")
+    assert all(torch.equal(a, b) for a, b in zip(fast, fast_rc, strict=True))
+    for a, b in zip(fast, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
