@@ -62,7 +62,8 @@ def main() -> None:
     from zoo_dit.model import DiT, patchify, unpatchify
     from zoo_dit.plugin import DIT
 
-    from zoo.nn import gemm, recompute
+    from zoo import gemm
+    from zoo.nn import recompute
 
     dconf = {"num_attention_heads": args.heads, "attention_head_dim": args.hidden // args.heads, "in_channels": 4,
              "out_channels": 4, "num_layers": args.layers, "sample_size": 32, "patch_size": 2,

@@ -47,8 +47,9 @@ def build(impl: str, args: argparse.Namespace):
         # without its internal shift, since the labels here are already shifted).
         return hf, lambda m, x, y: F.cross_entropy(m(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
     # zoo's model from the same config, translated by the plugin's own HF config reader.
+    from zoo import gemm
     from zoo.config import TrainConfig
-    from zoo.nn import gemm, recompute
+    from zoo.nn import recompute
     from zoo_gpt.convert import from_hf_config
     from zoo_gpt.model import build as zoo_build
     from zoo_gpt.plugin import SPECS
@@ -63,7 +64,7 @@ def build(impl: str, args: argparse.Namespace):
             return m(x, labels=y)
 
     model = zoo_build(cfg, SPECS[cfg.layer_spec])
-    gemm.adopt(model)  # as `zoo train` does: its linears' products through zoo.nn.gemm
+    gemm.adopt(model)  # as `zoo train` does: its linears' products through zoo.gemm
     return model, zoo_loss
 
 
@@ -72,8 +73,8 @@ def zoo_process_settings(malloc_mode: str | None = None) -> None:
     (`train.cpu_malloc`, zoo.training.malloc; a MALLOC_* variable in the environment wins, as it
     does in the live-memory runs). ``malloc_mode`` overrides the default (the HF rows with zoo's
     allocator setting)."""
+    from zoo import gemm
     from zoo.config import TrainConfig
-    from zoo.nn import gemm
     from zoo.training import malloc
 
     malloc.configure(malloc_mode or TrainConfig().cpu_malloc)
@@ -148,7 +149,7 @@ def time_training(model, loss_of, args: argparse.Namespace, *, bf16_params: bool
 def gemm_peak(args: argparse.Namespace) -> None:
     import torch
 
-    from zoo.nn import gemm
+    from zoo import gemm
 
     torch.set_num_threads(args.threads)
     with contextlib.suppress(RuntimeError):  # no oneDNN matmul in this build: gemm.mm is torch's own

@@ -53,7 +53,7 @@ def build(a: argparse.Namespace):
     cfg = from_hf_config(hf.config.to_dict())
     cfg.chunk_size = 64
     del hf
-    from zoo.nn import gemm
+    from zoo import gemm
 
     model = zoo_build(cfg, SPECS[cfg.layer_spec])
     gemm.adopt(model)  # as `zoo train` does

@@ -55,8 +55,9 @@ def build(a: argparse.Namespace):
     from zoo_moe.model import loss
     from zoo_moe.plugin import SPECS
 
+    from zoo import gemm
     from zoo.config import TrainConfig
-    from zoo.nn import gemm, recompute
+    from zoo.nn import recompute
 
     cfg = from_hf_config({"model_type": "mixtral", **hf_config(a), "router_aux_loss_coef": 0.01})
     mode = TrainConfig().recompute

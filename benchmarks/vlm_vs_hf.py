@@ -97,7 +97,7 @@ def worker(a: argparse.Namespace) -> None:
         zoo_process_settings()
     model, loss_of, batch = build(a)
     if a.impl != "hf":
-        from zoo.nn import gemm
+        from zoo import gemm
 
         gemm.adopt(model)  # as `zoo train` does
     model.train()

@@ -1,4 +1,4 @@
-"""`zoo.nn.gemm`: float32 CPU products through oneDNN, against float64 and torch's own F.linear."""
+"""`zoo.gemm`: float32 CPU products through oneDNN, against float64 and torch's own F.linear."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zoo.nn import gemm
+from zoo import gemm
 
 
 @pytest.fixture

@@ -56,7 +56,7 @@ def test_profiler_trace_of_exactly_the_requested_steps(slow_job):
         trace = json.loads((run / "profile" / f"rank_{rank}.json").read_text())
         names = {e.get("name", "") for e in trace["traceEvents"]}
         assert sorted(n for n in names if n.startswith("zoo step ")) == ["zoo step 3", "zoo step 4"]
-        # forward's matmuls: torch's BLAS, or oneDNN's where `train.cpu_gemm=auto` chose it (zoo.nn.gemm)
+        # forward's matmuls: torch's BLAS, or oneDNN's where `train.cpu_gemm=auto` chose it (zoo.gemm)
         assert "aten::mm" in names or "mkldnn::_linear_pointwise" in names
         assert any(n.startswith("autograd::engine::evaluate_function") for n in names)  # backward
     assert sum(f"rank {r}: memory at step 5: peak RSS" in out for r in (0, 1)) == 2, out

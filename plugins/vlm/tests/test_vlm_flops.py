@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from zoo import gemm
 from zoo.config import RunConfig, TrainConfig
 from zoo.family import resolve
 from zoo.nn import attention_ops
@@ -43,6 +44,8 @@ def _counted(fam, model, batch, monkeypatch) -> tuple[float, set[str]]:
     # declared PaLM term is a convention, not what zoo's blocked CPU path computes (it skips causal
     # blocks and recomputes scores in backward)
     monkeypatch.setattr(attention_ops, "blocked_supported", lambda *a, **kw: False)
+    # and torch's float32 products (the counter has formulas for aten's mm, not oneDNN's op)
+    monkeypatch.setattr(gemm, "_ONEDNN", False)
     with FlopCounterMode(display=False) as counter:
         loss = resolve(fam.loss, owner="test")(model, batch)
         (loss[0] if isinstance(loss, tuple) else loss).backward()

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.nn import gemm
+from zoo import gemm
 from zoo.nn.attention_ops import attend, attend_at
 from zoo.nn.recompute import SelectiveCore, recomputable
 from zoo.parallel.context import ContextParallelSite, SequenceShard  # noqa: F401 (SequenceShard: for models)
@@ -438,7 +438,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                 d = d.mul_((m / denom)[:, None]).to(w.dtype)  # one cast for both GEMMs
                 gemm.mm(d, w, grad_h[s:s + chunk])
                 if h.dtype == torch.float32 and not gemm.onednn_for(h):  # no (V, D) temporary
-                    grad_w.addmm_(d.t(), h)
+                    torch.addmm(grad_w, d.t(), h, out=grad_w)  # (addmm_ would be missed by FLOP counters)
                 else:
                     grad_w += gemm.mm(d.t(), h).float()
         if need:

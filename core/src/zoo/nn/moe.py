@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.nn import gemm
+from zoo import gemm
 from zoo.spec import MoESpec
 
 AuxConvention = Literal["megatron", "hf"]

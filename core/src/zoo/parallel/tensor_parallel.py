@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.nn import gemm
+from zoo import gemm
 from zoo.parallel import comm
 from zoo.parallel.sharding import TPShard, local
 

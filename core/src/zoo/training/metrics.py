@@ -122,7 +122,7 @@ def measured_peak_flops(device: str, dtype: Any) -> float:
     """GEMM throughput measured on this device (the denominator of MFU), cached per process."""
     import torch
 
-    from zoo.nn import gemm  # the float32 CPU product zoo computes with (oneDNN where it is faster)
+    from zoo import gemm  # the float32 CPU product zoo computes with (oneDNN where it is faster)
 
     key = (device, str(dtype))
     if key in _PEAK:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from zoo import gemm
 from zoo.checkpoint.sharded import Saver
 from zoo.checkpoint.state import Stateful, TrainState
 from zoo.config import RunConfig
@@ -31,7 +32,6 @@ from zoo.data.energon.training import path_kind
 from zoo.errors import ConfigError
 from zoo.family import DatasetSpec, Family, resolve
 from zoo.io import atomic_write_text
-from zoo.nn import gemm
 from zoo.parallel.engine import Parallel, StepOutput
 from zoo.parallel.layout import Layout
 from zoo.training import malloc, optim
@@ -142,7 +142,7 @@ class Trainer:
         self.par = Parallel(full, fam, self.layout, rank=env.rank, seed=run.train.seed, init=record, device=env.device)
         del full
         self.model = self.par.model  # this rank's parameters (its tensor-parallel pieces of its stages)
-        gemm.adopt(self.model)  # its plain linears' products through `zoo.nn.gemm` (oneDNN where chosen)
+        gemm.adopt(self.model)  # its plain linears' products through `zoo.gemm` (oneDNN where chosen)
         self.model_state = ModelState(self.model, self.par.placements)
         if self.dataset.stateful:
             from zoo.data.energon.training import DataPosition
