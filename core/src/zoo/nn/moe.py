@@ -134,9 +134,10 @@ class _ExpertMLPs(torch.autograd.Function):
         return gx, g1, g2, None, None, None
 
 
-# oneDNN, which runs bf16/fp16 matrix products on a CPU, builds and keeps kernels for every new
-# shape, and the experts' row counts change every step: a bf16 Mixtral step grew the process by
-# 20-45 MB a step (2,000 row counts of one product held ~800 MB). There the rows are cut into
+# oneDNN, which runs bf16/fp16 products on a CPU (and float32 ones where `zoo.gemm` chose it),
+# builds and keeps kernels for every new shape, and the experts' row counts change every step: a
+# bf16 Mixtral step grew the process by 20-45 MB a step (2,000 row counts of one product held ~800
+# MB; a float32 one through oneDNN ended 500 MB above HF's). There the rows are cut into
 # power-of-two tiles, the last (< _TILE) zero-padded: a fixed set of shapes, whatever the routing.
 _TILE = 16
 
@@ -153,7 +154,8 @@ def _tiles(n: int) -> list[tuple[int, int]]:
 
 
 def _tiled(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
+    """oneDNN computes the product: bf16/fp16 on a CPU, and float32 where `zoo.gemm` chose it."""
+    return t.device.type == "cpu" and (t.dtype in (torch.bfloat16, torch.float16) or gemm.onednn_for(t))
 
 
 def _padded(t: torch.Tensor) -> torch.Tensor:
@@ -168,9 +170,9 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return gemm.mm(a, b, out)
     for s, m in _tiles(a.shape[0]):
         if m >= _TILE:
-            torch.mm(a[s:s + m], b, out=out[s:s + m])
+            gemm.mm(a[s:s + m], b, out[s:s + m])
         else:
-            out[s:s + m] = (_padded(a[s:s + m]) @ b)[:m]
+            out[s:s + m] = gemm.mm(_padded(a[s:s + m]), b)[:m]
     return out
 
 
@@ -188,7 +190,7 @@ def _mm_t(a: torch.Tensor, c: torch.Tensor, out: torch.Tensor) -> None:
     acc.zero_()
     for s, m in _tiles(a.shape[0]):
         x, y = (a[s:s + m], c[s:s + m]) if m >= _TILE else (_padded(a[s:s + m]), _padded(c[s:s + m]))
-        acc.add_(x.t() @ y)
+        acc.add_(gemm.mm(x.t(), y))
     if acc is not out:
         out.copy_(acc)
 
