@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from zoo import gemm
 from zoo.testing import assert_same_training, run_distributed
 
 LAYERS = {"mamba": 4, "mamba2": 4, "hybrid": 6}  # the tiny flavors' depths (a pattern fixes the depth)
@@ -35,9 +36,11 @@ def test_mamba_layouts_equal_one_process(world, layout, family, zero, flavor):
     ref = _train({}, family, False, flavor)
     # A_log's gradient is a sum of many cancelling terms (every position, channel and state of its
     # head); TP's partial GEMMs, or data-parallel halves summed, round differently, which one AdamW
-    # step carries to ~1.3e-5 (1.3e-6 on the first gradient). Pipeline stages alone agree to 1e-6.
+    # step carries to ~1.3e-5 (1.3e-6 on the first gradient). Pipeline stages agree to 1e-6 under
+    # torch's BLAS; where float32 products go through oneDNN (`zoo.gemm`, non-Intel x86) a product's
+    # rounding depends on its row count, and pipeline micro-batches change it: 2.7e-5 measured.
     dp = world // (layout.get("tp", 1) * layout.get("pp", 1))
-    rtol = 3e-5 if layout.get("tp", 1) > 1 or dp > 1 else 1e-5
+    rtol = 3e-5 if layout.get("tp", 1) > 1 or dp > 1 or gemm.blas_is_generic() else 1e-5
     for got in run_distributed(_train, world, layout, family, zero, flavor, timeout=240):
         assert_same_training(got, ref, rtol=rtol)
         assert sorted(got["metrics"]) == sorted(ref["metrics"])
