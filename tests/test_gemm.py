@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _core_helpers import run_zoo
 
 from zoo import gemm
 
@@ -91,6 +92,9 @@ def test_auto_follows_the_machine_not_a_timing():
         assert "BLAS" in gemm.configure("blas") and not gemm._ONEDNN
     finally:
         gemm._ONEDNN = before
+    out = run_zoo("version")
+    assert out.returncode == 0
+    assert ("float32 CPU products: oneDNN" in out.stdout) == (gemm.blas_is_generic() and gemm._onednn_works())
 
 
 def test_a_trained_step_matches_torchs_product_and_recomputation_stays_exact(onednn):

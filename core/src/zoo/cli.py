@@ -149,6 +149,9 @@ def cmd_version(args: argparse.Namespace) -> int:
     for name, provides, status, fallback in report():  # optional kernels, and what runs without them
         used = status.startswith("available")
         print(f"backend {name} ({provides}): {status}" + ("" if used else f"; zoo uses {fallback}"))
+    from zoo import gemm
+
+    print(gemm.configure("auto") + " under train.cpu_gemm=auto")  # what `zoo train` computes with here
     return 0
 
 

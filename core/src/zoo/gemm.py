@@ -5,11 +5,10 @@ on CPUs that are not Intel's: on a 2-core AMD EPYC (Zen 5) a 2048^3 float32 prod
 GFLOP/s through MKL and 477-503 through oneDNN (which torch ships for bf16 and uses there already).
 `configure` decides once per process ("auto": oneDNN where MKL is on its generic path; "onednn";
 "blas": torch's own), and `linear`/`mm` then route float32 CPU products through oneDNN's matmul
-when it was chosen. The
-numbers are float32 products in both cases (IEEE float32 multiply-adds; only the summation order
+when it was chosen. Both are float32 products (IEEE float32 multiply-adds; only the summation order
 differs, as between any two BLAS builds); autocast, other dtypes and accelerators are untouched.
-`zoo train` applies it to every ``nn.Linear`` of the model (`adopt`), the experts' products and the
-LM loss: `train.cpu_gemm`.
+`zoo train` applies it to every ``nn.Linear`` of the model (`adopt`), the tensor-parallel linears,
+the experts' products and the LM loss: `train.cpu_gemm`; `zoo version` says what it chose.
 """
 
 from __future__ import annotations
