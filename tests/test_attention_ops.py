@@ -56,9 +56,12 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["recomputed", "kept-probs"])
 @pytest.mark.parametrize("blocks", [(256, 1 << 20), (8, 400), (4, 60)], ids=["default", "few-rows", "tiny"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_blocked_attention_matches_float64(case, blocks, monkeypatch):
+def test_blocked_attention_matches_float64(case, blocks, keep, monkeypatch):
+    # ``keep``: backward reads the probabilities the forward kept instead of recomputing them
+    monkeypatch.setattr(ops, "_keeps_probs", lambda *shape: keep)
     monkeypatch.setattr(ops, "_BLOCK_ROWS", blocks[0])
     monkeypatch.setattr(ops, "_BLOCK_ELEMENTS", blocks[1])
     b, h, kv, t, s, hd, causal, offset, packed = CASES[case]
@@ -80,6 +83,24 @@ def test_blocked_attention_matches_float64(case, blocks, monkeypatch):
                       grad, torch.bfloat16)
     for got, theirs, want in zip(_run(ours, q, k, v, grad, torch.bfloat16), torch_bf16, ref):
         assert _rel(got, want) < max(2.5 * _rel(theirs, want), 4e-3)
+
+
+def test_kept_probabilities_give_the_recomputed_gradients_bitwise(monkeypatch):
+    """A short sequence (DiT's case) keeps the forward's probabilities; backward then gives bitwise
+    the gradients of recomputing them, and keeps them only when a backward can follow."""
+    q, k, v, grad = _inputs(2, 6, 6, 16, 16, 8)
+    assert ops._keeps_probs(6, 6, 16, 16, 8) and not ops._keeps_probs(8, 2, 512, 512, 64)
+    runs = {}
+    for keep in (True, False):
+        monkeypatch.setattr(ops, "_keeps_probs", lambda *shape, keep=keep: keep)
+        runs[keep] = _run(lambda q, k, v: ops.blocked_attention(q, k, v, causal=False), q, k, v, grad, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False], strict=True))
+    monkeypatch.setattr(ops, "_keeps_probs", lambda *shape: True)
+    qb = q.bfloat16().requires_grad_(True)
+    out = ops.blocked_attention(qb, k.bfloat16(), v.bfloat16(), causal=False)
+    assert len(out.grad_fn.saved_tensors) > 3  # q, k, v and the probabilities
+    with torch.no_grad():
+        assert ops.blocked_attention(qb, k.bfloat16(), v.bfloat16(), causal=False).grad_fn is None
 
 
 def test_output_is_laid_out_for_the_output_projection():

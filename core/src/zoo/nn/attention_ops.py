@@ -65,8 +65,9 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     if torch.is_autocast_enabled("cpu"):  # what autocast does to scaled_dot_product_attention
         dtype = torch.get_autocast_dtype("cpu")
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     with torch.autocast("cpu", enabled=False):
-        return _BlockedAttention.apply(q, k, v, causal, offset, segment_ids)
+        return _BlockedAttention.apply(q, k, v, causal, offset, segment_ids, backward)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
@@ -186,28 +187,40 @@ class _Plan:
         return scores
 
 
+def _keeps_probs(h: int, kv: int, t: int, s: int, hd: int) -> bool:
+    """Whether the forward keeps each block's probabilities for backward (which then recomputes no
+    scores and softmax): when they take no more memory than the q, k, v and output kept anyway,
+    T x S per head against hd x (2T + 2S) — a DiT's 256 tokens of 64-wide heads (6 MiB a layer in
+    bf16), never a long sequence."""
+    return h * t * s <= hd * (2 * h * t + 2 * kv * s)
+
+
 class _BlockedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
-                segment_ids: torch.Tensor | None) -> torch.Tensor:
+                segment_ids: torch.Tensor | None, keep_probs: bool) -> torch.Tensor:
         b, h, t, hd = q.shape
         kv, s = k.shape[1], k.shape[2]
         plan = _Plan(b, h, kv, t, s, causal, offset, segment_ids, q)
         qs = _row_stacked(q, kv, hd ** -0.5)  # (B*KV, T, G, hd)
         kf, vf = k.reshape(b * kv, s, hd), v.reshape(b * kv, s, hd)
         out = q.new_empty(b, t, kv, plan.g, hd)
+        keep = keep_probs and _keeps_probs(h, kv, t, s, hd)
+        kept = []
         for block in plan.blocks():
             m0, m1, i0, end = block[3:]
             i1 = block[2].stop
             probs = torch.softmax(plan.scores(qs[m0:m1, i0:i1], kf[m0:m1, :end], m0, m1, i0, i1), -1)
             plan.put(out, block, torch.bmm(probs, vf[m0:m1, :end]))
-        ctx.save_for_backward(qs, kf, vf)
+            if keep:
+                kept.append(probs)
+        ctx.save_for_backward(qs, kf, vf, *kept)
         ctx.plan, ctx.shape = plan, q.shape
         return out.view(b, t, h, hd).transpose(1, 2)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        qs, kf, vf = ctx.saved_tensors
+        qs, kf, vf, *kept = ctx.saved_tensors
         plan: _Plan = ctx.plan
         b, h, t, hd = ctx.shape
         kv, s = plan.kv, plan.s
@@ -215,12 +228,12 @@ class _BlockedAttention(torch.autograd.Function):
         dq = qs.new_empty(b, t, kv, plan.g, hd)
         dk = torch.zeros(b * kv, s, hd, dtype=torch.float32, device=qs.device)
         dv = torch.zeros_like(dk)
-        for block in plan.blocks():
+        for n, block in enumerate(plan.blocks()):
             m0, m1, i0, end = block[3:]
             i1 = block[2].stop
             qb, gb = qs[m0:m1, i0:i1].flatten(1, 2), gs[m0:m1, i0:i1].flatten(1, 2)
             kb, vb = kf[m0:m1, :end], vf[m0:m1, :end]
-            probs = torch.softmax(plan.scores(qs[m0:m1, i0:i1], kb, m0, m1, i0, i1), -1)
+            probs = kept[n] if kept else torch.softmax(plan.scores(qs[m0:m1, i0:i1], kb, m0, m1, i0, i1), -1)
             dv[m0:m1, :end] += torch.bmm(probs.transpose(1, 2), gb)
             # d scores = P * (dP - rowsum(dP * P)): torch's fused softmax backward
             dscores = torch._softmax_backward_data(torch.bmm(gb, vb.transpose(1, 2)), probs, -1, probs.dtype)
@@ -228,7 +241,7 @@ class _BlockedAttention(torch.autograd.Function):
             dk[m0:m1, :end] += torch.bmm(dscores.transpose(1, 2), qb)  # qb holds the scale already
         dq.mul_(hd ** -0.5)
         return (dq.view(b, t, h, hd).transpose(1, 2), dk.view(b, kv, s, hd).to(kf.dtype),
-                dv.view(b, kv, s, hd).to(vf.dtype), None, None, None)
+                dv.view(b, kv, s, hd).to(vf.dtype), None, None, None, None)
 
 
 __all__ = ["attend", "attend_at", "blocked_attention", "blocked_supported"]
