@@ -125,3 +125,41 @@ def test_a_trained_step_matches_torchs_product_and_recomputation_stays_exact(one
     assert all(torch.equal(a, b) for a, b in zip(fast, fast_rc, strict=True))
     for a, b in zip(fast, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_tanh_gelu_through_onednn_is_torchs_formula_and_reproducible():
+    """oneDNN's tanh-GELU (the post-op of an identity product) against float64: as close as torch's
+    own kernel in float32 and bf16; the same bits for a slice as for the whole tensor and on one
+    thread (a recomputed copy is exact); torch's kernel where autograd records, for a strided
+    tensor, and under "blas"."""
+    before = gemm._ELTWISE, gemm._ONEDNN
+    try:
+        gemm.configure("onednn" if gemm._onednn_works() else "auto")
+        if not gemm._ELTWISE:
+            pytest.skip("this torch build has no oneDNN tanh-GELU post-op")
+        torch.manual_seed(0)
+        for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
+            x = (torch.randn(300, 96) * 4).to(dtype)
+            ref = F.gelu(x.double(), approximate="tanh")
+            y = gemm.gelu_tanh(x)
+            assert y.dtype == dtype and y.shape == x.shape and y._base is None
+            own = (F.gelu(x, approximate="tanh").double() - ref).abs().max().item()
+            assert (y.double() - ref).abs().max().item() <= max(2 * own, tol)
+            assert not torch.equal(y, F.gelu(x, approximate="tanh")) or dtype == torch.bfloat16  # oneDNN's, not torch's
+            assert torch.equal(gemm.gelu_tanh(x[100:107].contiguous()), y[100:107])
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                assert torch.equal(gemm.gelu_tanh(x), y)
+            finally:
+                torch.set_num_threads(threads)
+        x = torch.randn(32, 16, requires_grad=True)
+        assert type(gemm.gelu_tanh(x).grad_fn).__name__ == "GeluBackward0"  # autograd: torch's op
+        xt = torch.randn(16, 32).t()
+        assert torch.equal(gemm.gelu_tanh(xt), F.gelu(xt, approximate="tanh"))  # strided: torch's
+        gemm.configure("blas")
+        assert not gemm._ELTWISE
+        xd = torch.randn(32, 16)
+        assert torch.equal(gemm.gelu_tanh(xd), F.gelu(xd, approximate="tanh"))
+    finally:
+        gemm._ELTWISE, gemm._ONEDNN = before

@@ -72,6 +72,25 @@ def test_linear_cross_entropy_matches_full_logits(chunk, dropped, block, monkeyp
     torch.testing.assert_close(gw_a, gw_b, atol=1e-6, rtol=1e-5)
 
 
+def test_linear_cross_entropy_is_exact_where_the_labels_probability_underflows():
+    """Logits spread over ~1,400 (a label's softmax probability is 0 in float32): the loss, read off
+    the softmax at each row's largest logit, still matches float64 cross entropy, and so do the
+    gradients; bf16 logits give the float64 loss of the rounded logits."""
+    torch.manual_seed(0)
+    h, w = torch.randn(300, 32) * 8, torch.randn(1000, 32) * 3
+    labels = torch.randint(0, 1000, (300,))
+    logits = h.double() @ w.double().t()
+    assert float(logits.max() - logits.min()) > 1000
+    la, (gh_a, gw_a) = _grads(lambda h, w: linear_cross_entropy(h, w, labels, chunk=64), h, w)
+    lb, (gh_b, gw_b) = _grads(lambda h, w: F.cross_entropy(h @ w.t(), labels), h.double(), w.double())
+    assert abs(la.item() - lb.item()) / lb.item() < 1e-6
+    assert float((gh_a - gh_b).norm() / gh_b.norm()) < 1e-5 and float((gw_a - gw_b).norm() / gw_b.norm()) < 1e-5
+    hb, wb = h.bfloat16(), w.bfloat16()
+    exact = F.cross_entropy((hb @ wb.t()).double(), labels)  # the rounded logits' own loss
+    with torch.no_grad():
+        assert abs(linear_cross_entropy(hb, wb, labels).item() - exact.item()) / exact.item() < 1e-6
+
+
 def test_linear_cross_entropy_of_a_fully_masked_batch_is_zero_with_zero_gradients():
     h = torch.randn(6, 4, requires_grad=True)
     w = torch.randn(5, 4, requires_grad=True)
@@ -265,12 +284,19 @@ def test_activation_gradient_is_autograds(name, dtype):
     assert torch.equal(a.grad, b.grad)
 
 
-@pytest.mark.parametrize("name", ["gelu_tanh", "quick_gelu"])
-def test_plain_mlp_recomputes_its_activation(name):
+@pytest.mark.parametrize("name,onednn", [("gelu_tanh", False), ("gelu_tanh", True), ("quick_gelu", False)])
+def test_plain_mlp_recomputes_its_activation(name, onednn, monkeypatch):
     """The ungated MLP (GPT-2, CLIP): under elementwise recomputation the output projection keeps a
     recipe for the activation's output instead of the output itself (one activation-sized tensor
-    less per layer), and the gradients are bitwise those without recomputation."""
+    less per layer), and the gradients are bitwise those without recomputation (also with the
+    tanh-GELU from oneDNN's kernel, `zoo.gemm.gelu_tanh`)."""
     import weakref
+
+    from zoo import gemm
+
+    monkeypatch.setattr(gemm, "_ELTWISE", onednn and gemm._eltwise_works())
+    if onednn and not gemm._ELTWISE:
+        pytest.skip("this torch build has no oneDNN tanh-GELU post-op")
 
     from zoo.nn import recompute
     from zoo.nn.layers import MLP

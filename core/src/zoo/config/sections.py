@@ -175,9 +175,10 @@ class TrainConfig:
     # system and page-faulting it back (zoo.training.malloc; a bf16 LLaMA step 10% faster). A MALLOC_*
     # variable in the environment or a preloaded jemalloc/tcmalloc wins. "system": glibc's defaults.
     cpu_malloc: Literal["retain", "system"] = "retain"
-    # float32 matrix products on a CPU (zoo.gemm): "auto" takes oneDNN's where a short probe finds
-    # it clearly faster than torch's BLAS (MKL runs generic kernels on non-Intel CPUs: 2.2x on an AMD
-    # EPYC), "onednn" always, "blas" never. bf16/fp16 and accelerators are unaffected.
+    # float32 matrix products on a CPU (zoo.gemm): "auto" takes oneDNN's where torch's BLAS is MKL on
+    # a non-Intel x86 (its generic kernels: 2.2x slower on an AMD EPYC), "onednn" always, "blas"
+    # never. Except under "blas", tanh-GELU on a CPU is oneDNN's kernel (2.7x torch's). bf16/fp16
+    # products and accelerators are unaffected.
     cpu_gemm: Literal["auto", "onednn", "blas"] = "auto"
 
     def __post_init__(self) -> None:
