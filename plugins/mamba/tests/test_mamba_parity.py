@@ -141,6 +141,29 @@ def test_chunked_scans_equal_the_sequential_recurrence(length):
         assert (h - ref2_h).abs().max() <= 1e-5 * ref2_h.abs().max()
 
 
+@pytest.mark.parametrize("block", [1, 3, 32])
+def test_ssd_state_passing_in_blocks_of_chunks_equals_the_recurrence(block, monkeypatch):
+    """The chunks' states pass on a block of chunks per product (`_pass_states`): block sizes that
+    split 19 chunks unevenly, one chunk per block, and one block for all give the recurrence's
+    outputs, last state and gradients."""
+    from zoo.nn import ssm
+
+    monkeypatch.setattr(ssm, "_STATE_BLOCK", block)
+    g = torch.Generator().manual_seed(block)
+    x = torch.randn(2, 75, 4, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    b, c = (torch.randn(2, 75, 2, 5, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    dt = torch.rand(2, 75, 4, generator=g, dtype=torch.float64)
+    a, h0 = -torch.rand(4, generator=g, dtype=torch.float64) * 4, torch.randn(2, 4, 3, 5, generator=g, dtype=torch.float64)
+    ref_y, ref_h = _recurrence_mamba2(x, dt, a, b, c, h0)
+    y, h = ssd_scan(x, dt, a, b, c, state=h0, chunk=4)  # 19 chunks, the last one padded
+    # (the scan computes in float32)
+    assert (y - ref_y).abs().max() <= 1e-6 * ref_y.abs().max() and (h - ref_h).abs().max() <= 1e-6 * ref_h.abs().max()
+    got = torch.autograd.grad((y * ref_y.detach()).sum() + h.sum(), (x, b, c))
+    want = torch.autograd.grad((ref_y * ref_y.detach()).sum() + ref_h.sum(), (x, b, c))
+    for gv, wv in zip(got, want):
+        assert (gv - wv).norm() <= 1e-6 * wv.norm()
+
+
 def test_scan_gradients_flow_through_the_recomputed_chunks():
     torch.manual_seed(0)
     x, dt, b, c = (torch.randn(1, 20, 4, dtype=torch.float64, requires_grad=True) for _ in range(4))
