@@ -36,17 +36,56 @@ def _kernels() -> Any:
     return kernel("mamba-ssm", "mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
 
 
+class _CausalConv1d(torch.autograd.Function):
+    """Depthwise causal convolution as K shifted multiply-adds in the (B, T, C) layout, with its own
+    backward (the same K passes for the input, K products summed over B and T for the weight).
+    torch's grouped conv1d wants (B, C, T), and for a Mamba-2 layer's 2,048 x 640 convolution (K 4)
+    it took 10.9 ms forward and backward with the layout copies, this 4.9 ms."""
+
+    @staticmethod
+    def forward(ctx: Any, xp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # xp (B, K-1+T, C): the K-1 inputs before x, then x; weight (C, K)
+        k, t = weight.shape[1], xp.shape[1] - weight.shape[1] + 1
+        y = xp[:, k - 1:] * weight[:, k - 1]
+        for i in range(k - 1):
+            y.addcmul_(xp[:, i:i + t], weight[:, i])
+        if bias is not None:
+            y.add_(bias)
+        ctx.save_for_backward(xp, weight)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        xp, weight = ctx.saved_tensors
+        k, t = weight.shape[1], grad.shape[1]
+        dxp = dw = None
+        if ctx.needs_input_grad[0]:
+            dxp = torch.zeros_like(xp)
+            for i in range(k):
+                dxp[:, i:i + t].addcmul_(grad, weight[:, i])
+        if ctx.needs_input_grad[1]:
+            dw = torch.stack([(grad * xp[:, i:i + t]).sum((0, 1)) for i in range(k)], dim=1)
+        db = grad.sum((0, 1)) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dxp, dw, db
+
+
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution: x (B, T, C), weight (C, 1, K), ``state`` the K-1 inputs before
     x (B, C, K-1; zeros when None). Returns y (B, T, C) and the K-1 last inputs (the next state)."""
     k = weight.shape[-1]
-    xt = x.transpose(1, 2)
-    xp = F.pad(xt, (k - 1, 0)) if state is None else torch.cat([state.to(xt.dtype), xt], dim=-1)
-    y = F.conv1d(xp, weight, bias, groups=xt.shape[1])
-    # Back to (B, T, C) in memory too: the SiLU and splits that follow ran ~7x slower forward and
-    # backward on the transposed view (strided elementwise kernels); the copy costs far less.
-    return y.transpose(1, 2).contiguous(), xp[:, :, xp.shape[-1] - (k - 1):]
+    dtype = torch.promote_types(x.dtype, weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x.dtype
+    before = x.new_zeros(x.shape[0], k - 1, x.shape[2]) if state is None else state.transpose(1, 2).to(x.dtype)
+    xp = torch.cat([before, x], dim=1)  # (B, K-1+T, C)
+    w = weight.view(weight.shape[0], k)
+    if x.device.type == "cpu":
+        y = _CausalConv1d.apply(xp.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype))
+    else:  # accelerators: torch's grouped convolution kernel
+        y = F.conv1d(xp.transpose(1, 2), weight.to(dtype), None if bias is None else bias.to(dtype),
+                     groups=x.shape[2]).transpose(1, 2).contiguous()
+    return y, xp[:, xp.shape[1] - (k - 1):].transpose(1, 2).contiguous()  # (not a view that keeps xp alive)
 
 
 class _Recomputed(torch.autograd.Function):
