@@ -62,15 +62,15 @@ def test_mm_writes_into_out_and_reads_transposed_operands(onednn):
     assert _rel(out, a[5:35].double() @ b.double().t()) < 1e-6
 
 
-def test_other_dtypes_autocast_and_blas_keep_torchs_own_product(onednn):
+def test_other_dtypes_and_blas_keep_torchs_own_product(onednn):
     torch.manual_seed(0)
     lin, plain = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
     plain.load_state_dict(lin.state_dict())
     gemm.adopt(lin)
     x = torch.randn(4, 16, requires_grad=True)
     assert type(lin(x).grad_fn).__name__ == "_LinearBackward"  # float32 on the CPU: oneDNN's
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert torch.equal(lin(x), plain(x)) and lin(x).dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.equal(lin(x), plain(x))  # fp16 autocast: torch's own
     lin64, plain64 = torch.nn.Linear(16, 8).double(), torch.nn.Linear(16, 8).double()
     plain64.load_state_dict(lin64.state_dict())
     gemm.adopt(lin64)
@@ -79,6 +79,41 @@ def test_other_dtypes_autocast_and_blas_keep_torchs_own_product(onednn):
     gemm.configure("blas")
     y = lin(x)
     assert torch.equal(y, plain(x)) and type(y.grad_fn).__name__ == "AddmmBackward0"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert type(lin(x).grad_fn).__name__ == "AddmmBackward0"  # "blas": autocast's own linear
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16_autocast_linear_is_autocasts_values_keeping_the_float32_weight(onednn, bias):
+    """Under bf16 autocast: the output bitwise autocast's own, the gradients within bf16 rounding
+    of autocast's (the same bf16 products; the bias gradient summed in float32 either way), and what
+    backward keeps is the input's bf16 copy and the float32 weight itself, no bf16 copy of it."""
+    if not gemm._AUTOCAST:
+        pytest.skip("no oneDNN bf16 products on this machine")
+    torch.manual_seed(0)
+    lin, plain = torch.nn.Linear(48, 40, bias=bias), torch.nn.Linear(48, 40, bias=bias)
+    plain.load_state_dict(lin.state_dict())
+    gemm.adopt(lin)
+    x = torch.randn(3, 20, 48)
+    g = torch.randn(3, 20, 40).bfloat16()
+    outs, grads = [], []
+    for m in (lin, plain):
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(xi)
+        outs.append(y)
+        y.backward(g)
+        grads.append([xi.grad, *(p.grad for p in m.parameters())])
+    assert type(outs[0].grad_fn).__name__ == "_AutocastLinearBackward" and outs[0].dtype == torch.bfloat16
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(grads[0], grads[1], strict=True):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x.requires_grad_(True))
+    kept = y.grad_fn.saved_tensors
+    assert any(t is lin.weight or t.data_ptr() == lin.weight.data_ptr() for t in kept)
+    assert all(t.dtype == torch.float32 or t.shape != lin.weight.shape for t in kept)  # no bf16 weight copy
 
 
 def test_auto_follows_the_machine_not_a_timing():

@@ -13,8 +13,10 @@ the experts' products and the LM loss: `train.cpu_gemm`; `zoo version` says what
 The same oneDNN call also gives zoo its tanh-GELU (`gelu_tanh`) on a CPU: torch's kernel evaluates
 tanh with SLEEF at ~1.5 G elements/s on 2 cores, a tenth of an elementwise pass, and a DiT or GPT-2
 MLP runs it twice a step (forward and the recomputed copy). oneDNN's JIT eltwise, applied as the
-post-op of a product with the identity, is 2.7x faster (bf16, 2048 x 1536: 0.72 vs 1.95 ms). Any
-`configure` mode but "blas" (torch's own kernels) turns it on, on any CPU vendor.
+post-op of a product with the identity, is 2.7x faster (bf16, 2048 x 1536: 0.72 vs 1.95 ms). And
+under bf16 autocast on a CPU, `linear` is one oneDNN call with the bias fused that keeps the
+float32 weight for backward instead of autocast's bf16 copy (`_AutocastLinear`). Any `configure`
+mode but "blas" (torch's own kernels) turns both on, on any CPU vendor.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def _bf16_works() -> bool:
             return False
         g = torch.Generator().manual_seed(0)
         a, b, c = (torch.randn(*s, generator=g).bfloat16() for s in ((64, 48), (32, 48), (32,)))
-        return torch.allclose(_onednn_linear(a, b, c).float(), a.float() @ b.float().t() + c.float(), rtol=2e-2, atol=2e-2)
+        want = a.float() @ b.float().t() + c.float()
+        return torch.allclose(_onednn_linear(a, b, c).float(), want, rtol=2e-2, atol=2e-2)
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
 
@@ -115,19 +118,20 @@ def configure(mode: Mode = "auto") -> str:
     _ONEDNN = False
     _ELTWISE = mode != "blas" and _eltwise_works()
     _AUTOCAST = mode != "blas" and _bf16_works()
-    gelu = "; tanh-GELU: oneDNN's kernel" if _ELTWISE else ""
+    also = "; tanh-GELU: oneDNN's kernel" if _ELTWISE else ""
+    also += "; bf16-autocast linears: oneDNN's" if _AUTOCAST else ""
     if mode == "blas":
         return "float32 CPU products: torch's BLAS (train.cpu_gemm=blas)"
     if mode == "auto" and not blas_is_generic():
-        return "float32 CPU products: torch's BLAS" + gelu
+        return "float32 CPU products: torch's BLAS" + also
     if not _onednn_works():
         if mode == "onednn":
             raise RuntimeError("train.cpu_gemm=onednn: this torch build has no working oneDNN matmul "
                                "(torch.ops.mkldnn._linear_pointwise); use auto or blas")
-        return "float32 CPU products: torch's BLAS (no oneDNN matmul in this torch build)" + gelu
+        return "float32 CPU products: torch's BLAS (no oneDNN matmul in this torch build)" + also
     _ONEDNN = True
     why = "train.cpu_gemm=onednn" if mode == "onednn" else f"MKL's generic path on this {_cpu_vendor()} CPU"
-    return f"float32 CPU products: oneDNN ({why})" + gelu
+    return f"float32 CPU products: oneDNN ({why})" + also
 
 
 def onednn_for(*tensors: torch.Tensor) -> bool:
@@ -164,7 +168,8 @@ class _AutocastLinear(torch.autograd.Function):
     backward instead. Values as autocast's (the same products and sums)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.dtype, ctx.has_bias = dtype, bias is not None
         return _onednn_linear(x, weight.to(dtype), None if bias is None else bias.to(dtype))

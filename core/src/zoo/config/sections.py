@@ -177,8 +177,9 @@ class TrainConfig:
     cpu_malloc: Literal["retain", "system"] = "retain"
     # float32 matrix products on a CPU (zoo.gemm): "auto" takes oneDNN's where torch's BLAS is MKL on
     # a non-Intel x86 (its generic kernels: 2.2x slower on an AMD EPYC), "onednn" always, "blas"
-    # never. Except under "blas", tanh-GELU on a CPU is oneDNN's kernel (2.7x torch's). bf16/fp16
-    # products and accelerators are unaffected.
+    # never. Except under "blas", tanh-GELU on a CPU is oneDNN's kernel (2.7x torch's) and a bf16
+    # autocast linear one oneDNN call with its bias (keeping the fp32 weight, not a bf16 copy, for
+    # backward). fp16 and accelerators are unaffected.
     cpu_gemm: Literal["auto", "onednn", "blas"] = "auto"
 
     def __post_init__(self) -> None:
