@@ -502,3 +502,31 @@ def test_split_by_ratio_keeps_every_shard():
         got = split_by_ratio(shards, ratio, shuffle=False)
         assert got["train"] + got["val"] + got["test"] == shards
         assert len(got["train"]) == int(n * ratio[0] / sum(ratio))
+
+
+def test_reseeded_hooks_draw_per_key_and_leave_every_generator_as_it_was(monkeypatch):
+    """A ``restore_seeds`` hook draws the same numbers for the same key (and other ones for another),
+    the caller's torch/numpy/random streams continue as if it never ran, and no accelerator
+    generator is reseeded by the data (torch.manual_seed would queue that, a stack trace each)."""
+    from zoo.data.energon import stateless
+    from zoo.data.energon.task_encoder import call_hook
+
+    class Hook:
+        @stateless(restore_seeds=True)
+        def encode_sample(self, _):
+            return torch.rand(3), np.random.rand(), random.random()
+
+    for name in ("cuda", "xpu", "mtia"):
+        monkeypatch.setattr(getattr(torch, name), "manual_seed_all", lambda seed, name=name: pytest.fail(f"{name} reseeded"))
+    hook = Hook().encode_sample
+    torch.default_generator.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    before = torch.rand(2), np.random.rand(), random.random()
+    torch.default_generator.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    a, b, c = (call_hook(hook, None, seed=7, key=k) for k in ("k1", "k1", "k2"))
+    after = torch.rand(2), np.random.rand(), random.random()
+    assert torch.equal(a[0], b[0]) and a[1:] == b[1:] and not torch.equal(a[0], c[0])
+    assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
