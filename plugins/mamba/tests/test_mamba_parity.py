@@ -13,7 +13,7 @@ from zoo_mamba.model import build
 from zoo_mamba.plugin import SPECS, MambaConfig
 
 from zoo.checkpoint.mapping import MappingError, from_external, to_external
-from zoo.nn.ssm import selective_scan, ssd_scan
+from zoo.nn.ssm import causal_conv1d, selective_scan, ssd_scan
 
 VOCAB = 64
 
@@ -162,6 +162,26 @@ def test_ssd_state_passing_in_blocks_of_chunks_equals_the_recurrence(block, monk
     want = torch.autograd.grad((ref_y * ref_y.detach()).sum() + ref_h.sum(), (x, b, c))
     for gv, wv in zip(got, want):
         assert (gv - wv).norm() <= 1e-6 * wv.norm()
+
+
+@pytest.mark.parametrize("with_state,bias", [(False, True), (True, False)])
+def test_causal_conv_equals_torchs_padded_grouped_convolution(with_state, bias):
+    """zoo's shifted multiply-adds against torch's depthwise conv1d over the left-padded (or
+    state-prefixed) input in float64: output, next state and the gradients of x, weight and bias."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 11, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 1, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
+    state = torch.randn(2, 6, 3, generator=g, dtype=torch.float64) if with_state else None
+    y, nxt = causal_conv1d(x, w, b, state)
+    before = state if with_state else torch.zeros(2, 6, 3, dtype=torch.float64)
+    xp = torch.cat([before, x.transpose(1, 2)], dim=-1)
+    ref = torch.nn.functional.conv1d(xp, w, b, groups=6).transpose(1, 2)
+    assert torch.allclose(y, ref, atol=1e-12) and torch.equal(nxt, xp[:, :, -3:])
+    gy = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    params = [x, w] + ([b] if bias else [])
+    for got, want in zip(torch.autograd.grad(y, params, gy), torch.autograd.grad(ref, params, gy)):
+        assert torch.allclose(got, want, atol=1e-12)
 
 
 def test_scan_gradients_flow_through_the_recomputed_chunks():

@@ -183,7 +183,7 @@ def _pass_states(states: torch.Tensor, log_decay: torch.Tensor, h0: torch.Tensor
         out = (mat @ src).view(bsz, h, -1, n, p)
         starts.append(out[:, :, :-1])
         h0 = out[:, :, -1]
-    return torch.cat(starts, dim=2) if len(starts) > 1 else starts[0], h0
+    return torch.cat(starts, dim=2), h0
 
 
 def _ssd_chunks(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h0: torch.Tensor
