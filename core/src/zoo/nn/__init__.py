@@ -8,6 +8,7 @@ layout): what makes logit parity at 1e-5 possible.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -398,7 +399,26 @@ class AttentionCore(SelectiveCore, ContextParallelSite):
 # ----------------------------------------------------------------------------------------- loss
 
 
-_LOGITS_BLOCK = 1 << 22  # elements of one chunk of logits in `linear_cross_entropy`
+# Elements of one chunk of logits in `linear_cross_entropy`. On a CPU a chunk's float32 logits
+# stay in cache (16 MB); a GPU wants few, large products (a 32-row chunk of a 128k vocabulary
+# keeps its tensor cores idle and launches 256 products a step), and 256 MB is little beside an
+# activation memory of tens of GB.
+_LOGITS_BLOCK = 1 << 22
+_LOGITS_BLOCK_ACCELERATOR = 1 << 26
+
+
+@functools.cache
+def _accumulates_in_float32(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``addmm(out_dtype=float32, out=acc)`` adds a bf16/fp16 product into a float32
+    accumulator in place on this device (cuBLAS does; the CPU build has no such kernel): then the
+    weight gradient needs no (V, D) temporary per chunk."""
+    try:
+        a = torch.ones(2, 2, dtype=dtype, device=device_type)
+        acc = torch.ones(2, 2, device=device_type)
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+        return bool((acc == 3).all())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 class _LinearCrossEntropyFn(torch.autograd.Function):
@@ -418,12 +438,15 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         # The chunk's float32 logits and their log-softmax are the loss's transient peak (the last
         # layer's activations are all still live then): rows are capped so each is ~16 MB, whatever
         # the vocabulary (1,024 rows of a 128k vocabulary would be 1 GB).
-        chunk = max(1, min(chunk, _LOGITS_BLOCK // weight.shape[0]))
+        block = _LOGITS_BLOCK if hidden.device.type == "cpu" else _LOGITS_BLOCK_ACCELERATOR
+        chunk = max(1, min(chunk, block // weight.shape[0]))
         denom = mask.sum().clamp(min=1)
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         w = weight.to(hidden.dtype)
+        in_place = (need and hidden.dtype != torch.float32 and hidden.device.type != "cpu"
+                    and _accumulates_in_float32(hidden.device.type, hidden.dtype))
         for s in range(0, n, chunk):
             h = hidden[s:s + chunk]
             # one fused log-softmax over the chunk's float32 logits gives the loss, and its exp the
@@ -439,6 +462,8 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                 gemm.mm(d, w, grad_h[s:s + chunk])
                 if h.dtype == torch.float32 and not gemm.onednn_for(h):  # no (V, D) temporary
                     torch.addmm(grad_w, d.t(), h, out=grad_w)  # (addmm_ would be missed by FLOP counters)
+                elif in_place:
+                    torch.addmm(grad_w, d.t(), h, out_dtype=torch.float32, out=grad_w)
                 else:
                     grad_w += gemm.mm(d.t(), h).float()
         if need:
