@@ -209,7 +209,10 @@ def grad_norm_squared(grads: Iterable[tuple[torch.Tensor, Placement | None]], *,
     for g, placement in grads:
         if placement is not None and placement.duplicate:
             continue
-        sq = g.detach().double().pow(2).sum()
+        # One pass accumulating in float64 (no float64 copy of the gradient, no squared temporary: 2x
+        # faster on a CPU, and on a GPU a 1B model's norm was ~10 ms of a 250 ms step); float32
+        # accumulation (torch._foreach_norm, a dot product) is off by 1e-4 over 16M elements.
+        sq = torch.linalg.vector_norm(g.detach(), dtype=torch.float64).square()
         if placement is not None and isinstance(placement.shard, EPShard):
             experts += sq
         elif placement is not None and placement.shard is not None:
