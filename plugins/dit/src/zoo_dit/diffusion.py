@@ -283,7 +283,8 @@ def preview(model: DiT, cfg: DiTConfig, batch: dict[str, Any], *, generator: tor
     if cfg.num_classes:
         k = min(cfg.num_classes, 10)
         out = sample(model, cfg, labels=[i % k for i in range(2 * k)], num_steps=18, guidance=1.5,
-                       generator=torch.Generator().manual_seed(int(torch.randint(0, 2**31, (), generator=generator))))
+                       generator=torch.Generator().manual_seed(int(torch.randint(0, 2**31, (), generator=generator,
+                                                                                 device=generator.device))))
     else:
         ctx = batch["context"][:4] if batch["context"].dim() == 3 else None
         out = sample(model, cfg, context=ctx, num_steps=18, guidance=1.5)

@@ -92,7 +92,9 @@ def sample(denoise: Denoiser, noise: torch.Tensor, sigmas: torch.Tensor, *, solv
         t_hat = t_cur + gamma * t_cur
         x_hat = x
         if gamma > 0:
-            eps = torch.randn(x.shape, generator=generator, dtype=torch.float64, device=x.device)
+            # Drawn where the generator lives (a CPU generator drives a GPU sampling run too).
+            eps = torch.randn(x.shape, generator=generator, dtype=torch.float64,
+                              device=generator.device if generator is not None else x.device).to(x.device)
             x_hat = x + torch.sqrt(t_hat**2 - t_cur**2) * s_noise * eps
         slope = (x_hat - d(x_hat, t_hat)) / t_hat
         x = x_hat + (t_next - t_hat) * slope

@@ -1,0 +1,109 @@
+"""The CUDA path against the CPU path, for every installed family: run where a GPU is (the lent
+GPU machine, a user's workstation), skipped elsewhere. Every CPU path these compare with is tested
+on its own in the rest of the suite; these show that the same code on a GPU computes the same
+function (float32 with TF32 off: the last bits differ with the kernels, not more), that bf16
+autocast on a GPU stays near float32, and that the trainer's curve on a GPU is the CPU's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from zoo.testing.conformance import installed_families
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _to(batch, device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(v, device) for v in batch)
+    return batch
+
+
+def _loss_and_grads(model, loss_fn, batch, autocast=None):
+    torch.manual_seed(1)  # a loss that draws noise draws the same on both runs of one device
+    dev = next(model.parameters()).device.type
+    with torch.autocast(dev, dtype=autocast, enabled=autocast is not None):
+        loss, _ = loss_fn(model, batch)
+    loss.backward()
+    return loss.detach().double().cpu(), {n: p.grad.detach().double().cpu() for n, p in model.named_parameters()
+                                          if p.grad is not None}
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.mark.parametrize("name", installed_families())
+def test_a_family_computes_the_same_loss_and_gradients_on_cuda(name):
+    from zoo.testing.conformance import _parts, _seq_length
+
+    fam, cfg, spec, build, loss_fn, example = _parts(name, "tiny")
+    torch.manual_seed(0)
+    cpu_model = build(cfg, spec)
+    batch = example(cfg, batch_size=2, seq_length=_seq_length(fam, "tiny"), generator=torch.Generator().manual_seed(0))
+    gpu_model = copy.deepcopy(cpu_model).cuda()
+    ref_loss, ref = _loss_and_grads(cpu_model, loss_fn, batch)
+    loss, grads = _loss_and_grads(gpu_model, loss_fn, _to(batch, "cuda"))
+    assert abs(float(loss - ref_loss)) <= 1e-5 * max(abs(float(ref_loss)), 1.0), (float(loss), float(ref_loss))
+    assert grads.keys() == ref.keys()
+    for n, g in ref.items():
+        err = float((grads[n] - g).norm() / g.norm().clamp(min=1e-12))
+        assert err <= 1e-4, f"{name}: {n}: gradient differs on CUDA by {err:.2e} (relative)"
+
+    # bf16 autocast on the GPU: the same loss to bf16's precision, the same gradient directions.
+    gpu_model.zero_grad(set_to_none=True)
+    loss16, grads16 = _loss_and_grads(gpu_model, loss_fn, _to(batch, "cuda"), autocast=torch.bfloat16)
+    assert abs(float(loss16 - ref_loss)) <= 3e-2 * max(abs(float(ref_loss)), 1.0), (float(loss16), float(ref_loss))
+    cos = [float(torch.nn.functional.cosine_similarity(grads16[n].flatten(), g.flatten(), dim=0))
+           for n, g in ref.items() if g.norm() > 1e-6 * max(x.norm() for x in ref.values())]
+    assert min(cos) > 0.95, f"{name}: a bf16 gradient points elsewhere than float32's (cosine {min(cos):.3f})"
+
+
+def test_the_trainer_on_cuda_follows_the_cpu_run(tmp_path):
+    """The whole trainer (data to the device, autocast off, clipping, AdamW, EMA, frozen
+    parameters, validation, checkpoints) on CUDA gives the CPU run's curve, step by step."""
+    import json
+
+    from test_trainer import COMMON, _fit
+
+    curves = {}
+    for device in ("cpu", "cuda"):
+        _fit(str(tmp_path / device), 1, [*COMMON, f"train.device={device}"])
+        curves[device] = [json.loads(x) for x in (tmp_path / device / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in curves["cuda"]] == [r["step"] for r in curves["cpu"]]
+    for a, b in zip(curves["cuda"], curves["cpu"]):
+        for key in ("loss", "aux_l2", "grad_norm", "val_loss"):
+            if key in b:
+                assert abs(a[key] - b[key]) <= 1e-4 * abs(b[key]) + 1e-6, (key, a["step"], a[key], b[key])
+
+
+def test_dit_samples_and_previews_on_cuda_as_on_the_cpu():
+    """DiT's sampler on a GPU driven by a CPU generator (churn draws fresh noise each step) gives
+    the CPU's samples, and the trainer's preview, handed a generator on the GPU, draws its grid."""
+    from zoo_dit.diffusion import preview, sample
+
+    from zoo.testing.conformance import build_tiny
+
+    model, cfg = build_tiny("dit")
+    torch.manual_seed(3)
+    with torch.no_grad():  # adaLN-Zero starts at zero: give the blocks something to compute
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    kw = dict(labels=[1, 7], num_steps=4, guidance=1.5, churn=2.0)
+    ref = sample(model, cfg, generator=torch.Generator().manual_seed(5), **kw)
+    got = sample(copy.deepcopy(model).cuda(), cfg, generator=torch.Generator().manual_seed(5), **kw)
+    assert got.device.type == "cpu" and got.shape == ref.shape
+    assert float((got - ref).norm() / ref.norm()) <= 1e-4
+    art = preview(model.cuda(), cfg, {}, generator=torch.Generator("cuda").manual_seed(0))
+    assert art.kind == "image"
