@@ -11,8 +11,15 @@ machine in the same run. zoo's processes apply what `zoo train` applies to a CPU
 memory kept for reuse, `train.cpu_malloc`); the `hf+retain` rows run HF under that same setting, so
 the table shows which part of the ratio it is.
 
+On a GPU (``--device cuda``) the same two training steps run with CUDA autocast and SDPA attention
+(flash in bf16) on both sides; tokens/s and MFU are against the GPU's own measured matrix-product
+peaks (fp32 without TF32, as torch computes fp32 by default, and bf16), memory is the CUDA
+allocator's peak, and the optional backends `zoo.backends` found are printed with the table.
+``--preset 1b`` is LLaMA-3.2-1B's shape (untied embeddings: 1.5B parameters).
+
     python benchmarks/llama_vs_hf.py                 # full size
     python benchmarks/llama_vs_hf.py --quick         # a smaller, faster check
+    python benchmarks/llama_vs_hf.py --device cuda --preset 1b   # on a GPU
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ def build(impl: str, args: argparse.Namespace):
     if impl == "hf":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        hf = LlamaForCausalLM(LlamaConfig(**model_config(args), attn_implementation="sdpa"))
+        with torch.device(args.device):
+            hf = LlamaForCausalLM(LlamaConfig(**model_config(args), attn_implementation="sdpa"))
         # HF's causal-LM loss: logits upcast to float32, then cross entropy (what labels= does,
         # without its internal shift, since the labels here are already shifted).
         return hf, lambda m, x, y: F.cross_entropy(m(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
@@ -63,7 +71,10 @@ def build(impl: str, args: argparse.Namespace):
         with recompute.scope(mode):
             return m(x, labels=y)
 
-    model = zoo_build(cfg, SPECS[cfg.layer_spec])
+    if args.recompute:
+        mode = args.recompute
+    with torch.device(args.device):
+        model = zoo_build(cfg, SPECS[cfg.layer_spec])
     gemm.adopt(model)  # as `zoo train` does: its linears' products through zoo.gemm
     return model, zoo_loss
 
@@ -86,7 +97,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    if args.impl != "hf":
+    if args.impl != "hf" and args.device == "cpu":
         zoo_process_settings("retain" if args.impl == "hf+retain" else None)
     model, loss_of = build("hf" if args.impl.startswith("hf") else "zoo", args)
     print(json.dumps(time_training(model, loss_of, args, bf16_params=args.impl == "zoo-bf16p")))
@@ -114,13 +125,18 @@ def time_training(model, loss_of, args: argparse.Namespace, *, bf16_params: bool
         opt = DistributedOptimizer(buckets, make_opt, group_of=lambda p: {"weight_decay": 0.0})
     else:
         opt = make_opt(model.parameters())
-    x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1))
+    device = getattr(args, "device", "cpu")
+    x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1)).to(device)
     inputs, labels = x[:, :-1], x[:, 1:]
     dtype = torch.bfloat16 if args.precision == "bf16" else None
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    cuda = device == "cuda"
+    if cuda:
+        base_mem = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
 
     def step() -> float:
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
             loss = loss_of(model, inputs, labels)
         loss.backward()
         if buckets is not None:
@@ -141,15 +157,47 @@ def time_training(model, loss_of, args: argparse.Namespace, *, bf16_params: bool
         times.append(time.perf_counter() - t)
     times.sort()
     median = times[len(times) // 2]
+    if cuda:  # loss.item() synchronised every step; memory is the CUDA allocator's, not the process's
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        return {"tokens_per_s": args.batch * args.seq / median, "step_s": median, "loss": loss,
+                "peak_rss_mb": peak, "rss_over_model_mb": peak - base_mem / 2**20}
     return {"tokens_per_s": args.batch * args.seq / median, "step_s": median, "loss": loss,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "rss_over_model_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_rss}
+
+
+def gemm_peak_cuda() -> dict[str, float]:
+    """The GPU's measured matrix-product peaks: 8192^3 products timed with CUDA events (median of
+    10 after warm-up) on random data, fp32 without TF32 (torch's default for fp32), TF32 and bf16."""
+    import torch
+
+    out, n = {}, 8192
+    for name, dtype, tf32 in (("fp32", torch.float32, False), ("tf32", torch.float32, True), ("bf16", torch.bfloat16, False)):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        a, b = torch.randn(n, n, device="cuda", dtype=dtype), torch.randn(n, n, device="cuda", dtype=dtype)
+        for _ in range(3):
+            a @ b
+        times = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            a @ b
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        out[name] = 2 * n**3 / sorted(times)[len(times) // 2]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return out
 
 
 def gemm_peak(args: argparse.Namespace) -> None:
     import torch
 
     from zoo import gemm
+
+    if args.device == "cuda":
+        print(json.dumps(gemm_peak_cuda()))
+        return
 
     torch.set_num_threads(args.threads)
     with contextlib.suppress(RuntimeError):  # no oneDNN matmul in this build: gemm.mm is torch's own
@@ -207,7 +255,8 @@ LIVE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 def run_child(extra: list[str], args: argparse.Namespace, env_extra: dict | None = None) -> dict:
     cmd = [sys.executable, __file__, *extra, *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                                                 if k not in ("worker", "peak", "impl", "precision", "quick") and v is not None]]
+                                                 if k not in ("worker", "peak", "impl", "precision", "quick", "preset")
+                                                 and v is not None]]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), **(env_extra or {})}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -227,6 +276,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--quick", action="store_true", help="4 layers, seq 256: a fast sanity run")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--preset", choices=["1b"], help="1b: LLaMA-3.2-1B's shape, untied (16 layers, hidden 2048, "
+                   "ffn 8192, 32/8 heads, vocab 128256), seq 2048")
+    p.add_argument("--recompute", choices=["none", "elementwise", "selective", "full"],
+                   help="zoo's recompute mode (default: `zoo train`'s)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--peak", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", choices=["hf", "hf+retain", "zoo", "zoo-bf16p"], help=argparse.SUPPRESS)
@@ -238,6 +292,10 @@ def main() -> None:
         return gemm_peak(args)
     if args.quick:
         args.layers, args.seq = 4, 256
+    if args.preset == "1b":
+        args.layers, args.hidden, args.ffn, args.heads, args.kv_heads, args.vocab, args.seq = 16, 2048, 8192, 32, 8, 128256, 2048
+    if args.device == "cuda":
+        return main_cuda(args)
     peak = run_child(["--peak"], args)
     fpt = flops_per_token(args)
     print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {platform.processor() or ''} {args.threads} threads, "
@@ -274,6 +332,42 @@ def main() -> None:
     if not fast_bf16:
         print(f"# note: bf16 GEMM peak {peak['bf16'] / 1e9:.0f} GFLOP/s vs fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s: this "
               "machine has no fast bf16 matrix unit, so bf16 is judged by MFU against its own bf16 peak only")
+
+
+def main_cuda(args: argparse.Namespace) -> None:
+    """The GPU table: bf16 (autocast, and zoo's bf16 parameters with fp32 masters) and fp32 on both
+    sides, MFU against the GPU's measured peaks, memory from the CUDA allocator."""
+    import torch
+
+    from zoo import backends
+
+    peak = run_child(["--peak"], args)
+    fpt = flops_per_token(args)
+    found = {name: backends.probe(name)[1] for name in backends.BACKENDS}
+    print(f"# {time.strftime('%Y-%m-%d')} {torch.cuda.get_device_name()}, torch {torch.__version__} "
+          f"(CUDA {torch.version.cuda}), SDPA attention on both sides")
+    print("# backends: " + "; ".join(f"{k}: {v}" for k, v in found.items()))
+    print(f"# LLaMA {args.layers}L hidden {args.hidden} heads {args.heads}/{args.kv_heads} ffn {args.ffn} vocab {args.vocab}, "
+          f"batch {args.batch} x seq {args.seq}; GEMM peak fp32 {peak['fp32'] / 1e12:.1f} TFLOP/s (TF32 "
+          f"{peak['tf32'] / 1e12:.1f}), bf16 {peak['bf16'] / 1e12:.1f} TFLOP/s; zoo recompute "
+          f"{args.recompute or 'default (elementwise)'}")
+    print(f"{'precision':<9} {'impl':<9} {'tokens/s':>9} {'step ms':>8} {'MFU':>6} {'peak MB':>8} {'over model MB':>13}")
+    results = {}
+    for precision, impl in (("bf16", "hf"), ("bf16", "zoo"), ("bf16", "zoo-bf16p"), ("fp32", "hf"), ("fp32", "zoo")):
+        try:
+            r = run_child(["--worker", f"--impl={impl}", f"--precision={precision}"], args)
+        except subprocess.CalledProcessError as e:  # out of memory on one side: say so, go on
+            print(f"{precision:<9} {impl:<9} failed: {e.stderr.strip().splitlines()[-1][:200]}")
+            continue
+        r["mfu"] = r["tokens_per_s"] * fpt / peak[precision]
+        results[(precision, impl)] = r
+        print(f"{precision:<9} {impl:<9} {r['tokens_per_s']:>9.0f} {r['step_s'] * 1e3:>8.1f} {r['mfu']:>6.1%} "
+              f"{r['peak_rss_mb']:>8.0f} {r['rss_over_model_mb']:>13.0f}")
+    for precision, impl in (("bf16", "zoo"), ("bf16", "zoo-bf16p"), ("fp32", "zoo")):
+        if (precision, "hf") in results and (precision, impl) in results:
+            hf, zoo = results[(precision, "hf")], results[(precision, impl)]
+            print(f"{precision} {impl}: tokens/s {zoo['tokens_per_s'] / hf['tokens_per_s']:.2f}x HF; MFU {zoo['mfu']:.1%} "
+                  f"of the {precision} peak; peak memory {zoo['peak_rss_mb'] / hf['peak_rss_mb']:.2f}x HF")
 
 
 if __name__ == "__main__":
