@@ -49,10 +49,10 @@ def test_swiglu_matches_formula():
 def test_linear_cross_entropy_matches_full_logits(chunk, dropped, block, monkeypatch):
     # A mask dropping most rows takes the kept-rows path (the head runs on them only). ``block``:
     # the cap on a chunk's logits (elements), which here sets 3 rows a chunk instead of ``chunk``.
-    import zoo.nn
+    import zoo.nn.loss
 
     if block is not None:
-        monkeypatch.setattr(zoo.nn, "_LOGITS_BLOCK", block)
+        monkeypatch.setattr(zoo.nn.loss, "_LOGITS_BLOCK", block)
     torch.manual_seed(0)
     h, w = torch.randn(50, 16), torch.randn(40, 16) * 0.3
     labels = torch.randint(0, 40, (50,))
