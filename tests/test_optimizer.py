@@ -54,3 +54,21 @@ def test_fused_falls_back_to_foreach_with_a_note(monkeypatch):
     assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
     assert notes == ["note: optimizer.implementation=fused unavailable here, using foreach "
                      "(`fused=True` requires all the params to be floating point Tensors of supported devices)"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_sum_of_squares_matches_a_float64_sum(dtype):
+    """The gradient norm's one-pass sum of squares (float32 rows, float64 total) against the float64
+    sum, for sizes below, at and across its row length, and empty."""
+    from zoo.parallel.apply import sum_of_squares
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(7,), (2048,), (3, 2048), (1536, 513), (4096, 1024), (0,)]:
+        x = (torch.randn(shape, generator=gen) * 1e-3).to(dtype)
+        exact = float(x.double().pow(2).sum())
+        got = sum_of_squares(x)
+        assert got.dtype == torch.float64
+        assert abs(float(got) - exact) <= 1e-6 * exact + 1e-30, (shape, float(got), exact)
+    # a transposed (non-contiguous) gradient reads the same elements
+    x = torch.randn(300, 4100, generator=gen).to(dtype).t()
+    assert float(sum_of_squares(x)) == pytest.approx(float(x.double().pow(2).sum()), rel=1e-6)

@@ -104,9 +104,14 @@ class DistributedOptimizer:
 
             scale_grads([piece[3].grad for piece in self.pieces], norm, max_norm)
         self.optimizer.step()
-        for b, a, n, master, _, _ in self.pieces:
-            b.buffer[a:a + n].copy_(master)  # (cast on the way) reuse the grad buffer to gather params
+        for b, a, n, master, p, at in self.pieces:
+            if b.size == 1:  # nothing to gather: straight into the parameter (one cast copy, not two)
+                p.detach().view(-1)[at:at + n].copy_(master)
+            else:
+                b.buffer[a:a + n].copy_(master)  # (cast on the way) reuse the grad buffer to gather params
         for b in self.buckets.buckets:
+            if b.size == 1:
+                continue
             full = self._gather(b.buffer, b)
             offset = 0
             for p in b.params:
