@@ -3,7 +3,7 @@
 # The GPU machine has torch, transformers and pluggy but cannot reach a registry: zoo's wheels and
 # the few pure dependencies it lacks travel in .whl/ (built here with `pip wheel --no-deps`).
 #
-#   bash benchmarks/gpu_checks.sh bench      # LLaMA 1B vs HF on the GPU (benchmarks/llama_vs_hf.py)
+#   bash benchmarks/gpu_checks.sh bench [--rows bf16:hf,bf16:zoo]   # LLaMA 1B vs HF on the GPU (llama_vs_hf.py)
 #   bash benchmarks/gpu_checks.sh checks     # CUDA tests, NCCL probe, `zoo train` of every family
 #
 # Logs go to $OUT (the device tool's folder) or /tmp/zoo-gpu.
@@ -53,4 +53,6 @@ EOF
     python3 -m zoo generate --checkpoint runs/llama-tiny --prompt "The with statement" 2>&1 | tail -3 | tee -a "$OUT/train.log"
 }
 
-"${1:-checks}"
+cmd=${1:-checks}
+shift $(( $# > 0 ? 1 : 0 ))
+"$cmd" "$@"

@@ -255,7 +255,7 @@ LIVE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 def run_child(extra: list[str], args: argparse.Namespace, env_extra: dict | None = None) -> dict:
     cmd = [sys.executable, __file__, *extra, *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                                                 if k not in ("worker", "peak", "impl", "precision", "quick", "preset")
+                                                 if k not in ("worker", "peak", "impl", "precision", "quick", "preset", "rows")
                                                  and v is not None]]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), **(env_extra or {})}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
@@ -279,6 +279,7 @@ def main() -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--preset", choices=["1b"], help="1b: LLaMA-3.2-1B's shape, untied (16 layers, hidden 2048, "
                    "ffn 8192, 32/8 heads, vocab 128256), seq 2048")
+    p.add_argument("--rows", help="GPU table: the rows to run, e.g. bf16:hf,bf16:zoo-bf16p (default: all)")
     p.add_argument("--recompute", choices=["none", "elementwise", "selective", "full"],
                    help="zoo's recompute mode (default: `zoo train`'s)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -353,7 +354,10 @@ def main_cuda(args: argparse.Namespace) -> None:
           f"{args.recompute or 'default (elementwise)'}")
     print(f"{'precision':<9} {'impl':<9} {'tokens/s':>9} {'step ms':>8} {'MFU':>6} {'peak MB':>8} {'over model MB':>13}")
     results = {}
-    for precision, impl in (("bf16", "hf"), ("bf16", "zoo"), ("bf16", "zoo-bf16p"), ("fp32", "hf"), ("fp32", "zoo")):
+    rows = [("bf16", "hf"), ("bf16", "zoo"), ("bf16", "zoo-bf16p"), ("fp32", "hf"), ("fp32", "zoo")]
+    if args.rows:
+        rows = [tuple(r.split(":")) for r in args.rows.split(",")]
+    for precision, impl in rows:
         try:
             r = run_child(["--worker", f"--impl={impl}", f"--precision={precision}"], args)
         except subprocess.CalledProcessError as e:  # out of memory on one side: say so, go on
