@@ -89,8 +89,11 @@ def zoo_process_settings(malloc_mode: str | None = None) -> None:
     from zoo.training import malloc
 
     malloc.configure(malloc_mode or TrainConfig().cpu_malloc)
-    if malloc_mode is None:  # zoo's own processes: its float32 CPU products (the HF rows keep torch's)
+    if malloc_mode is None:  # zoo's own processes: its CPU products and fused kernels (the HF rows keep torch's)
+        from zoo.nn import fused
+
         gemm.configure(TrainConfig().cpu_gemm)
+        fused.configure(TrainConfig().cpu_fused)
 
 
 def worker(args: argparse.Namespace) -> None:

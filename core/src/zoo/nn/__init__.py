@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo import gemm
+from zoo.nn import fused
 from zoo.nn.attention_ops import attend, attend_at
 from zoo.nn.loss import linear_cross_entropy as linear_cross_entropy  # (its own module; zoo.nn's API)
 from zoo.nn.recompute import SelectiveCore, recomputable
@@ -124,6 +125,10 @@ class _ModulatedLayerNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+        if fused.wanted(x):  # one compiled pass (`zoo.nn.fused`)
+            y, mean, rstd = fused.modulated_ln(x, shift, scale, eps)
+            ctx.save_for_backward(x, shift, scale, mean, rstd)
+            return y
         xhat, mean, rstd = torch.native_layer_norm(_up(x), x.shape[-1:], None, None, eps)
         ctx.save_for_backward(x, shift, scale, mean, rstd)
         return _modulate(xhat, shift, scale, x.dtype)
@@ -131,6 +136,10 @@ class _ModulatedLayerNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         x, shift, scale, mean, rstd = ctx.saved_tensors
+        if fused.wanted(x) and shift.shape == scale.shape and shift.dim() == x.dim():
+            dims = tuple(i for i, (a, b) in enumerate(zip(x.shape, shift.shape)) if b == 1 and a != 1)
+            gx, gshift, gscale = fused.modulated_ln_backward(grad, x, scale, mean, rstd, dims)
+            return gx, gshift.to(shift.dtype), gscale.to(scale.dtype), None
         xf, g = _up(x), _up(grad)
         gx = torch.ops.aten.native_layer_norm_backward(g * (1 + _up(scale)), xf, x.shape[-1:], mean, rstd, None, None,
                                                        [True, False, False])[0]
@@ -143,6 +152,8 @@ def _modulate(xhat: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, dtyp
 
 def _modulated(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """The forward's output again from its inputs: the same kernels, so the same bits."""
+    if fused.wanted(x):
+        return fused.modulated_ln(x, shift, scale, eps)[0]
     return _modulate(torch.native_layer_norm(_up(x), x.shape[-1:], None, None, eps)[0], shift, scale, x.dtype)
 
 
@@ -194,7 +205,8 @@ def activation(x: torch.Tensor, name: str) -> torch.Tensor:
 
 _DERIVATIVES = {
     "gelu": lambda g, x: torch.ops.aten.gelu_backward(g, x),
-    "gelu_tanh": lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
+    "gelu_tanh": lambda g, x: (fused.gelu_tanh_backward(g, x) if fused.wanted(x)
+                               else torch.ops.aten.gelu_backward(g, x, approximate="tanh")),
     "silu": torch.ops.aten.silu_backward,
     "relu": lambda g, x: torch.ops.aten.threshold_backward(g, x, 0),
 }

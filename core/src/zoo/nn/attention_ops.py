@@ -28,6 +28,7 @@ kernel's (4e-3 to 7e-3 relative); run in fp32 the blocked path is at 3e-7 as tor
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -226,19 +227,30 @@ class _BlockedAttention(torch.autograd.Function):
         kv, s = plan.kv, plan.s
         gs = _row_stacked(grad.to(qs.dtype), kv)
         dq = qs.new_empty(b, t, kv, plan.g, hd)
-        dk = torch.zeros(b * kv, s, hd, dtype=torch.float32, device=qs.device)
-        dv = torch.zeros_like(dk)
+        # One query block per matrix (every non-causal DiT/CLIP-length call): each block's dk/dv is
+        # its matrices' whole gradient, written in place in the inputs' dtype (bitwise what summing
+        # into float32 zeros and casting gives: the product is rounded once either way).
+        direct = plan.tb >= t
+        dk = (kf.new_empty if direct else partial(torch.zeros, dtype=torch.float32, device=qs.device))(b * kv, s, hd)
+        dv = torch.empty_like(dk) if direct else torch.zeros_like(dk)
         for n, block in enumerate(plan.blocks()):
             m0, m1, i0, end = block[3:]
             i1 = block[2].stop
             qb, gb = qs[m0:m1, i0:i1].flatten(1, 2), gs[m0:m1, i0:i1].flatten(1, 2)
             kb, vb = kf[m0:m1, :end], vf[m0:m1, :end]
             probs = kept[n] if kept else torch.softmax(plan.scores(qs[m0:m1, i0:i1], kb, m0, m1, i0, i1), -1)
-            dv[m0:m1, :end] += torch.bmm(probs.transpose(1, 2), gb)
             # d scores = P * (dP - rowsum(dP * P)): torch's fused softmax backward
             dscores = torch._softmax_backward_data(torch.bmm(gb, vb.transpose(1, 2)), probs, -1, probs.dtype)
             plan.put(dq, block, torch.bmm(dscores, kb))
-            dk[m0:m1, :end] += torch.bmm(dscores.transpose(1, 2), qb)  # qb holds the scale already
+            if direct:
+                torch.bmm(probs.transpose(1, 2), gb, out=dv[m0:m1, :end])
+                torch.bmm(dscores.transpose(1, 2), qb, out=dk[m0:m1, :end])  # qb holds the scale already
+                if end < s:  # keys no query of the block sees
+                    dv[m0:m1, end:] = 0
+                    dk[m0:m1, end:] = 0
+            else:
+                dv[m0:m1, :end] += torch.bmm(probs.transpose(1, 2), gb)
+                dk[m0:m1, :end] += torch.bmm(dscores.transpose(1, 2), qb)
         dq.mul_(hd ** -0.5)
         return (dq.view(b, t, h, hd).transpose(1, 2), dk.view(b, kv, s, hd).to(kf.dtype),
                 dv.view(b, kv, s, hd).to(vf.dtype), None, None, None, None)

@@ -32,6 +32,7 @@ from zoo.data.energon.training import path_kind
 from zoo.errors import ConfigError
 from zoo.family import DatasetSpec, Family, resolve
 from zoo.io import atomic_write_text
+from zoo.nn import fused
 from zoo.parallel.engine import Parallel, StepOutput
 from zoo.parallel.layout import Layout
 from zoo.training import malloc, optim
@@ -129,6 +130,7 @@ class Trainer:
         if self.dev_type == "cpu":
             malloc.configure(run.train.cpu_malloc)
             gemm.configure(run.train.cpu_gemm)
+            fused.configure(run.train.cpu_fused)
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.train.precision)
         full, record = self._model_on_meta()
         self.n_params = sum(p.numel() for p in full.parameters())

@@ -1,0 +1,126 @@
+"""The compiled CPU elementwise kernels (`zoo.nn.fused`) against float64 references of the same
+formulas and against torch's eager kernels: adaLN's layer norm forward and backward, tanh-GELU's
+derivative; a recomputed output bitwise the forward's; a compiler failure falls back to eager,
+said once; tiny tensors and ``cpu_fused=off`` never compile."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from zoo.nn import fused
+
+
+@pytest.fixture
+def on(monkeypatch):
+    """Fused kernels for every size (the tests' tensors are small), restored afterwards."""
+    monkeypatch.setattr(fused, "_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(fused, "_BROKEN", {})
+    fused.configure("auto")
+    yield
+    fused.configure("off")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm().clamp(min=1e-30))
+
+
+def _reference_ln(x, shift, scale, eps):
+    """LayerNorm (no affine) modulated, in float64 through autograd."""
+    x, shift, scale = (t.double().detach().requires_grad_(True) for t in (x, shift, scale))
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    y = (x - mean) / torch.sqrt(var + eps) * (1 + scale) + shift
+    return y, (x, shift, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_modulated_layer_norm_forward_and_backward_match_float64(on, dtype, per_token):
+    from zoo.nn import modulated_layer_norm
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 40, 48, generator=gen) * 2 + 0.5).to(dtype).requires_grad_(True)
+    mshape = (3, 40, 48) if per_token else (3, 1, 48)
+    shift = (torch.randn(mshape, generator=gen) * 0.3).to(dtype).requires_grad_(True)
+    scale = (torch.randn(mshape, generator=gen) * 0.3).to(dtype).requires_grad_(True)
+    g = torch.randn(3, 40, 48, generator=gen).to(dtype)
+    y = modulated_layer_norm(x, shift, scale, 1e-6)
+    assert y.dtype == dtype
+    y.backward(g)
+    ref, leaves = _reference_ln(x, shift, scale, 1e-6)
+    ref.backward(g.double())
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert _rel(y, ref) <= tol
+    for got, want in zip((x.grad, shift.grad, scale.grad), leaves):
+        assert got.dtype == dtype and got.shape == want.shape
+        assert _rel(got, want.grad) <= tol * 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_derivative_matches_float64(on, dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(64, 96, generator=gen) * 3).to(dtype)
+    x[0, :4] = torch.tensor([0.0, -12.0, 12.0, 1e-30])  # zero, both saturated ends, a subnormal-ish input
+    g = torch.randn(64, 96, generator=gen).to(dtype)
+    got = fused.gelu_tanh_backward(g, x)
+    want = torch.ops.aten.gelu_backward(g.double(), x.double(), approximate="tanh")
+    eager = torch.ops.aten.gelu_backward(g, x, approximate="tanh")
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert _rel(got, want) <= tol and _rel(eager, want) <= tol
+
+
+def test_a_recomputed_norm_and_activation_are_the_forwards_bits(on):
+    """Under elementwise recomputation a DiT block's saved norm and GELU outputs are recomputed in
+    backward: with the compiled kernels the gradients equal those of a run that keeps them."""
+    from zoo.nn import recompute
+    from zoo.testing.conformance import build_tiny
+
+    model, cfg = build_tiny("dit")
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    from zoo.testing.conformance import _parts, _seq_length
+
+    fam, *_, loss_fn, example = _parts("dit", "tiny")
+    batch = example(cfg, batch_size=2, seq_length=_seq_length(fam, "tiny"), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for mode in ("none", "elementwise"):
+        model.zero_grad(set_to_none=True)
+        with recompute.scope(mode), torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = loss_fn(model, batch)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert fused._compiled.cache_info().currsize >= 2  # the compiled kernels did run
+    for n, g in grads[0].items():
+        assert torch.equal(grads[1][n], g), n
+
+
+def test_a_compiler_failure_falls_back_to_eager_and_says_so_once(on, monkeypatch):
+    def broken(name, fn):
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(fused, "_compiled", broken)
+    x, g = torch.randn(8, 16), torch.randn(8, 16)
+    with pytest.warns(RuntimeWarning, match="compiling gelu_tanh_backward failed.*no C\\+\\+ compiler"):
+        got = fused.gelu_tanh_backward(g, x)
+    assert torch.equal(got, torch.ops.aten.gelu_backward(g, x, approximate="tanh"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not again
+        fused.gelu_tanh_backward(g, x)
+    assert "gelu_tanh_backward" in fused.configure("auto")  # named in what `zoo version` prints
+
+
+def test_tiny_tensors_and_off_never_compile(monkeypatch):
+    monkeypatch.setattr(fused, "_MIN_ELEMENTS", 1 << 18)
+    fused.configure("auto")
+    try:
+        assert not fused.wanted(torch.zeros(4, 8)) and fused.wanted(torch.zeros(512, 512))
+        assert not fused.wanted(torch.zeros(512, 512, dtype=torch.float64))
+        assert "off" in fused.configure("off") and not fused.wanted(torch.zeros(512, 512))
+    finally:
+        fused.configure("off")
