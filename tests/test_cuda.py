@@ -107,3 +107,22 @@ def test_dit_samples_and_previews_on_cuda_as_on_the_cpu():
     assert float((got - ref).norm() / ref.norm()) <= 1e-4
     art = preview(model.cuda(), cfg, {}, generator=torch.Generator("cuda").manual_seed(0))
     assert art.kind == "image"
+
+
+def test_the_phase_timers_charge_gpu_work_to_the_phase_that_launched_it(tmp_path):
+    """Kernels launched in forward_backward and waited for by the optimizer's first host read are
+    forward_backward's time (without a device sync at the lap, the optimizer got it)."""
+    from types import SimpleNamespace
+
+    from zoo.training.instruments import Instruments
+
+    log = SimpleNamespace(timers=True, straggler_factor=1.5, profile="", memory_snapshot=0)
+    inst = Instruments(log, rank=0, world_size=1, device="cuda:0", stage=0, run_dir=tmp_path, is_main=True)
+    a = torch.randn(4096, 4096, device="cuda")
+    inst.lap("other")
+    for _ in range(30):
+        a = torch.tanh(a @ a)  # ~0.1 s of GPU work, launched in microseconds
+    inst.lap("forward_backward")
+    float(a.sum())  # the optimizer's first read of a device value
+    inst.lap("optimizer")
+    assert inst.sums["forward_backward"] > 5 * inst.sums["optimizer"], inst.sums

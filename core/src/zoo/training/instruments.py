@@ -39,6 +39,7 @@ class Instruments:
         self.enabled = logging.timers
         self.factor = logging.straggler_factor
         self.rank, self.world, self.device, self.stage = rank, world_size, device, stage
+        self.cuda = str(device).startswith("cuda") and torch.cuda.is_available()
         self.is_main, self.run_dir = is_main, run_dir
         self.sums = dict.fromkeys(PHASES, 0.0)
         self.ready = 0.0  # the interval's sum of wall-clock times at which this rank's batches were ready
@@ -55,6 +56,11 @@ class Instruments:
 
     def lap(self, phase: str) -> None:
         """Charge the time since the previous lap to ``phase``."""
+        if self.enabled and self.cuda:
+            # A GPU runs a phase's kernels after the host has moved on: without waiting for them,
+            # backward's tail is charged to whichever later phase reads a value first (the
+            # optimizer's norm check: 100 of a 1B model's 236 ms on an H100, with backward at 134).
+            torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         self.sums[phase] += now - self.last
         self.last = now
