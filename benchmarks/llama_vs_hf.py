@@ -80,20 +80,17 @@ def build(impl: str, args: argparse.Namespace):
 
 
 def zoo_process_settings(malloc_mode: str | None = None) -> None:
-    """What `zoo train` sets in a CPU process besides the model: freed memory kept for reuse
-    (`train.cpu_malloc`, zoo.training.malloc; a MALLOC_* variable in the environment wins, as it
-    does in the live-memory runs). ``malloc_mode`` overrides the default (the HF rows with zoo's
-    allocator setting)."""
-    from zoo import gemm
+    """What `zoo train` sets in a CPU process besides the model (`zoo.training.cpu`): freed memory
+    kept for reuse (`train.cpu_malloc`; a MALLOC_* variable in the environment wins, as it does in
+    the live-memory runs), its float32 products and fused elementwise kernels. ``malloc_mode``: the
+    HF rows with zoo's allocator setting only (they keep torch's kernels)."""
     from zoo.config import TrainConfig
-    from zoo.training import malloc
+    from zoo.training import cpu, malloc
 
-    malloc.configure(malloc_mode or TrainConfig().cpu_malloc)
-    if malloc_mode is None:  # zoo's own processes: its CPU products and fused kernels (the HF rows keep torch's)
-        from zoo.nn import fused
-
-        gemm.configure(TrainConfig().cpu_gemm)
-        fused.configure(TrainConfig().cpu_fused)
+    if malloc_mode is None:
+        cpu.configure(TrainConfig())
+    else:
+        malloc.configure(malloc_mode)
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -32,10 +32,9 @@ from zoo.data.energon.training import path_kind
 from zoo.errors import ConfigError
 from zoo.family import DatasetSpec, Family, resolve
 from zoo.io import atomic_write_text
-from zoo.nn import fused
 from zoo.parallel.engine import Parallel, StepOutput
 from zoo.parallel.layout import Layout
-from zoo.training import malloc, optim
+from zoo.training import cpu, optim
 from zoo.training.ema import EMA
 from zoo.training.guard import NonFiniteGuard
 from zoo.training.instruments import Instruments
@@ -128,9 +127,7 @@ class Trainer:
         torch.set_flush_denormal(run.train.flush_denormal)
         self.dev_type = "cuda" if env.device.startswith("cuda") else "cpu"
         if self.dev_type == "cpu":
-            malloc.configure(run.train.cpu_malloc)
-            gemm.configure(run.train.cpu_gemm)
-            fused.configure(run.train.cpu_fused)
+            cpu.configure(run.train)  # allocator, float32 products, fused kernels
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.train.precision)
         full, record = self._model_on_meta()
         self.n_params = sum(p.numel() for p in full.parameters())
