@@ -124,3 +124,9 @@ def test_tiny_tensors_and_off_never_compile(monkeypatch):
         assert "off" in fused.configure("off") and not fused.wanted(torch.zeros(512, 512))
     finally:
         fused.configure("off")
+
+
+def test_an_input_error_is_raised_and_the_compiler_not_blamed(on):
+    with pytest.raises(RuntimeError):
+        fused.gelu_tanh_backward(torch.randn(8, 16), torch.randn(8, 17))  # mismatched shapes
+    assert "gelu_tanh_backward" not in fused._BROKEN

@@ -5,7 +5,8 @@ On a CPU, torch runs each elementwise operation as its own pass over memory: DiT
 (`zoo.nn.modulated_layer_norm`) is ~10 passes forward, recomputation and backward, and tanh-GELU's
 derivative spends its time in SLEEF's tanh. Compiled, the adaLN is one pass each way and GELU's
 derivative takes its tanh from an exponential (``(1 + tanh u) / 2 = sigmoid(2u)``): 6x and 2.2x
-faster on a 2-core AMD EPYC (bf16, 8 x 256 x 384 and 2048 x 1536), ~9% of a bf16 DiT-S step.
+faster alone on a 2-core AMD EPYC (bf16, 8 x 256 x 384 and 2048 x 1536), ~4% of a bf16 DiT-S step
+(inside a step their inputs come from memory, not cache).
 
 Used for CPU tensors of at least `_MIN_ELEMENTS` elements (a compile costs ~2.5 s per process,
 once; tiny tensors gain nothing from it) when `configure` turned it on (``train.cpu_fused``).
@@ -52,16 +53,19 @@ def wanted(x: torch.Tensor) -> bool:
 def _run(name: str, fn: Callable[..., Any], eager: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` compiled; on a compiler failure, ``eager(*args)`` now and from then on (for this
     kernel only: a recomputation then takes the path its forward took, whatever fails meanwhile)."""
-    if name not in _BROKEN:
-        try:
-            with torch.no_grad():  # one inference kernel whatever the caller's grad mode (same bits)
-                return _compiled(name, fn)(*args)
-        except Exception as e:  # noqa: BLE001 - inductor's failures have no common type
-            _BROKEN[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-            warnings.warn(f"zoo.nn.fused: compiling {name} failed, using torch's eager kernels for it from now on "
-                          f"({_BROKEN[name]}); train.cpu_fused=off skips trying", RuntimeWarning, stacklevel=3)
-    with torch.no_grad():
-        return eager(*args)
+    if name in _BROKEN:
+        with torch.no_grad():
+            return eager(*args)
+    try:
+        with torch.no_grad():  # one inference kernel whatever the caller's grad mode (same bits)
+            return _compiled(name, fn)(*args)
+    except Exception as e:  # noqa: BLE001 - inductor's failures have no common type
+        with torch.no_grad():
+            out = eager(*args)  # the inputs' own fault raises here, and the compiler is not blamed
+        _BROKEN[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        warnings.warn(f"zoo.nn.fused: compiling {name} failed, using torch's eager kernels for it from now on "
+                      f"({_BROKEN[name]}); train.cpu_fused=off skips trying", RuntimeWarning, stacklevel=3)
+        return out
 
 
 @functools.cache
