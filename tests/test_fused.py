@@ -130,3 +130,37 @@ def test_an_input_error_is_raised_and_the_compiler_not_blamed(on):
     with pytest.raises(RuntimeError):
         fused.gelu_tanh_backward(torch.randn(8, 16), torch.randn(8, 17))  # mismatched shapes
     assert "gelu_tanh_backward" not in fused._BROKEN
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_transpose_is_an_exact_copy(on, dtype):
+    a = torch.randn(300, 517).to(dtype)
+    got = fused.transpose(a)
+    assert got.is_contiguous() and torch.equal(got, a.t())
+
+
+def test_float32_weight_gradients_are_bitwise_the_same_with_the_compiled_transposes(on):
+    """`zoo.gemm`'s oneDNN linear: its weight gradient's transposed operands copied by the compiled
+    kernel or by torch give the same bits (a transposition is exact)."""
+    from zoo import gemm
+
+    before = gemm._ONEDNN, gemm._ELTWISE, gemm._AUTOCAST
+    if not gemm._onednn_works():
+        pytest.skip("no oneDNN matmul in this torch build")
+    gemm.configure("onednn")
+    try:
+        x = torch.randn(4, 96, 64, requires_grad=True)
+        w = torch.randn(80, 64, requires_grad=True)
+        g = torch.randn(4, 96, 80)
+        grads = []
+        for enabled in (False, True):
+            fused._ENABLED = enabled
+            x.grad = w.grad = None
+            gemm.linear(x, w).backward(g)
+            grads.append((x.grad.clone(), w.grad.clone()))
+        assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+        assert fused._compiled.cache_info().currsize >= 1
+        ref = torch.einsum("bto,bti->oi", g.double(), x.detach().double())
+        assert _rel(grads[1][1], ref) <= 1e-6
+    finally:
+        gemm._ONEDNN, gemm._ELTWISE, gemm._AUTOCAST = before

@@ -139,9 +139,24 @@ def onednn_for(*tensors: torch.Tensor) -> bool:
             and not torch.is_autocast_enabled("cpu") and all(t.numel() for t in tensors))
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous, as oneDNN's inner product takes its operands: a transposed view of a large
+    matrix through `zoo.nn.fused.transpose` (torch's strided copy cost a quarter of each float32
+    weight gradient's time), anything else as torch copies it."""
+    if t.is_contiguous():
+        return t
+    if t.dim() == 2 and t.t().is_contiguous():
+        from zoo.nn import fused  # (zoo.nn imports this module)
+
+        if fused.wanted(t):
+            return fused.transpose(t.t())
+    return t.contiguous()
+
+
 class _Linear(torch.autograd.Function):
-    """``x @ weight.T + bias`` and its gradients, each product through oneDNN (transposed operands
-    are read in place, as strides). Saves what F.linear's graph saves: the input and the weight."""
+    """``x @ weight.T + bias`` and its gradients, each product through oneDNN (the input gradient
+    reads the transposed weight in place; the weight gradient's transposed operands are copied by
+    `_dense`). Saves what F.linear's graph saves: the input and the weight."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -155,7 +170,7 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
         dx = _onednn_linear(g, weight.t()).reshape(x.shape) if ctx.needs_input_grad[0] else None
-        dw = _onednn_linear(g.t(), x.reshape(-1, x.shape[-1]).t()) if ctx.needs_input_grad[1] else None
+        dw = _onednn_linear(_dense(g.t()), _dense(x.reshape(-1, x.shape[-1]).t())) if ctx.needs_input_grad[1] else None
         db = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db
 
@@ -205,7 +220,7 @@ def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> tor
     """``a @ b`` (2-D, no autograd: for hand-written backward passes), into ``out`` if given."""
     if not onednn_for(a, b):
         return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
-    y = _onednn_linear(a, b.t())
+    y = _onednn_linear(_dense(a), _dense(b.t()))
     return y if out is None else out.copy_(y)
 
 
