@@ -73,20 +73,22 @@ def test_gelu_tanh_derivative_matches_float64(on, dtype):
     assert _rel(got, want) <= tol and _rel(eager, want) <= tol
 
 
-def test_a_recomputed_norm_and_activation_are_the_forwards_bits(on):
-    """Under elementwise recomputation a DiT block's saved norm and GELU outputs are recomputed in
-    backward: with the compiled kernels the gradients equal those of a run that keeps them."""
+@pytest.mark.parametrize("family", ["dit", "llama"])
+def test_a_recomputed_norm_and_activation_are_the_forwards_bits(on, family):
+    """Under elementwise recomputation a DiT block's saved adaLN and GELU outputs (LLaMA's RMS norm
+    and SwiGLU outputs) are recomputed in backward: with the compiled kernels the gradients equal
+    those of a run that keeps them."""
     from zoo.nn import recompute
     from zoo.testing.conformance import build_tiny
 
-    model, cfg = build_tiny("dit")
+    model, cfg = build_tiny(family)
     torch.manual_seed(2)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     from zoo.testing.conformance import _parts, _seq_length
 
-    fam, *_, loss_fn, example = _parts("dit", "tiny")
+    fam, *_, loss_fn, example = _parts(family, "tiny")
     batch = example(cfg, batch_size=2, seq_length=_seq_length(fam, "tiny"), generator=torch.Generator().manual_seed(0))
     grads = []
     for mode in ("none", "elementwise"):
@@ -164,3 +166,29 @@ def test_float32_weight_gradients_are_bitwise_the_same_with_the_compiled_transpo
         assert _rel(grads[1][1], ref) <= 1e-6
     finally:
         gemm._ONEDNN, gemm._ELTWISE, gemm._AUTOCAST = before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_swiglu_match_float64(on, dtype):
+    from zoo.nn import gated_activation, rms_norm
+
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 50, 64, generator=gen) * 3).to(dtype).requires_grad_(True)
+    w = (1 + 0.1 * torch.randn(64, generator=gen)).requires_grad_(True)
+    g = torch.randn(6, 50, 64, generator=gen).to(dtype)
+    y = rms_norm(x, w, 1e-5)
+    y.backward(g)
+    xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    yd = wd * (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5))
+    yd.backward(g.double())
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert _rel(y, yd) <= tol and _rel(x.grad, xd.grad) <= 10 * tol and _rel(w.grad, wd.grad) <= 10 * tol
+
+    gu = torch.randn(6, 50, 96, generator=gen).to(dtype).requires_grad_(True)
+    h = gated_activation(gu, "silu")
+    h.backward(g[..., :48])
+    gud = gu.detach().double().requires_grad_(True)
+    gate, up = gud.chunk(2, -1)
+    hd = torch.nn.functional.silu(gate) * up
+    hd.backward(g[..., :48].double())
+    assert _rel(h, hd) <= tol and _rel(gu.grad, gud.grad) <= 10 * tol

@@ -31,6 +31,10 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if fused.wanted(x):  # one compiled pass (`zoo.nn.fused`)
+            y, rstd = fused.rms_norm(x, weight, eps)
+            ctx.save_for_backward(x, weight, rstd)
+            return y
         rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
         return _rms_normed(x, weight, rstd)
@@ -38,6 +42,8 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         x, weight, rstd = ctx.saved_tensors
+        if fused.wanted(x):
+            return (*fused.rms_norm_backward(grad, x, weight, rstd), None)
         xhat = x.float() * rstd
         g = grad.float()
         grad_w = (g * xhat.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
@@ -57,7 +63,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = _RMSNormFn.apply(x, weight, eps)
     if y.grad_fn is not None:
         x_saved, w_saved, rstd = y.grad_fn.saved_tensors
-        recomputable(y, lambda: _rms_normed(x_saved, w_saved, rstd))
+        if fused.wanted(x_saved):  # the forward's kernel again: the same bits
+            recomputable(y, lambda: fused.rms_norm(x_saved, w_saved, eps)[0])
+        else:
+            recomputable(y, lambda: _rms_normed(x_saved, w_saved, rstd))
     return y
 
 
@@ -94,6 +103,8 @@ class _SwiGLUFn(torch.autograd.Function):
 
 
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    if fused.wanted(gate_up):  # (forward and recomputation alike)
+        return fused.swiglu(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

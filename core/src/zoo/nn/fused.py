@@ -131,6 +131,50 @@ def modulated_ln_backward(g: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
                 dims)
 
 
+# ------------------------------------------------------------------------------------- RMS norm
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x.float() * rstd).to(x.dtype), rstd
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight * (x / rms(x)), 1 / rms(x))`` with HF's numerics (float32 statistics, the normalised
+    x rounded to x's dtype before the weight)."""
+    return _run("rms_norm", _rms_norm, _rms_norm, x, weight, eps)
+
+
+def _rms_norm_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    xhat = x.float() * rstd
+    gf = g.float()
+    grad_w = (gf * xhat.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    gx = gf * weight.float()
+    dot = (gx * xhat).mean(-1, keepdim=True)
+    return ((gx - xhat * dot) * rstd).to(x.dtype), grad_w
+
+
+def rms_norm_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of `rms_norm` with respect to x and the weight."""
+    return _run("rms_norm_backward", _rms_norm_backward, _rms_norm_backward, g, x, weight, rstd)
+
+
+# --------------------------------------------------------------------------------------- SwiGLU
+
+
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate_up.dtype)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused ``[gate | up]`` tensor, in float32, rounded once. (Its backward
+    stays torch's: inductor writes the two halves of ``[d gate | d up]`` slower than eager here.)"""
+    return _run("swiglu", _swiglu, _swiglu, gate_up)
+
+
 # ----------------------------------------------------------------------------------------- GELU
 
 _K, _A = 0.7978845608028654, 0.044715  # sqrt(2 / pi) and the cubic's coefficient of tanh-GELU
