@@ -181,9 +181,10 @@ class TrainConfig:
     # autocast linear one oneDNN call with its bias (keeping the fp32 weight, not a bf16 copy, for
     # backward). fp16 and accelerators are unaffected.
     cpu_gemm: Literal["auto", "onednn", "blas"] = "auto"
-    # Elementwise work on a CPU (DiT's adaLN norm, tanh-GELU's derivative) as kernels torch's compiler
-    # (inductor) generates, for tensors of >= 2^18 elements: "auto" where it can build them (a C++
-    # compiler; ~2.5 s once per process), else torch's eager kernels, as under "off" (zoo.nn.fused).
+    # Elementwise work on a CPU (adaLN and RMS norms, SwiGLU, tanh-GELU's derivative, float32 weight
+    # gradients' transposed operands) as kernels torch's compiler (inductor) generates, for tensors of
+    # >= 2^18 elements: "auto" where it can build them (a C++ compiler; ~2.5 s once per process),
+    # else torch's eager kernels, as under "off" (zoo.nn.fused).
     cpu_fused: Literal["auto", "off"] = "auto"
 
     def __post_init__(self) -> None:
