@@ -1,7 +1,7 @@
-"""The compiled CPU elementwise kernels (`zoo.nn.fused`) against float64 references of the same
+"""The compiled CPU elementwise kernels (`zoo.fused`) against float64 references of the same
 formulas and against torch's eager kernels: adaLN's layer norm forward and backward, tanh-GELU's
 derivative; a recomputed output bitwise the forward's; a compiler failure falls back to eager,
-said once; tiny tensors and ``cpu_fused=off`` never compile."""
+said once; tiny tensors and ``cpu_fused=eager`` never compile."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from zoo.nn import fused
+from zoo import fused
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def on(monkeypatch):
     monkeypatch.setattr(fused, "_BROKEN", {})
     fused.configure("auto")
     yield
-    fused.configure("off")
+    fused.configure("eager")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -123,9 +123,9 @@ def test_tiny_tensors_and_off_never_compile(monkeypatch):
     try:
         assert not fused.wanted(torch.zeros(4, 8)) and fused.wanted(torch.zeros(512, 512))
         assert not fused.wanted(torch.zeros(512, 512, dtype=torch.float64))
-        assert "off" in fused.configure("off") and not fused.wanted(torch.zeros(512, 512))
+        assert "off" in fused.configure("eager") and not fused.wanted(torch.zeros(512, 512))
     finally:
-        fused.configure("off")
+        fused.configure("eager")
 
 
 def test_an_input_error_is_raised_and_the_compiler_not_blamed(on):

@@ -152,7 +152,7 @@ def cmd_version(args: argparse.Namespace) -> int:
     from zoo import gemm
 
     print(gemm.configure("auto") + " under train.cpu_gemm=auto")  # what `zoo train` computes with here
-    from zoo.nn import fused
+    from zoo import fused
 
     print(fused.configure("auto") + " under train.cpu_fused=auto")
     return 0

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo import fused
+
 Mode = Literal["auto", "onednn", "blas"]
 _ONEDNN = False  # whether float32 CPU products go through oneDNN in this process
 _ELTWISE = False  # whether tanh-GELU on a CPU goes through oneDNN's eltwise kernel
@@ -141,15 +143,12 @@ def onednn_for(*tensors: torch.Tensor) -> bool:
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` contiguous, as oneDNN's inner product takes its operands: a transposed view of a large
-    matrix through `zoo.nn.fused.transpose` (torch's strided copy cost a quarter of each float32
+    matrix through `zoo.fused.transpose` (torch's strided copy cost a quarter of each float32
     weight gradient's time), anything else as torch copies it."""
     if t.is_contiguous():
         return t
-    if t.dim() == 2 and t.t().is_contiguous():
-        from zoo.nn import fused  # (zoo.nn imports this module)
-
-        if fused.wanted(t):
-            return fused.transpose(t.t())
+    if t.dim() == 2 and t.t().is_contiguous() and fused.wanted(t):
+        return fused.transpose(t.t())
     return t.contiguous()
 
 

@@ -184,8 +184,8 @@ class TrainConfig:
     # Elementwise work on a CPU (adaLN and RMS norms, SwiGLU, tanh-GELU's derivative, float32 weight
     # gradients' transposed operands) as kernels torch's compiler (inductor) generates, for tensors of
     # >= 2^18 elements: "auto" where it can build them (a C++ compiler; ~2.5 s once per process),
-    # else torch's eager kernels, as under "off" (zoo.nn.fused).
-    cpu_fused: Literal["auto", "off"] = "auto"
+    # else torch's eager kernels, as under "eager" (zoo.fused).
+    cpu_fused: Literal["auto", "eager"] = "auto"
 
     def __post_init__(self) -> None:
         check_sizes(self, "steps", "micro_batch_size", "seq_length")

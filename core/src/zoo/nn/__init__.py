@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo import gemm
-from zoo.nn import fused
+from zoo import fused, gemm
 from zoo.nn.attention_ops import attend, attend_at
 from zoo.nn.loss import linear_cross_entropy as linear_cross_entropy  # (its own module; zoo.nn's API)
 from zoo.nn.recompute import SelectiveCore, recomputable
@@ -31,7 +30,7 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if fused.wanted(x):  # one compiled pass (`zoo.nn.fused`)
+        if fused.wanted(x):  # one compiled pass (`zoo.fused`)
             y, rstd = fused.rms_norm(x, weight, eps)
             ctx.save_for_backward(x, weight, rstd)
             return y
@@ -136,7 +135,7 @@ class _ModulatedLayerNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-        if fused.wanted(x):  # one compiled pass (`zoo.nn.fused`)
+        if fused.wanted(x):  # one compiled pass (`zoo.fused`)
             y, mean, rstd = fused.modulated_ln(x, shift, scale, eps)
             ctx.save_for_backward(x, shift, scale, mean, rstd)
             return y

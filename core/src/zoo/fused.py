@@ -27,19 +27,19 @@ from typing import Any, Literal
 
 import torch
 
-Mode = Literal["auto", "off"]
+Mode = Literal["auto", "eager"]
 _ENABLED = False
 _MIN_ELEMENTS = 1 << 18
 _BROKEN: dict[str, str] = {}  # kernel -> why compiling it failed (then eager for good, in this process)
 
 
 def configure(mode: Mode = "auto") -> str:
-    """Turn the compiled kernels on ("auto") or off; returns what was chosen (one line). Nothing is
+    """Turn the compiled kernels on ("auto") or off ("eager": torch's own kernels); returns what was chosen (one line). Nothing is
     compiled here: a kernel is built at its first use on a large enough tensor."""
     global _ENABLED
     _ENABLED = mode == "auto"
-    if mode == "off":
-        return "fused CPU elementwise kernels: off (train.cpu_fused=off)"
+    if mode == "eager":
+        return "fused CPU elementwise kernels: off, torch's eager kernels (train.cpu_fused=eager)"
     if _BROKEN:
         return "fused CPU elementwise kernels: eager for " + "; ".join(f"{k} ({v})" for k, v in _BROKEN.items())
     return (f"fused CPU elementwise kernels: torch inductor's, compiled at first use on tensors of >= "
@@ -65,8 +65,8 @@ def _run(name: str, fn: Callable[..., Any], eager: Callable[..., Any], *args: An
         with torch.no_grad():
             out = eager(*args)  # the inputs' own fault raises here, and the compiler is not blamed
         _BROKEN[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-        warnings.warn(f"zoo.nn.fused: compiling {name} failed, using torch's eager kernels for it from now on "
-                      f"({_BROKEN[name]}); train.cpu_fused=off skips trying", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"zoo.fused: compiling {name} failed, using torch's eager kernels for it from now on "
+                      f"({_BROKEN[name]}); train.cpu_fused=eager skips trying", RuntimeWarning, stacklevel=3)
         return out
 
 
