@@ -34,8 +34,9 @@ _BROKEN: dict[str, str] = {}  # kernel -> why compiling it failed (then eager fo
 
 
 def configure(mode: Mode = "auto") -> str:
-    """Turn the compiled kernels on ("auto") or off ("eager": torch's own kernels); returns what was chosen (one line). Nothing is
-    compiled here: a kernel is built at its first use on a large enough tensor."""
+    """Turn the compiled kernels on ("auto") or off ("eager": torch's own kernels); returns what was
+    chosen (one line). Nothing is compiled here: a kernel is built at its first use on a large
+    enough tensor."""
     global _ENABLED
     _ENABLED = mode == "auto"
     if mode == "eager":

@@ -28,7 +28,6 @@ kernel's (4e-3 to 7e-3 relative); run in fp32 the blocked path is at 3e-7 as tor
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import torch
@@ -231,8 +230,11 @@ class _BlockedAttention(torch.autograd.Function):
         # its matrices' whole gradient, written in place in the inputs' dtype (bitwise what summing
         # into float32 zeros and casting gives: the product is rounded once either way).
         direct = plan.tb >= t
-        dk = (kf.new_empty if direct else partial(torch.zeros, dtype=torch.float32, device=qs.device))(b * kv, s, hd)
-        dv = torch.empty_like(dk) if direct else torch.zeros_like(dk)
+        if direct:
+            dk, dv = kf.new_empty(b * kv, s, hd), vf.new_empty(b * kv, s, hd)
+        else:
+            dk = torch.zeros(b * kv, s, hd, dtype=torch.float32, device=qs.device)
+            dv = torch.zeros_like(dk)
         for n, block in enumerate(plan.blocks()):
             m0, m1, i0, end = block[3:]
             i1 = block[2].stop
