@@ -10,7 +10,7 @@ sampling time for 18 Heun steps (35 network evaluations) with batched classifier
 fp32 and bf16 autocast. Both sides run in this one process, under `zoo train`'s allocator setting
 (`train.cpu_malloc`: freed memory kept for reuse), which therefore helps both.
 
-    python benchmarks/dit_vs_diffusers.py [--layers 6] [--batch 8] [--steps 9] [--threads 2]
+    python benchmarks/dit_vs_diffusers.py [--layers 6] [--batch 8] [--steps 9] [--threads 2] [--bf16]
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bf16", action="store_true", help="run bf16 on a CPU without bf16 instructions too")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from llama_vs_hf import ceiling, measured_gemm_peaks, zoo_process_settings
+    from llama_vs_hf import bf16_skipped, ceiling, measured_gemm_peaks, zoo_process_settings
 
     zoo_process_settings()
 
@@ -116,7 +117,10 @@ def main() -> None:
     gemm_flops = 6.0 * tokens * (args.layers * (12 * h * h + 2 * 256 * h) + h * 2 * 2 * 4)
     peaks = measured_gemm_peaks(args.threads)
     results: dict[tuple[str, str], dict[str, float]] = {}
-    for dtype in ("fp32", "bf16"):
+    skip = bf16_skipped(peaks, args.bf16)
+    if skip:
+        print(f"# {skip}")
+    for dtype in ("fp32",) if skip else ("fp32", "bf16"):
         sides = []
         for name, model, fwd in (("diffusers", theirs, f_theirs), ("zoo", ours, f_ours)):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # zoo train's and HF Trainer's default

@@ -64,13 +64,14 @@ def run(model: str, precision: str, steps: int, cache: Path, threads: int) -> di
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(WIDTHS), choices=list(WIDTHS))
-    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--precisions", nargs="+", choices=["fp32", "bf16"],
+                   help="default: fp32 and bf16 (fp32 alone on a CPU without bf16 instructions)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
 
-    from llama_vs_hf import gemm_peak
+    from llama_vs_hf import bf16_skipped, gemm_peak
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -78,6 +79,11 @@ def main() -> None:
     peak = json.loads(buf.getvalue())
     print(f"# {time.strftime('%Y-%m-%d')} {args.threads} threads; GEMM peak fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s, "
           f"bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s (MFU is against the better of the two for bf16)")
+    if args.precisions is None:
+        skip = bf16_skipped(peak, False)
+        if skip:
+            print(f"# {skip.replace('; --bf16 runs it anyway', '; --precisions bf16 runs it')}")
+        args.precisions = ["fp32"] if skip else ["fp32", "bf16"]
     print(f"{'model':<10} {'precision':<9} {'units/s':>10} {'unit':<7} {'MFU':>6}")
     cache = Path(tempfile.gettempdir()) / "zoo-mfu-cache"
     for model in args.models:

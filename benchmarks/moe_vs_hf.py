@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from llama_vs_hf import ceiling, measured_gemm_peaks
+from llama_vs_hf import bf16_skipped, ceiling, measured_gemm_peaks
 
 LIVE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
@@ -163,6 +163,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--bf16", action="store_true", help="run bf16 on a CPU without bf16 instructions too")
     # Subnormal floats run a slow microcode path on x86 CPUs (AdamW's tiny second moments in bf16
     # autocast produce them); "both" measures each precision with and without flushing them to zero.
     p.add_argument("--flush-denormal", choices=("off", "on", "both"), default="both")
@@ -182,7 +183,10 @@ def main() -> None:
     peaks = measured_gemm_peaks(a.threads)
     print(f"# GEMM peak (best 2048^3 product) fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s")
     flushes = ("off", "on") if a.flush_denormal == "both" else (a.flush_denormal,)
-    for precision, flush in [(prec, f) for prec in ("fp32", "bf16") for f in flushes]:
+    skip = bf16_skipped(peaks, a.bf16)
+    if skip:
+        print(f"# {skip}")
+    for precision, flush in [(prec, f) for prec in (("fp32",) if skip else ("fp32", "bf16")) for f in flushes]:
         res = {}
         for impl in ("hf", "zoo"):
             args = ["--worker", f"--impl={impl}", f"--precision={precision}", f"--flush-denormal={flush}"]

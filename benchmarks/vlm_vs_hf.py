@@ -150,7 +150,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--models", default="clip,llava")
-    p.add_argument("--precisions", default="fp32,bf16")
+    p.add_argument("--precisions", default="fp32,bf16", help="bf16 is left out on a CPU without bf16 instructions "
+                   "unless named alone or with --bf16")
+    p.add_argument("--bf16", action="store_true", help="run bf16 on a CPU without bf16 instructions too")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", default="zoo", help=argparse.SUPPRESS)
@@ -163,8 +165,16 @@ def main() -> None:
         a.layers, a.batch, a.steps = 2, 16, 3
     print(f"# {platform.processor() or platform.machine()}, {a.threads} threads; towers {a.layers} layers, hidden "
           f"{a.hidden}, {a.image}px images in {a.patch}px patches, batch {a.batch}; LLaVA rows of {a.seq}")
+    precisions = a.precisions.split(",")
+    if "bf16" in precisions and len(precisions) > 1:
+        from llama_vs_hf import bf16_skipped, measured_gemm_peaks
+
+        skip = bf16_skipped(measured_gemm_peaks(a.threads), a.bf16)
+        if skip:
+            print(f"# {skip}")
+            precisions.remove("bf16")
     for model in a.models.split(","):
-        for precision in a.precisions.split(","):
+        for precision in precisions:
             res = {}
             for impl in ("hf", "zoo"):
                 args = ["--worker", f"--impl={impl}", f"--model={model}", f"--precision={precision}"]

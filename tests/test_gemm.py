@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -117,19 +120,41 @@ def test_bf16_autocast_linear_is_autocasts_values_keeping_the_float32_weight(one
 
 
 def test_auto_follows_the_machine_not_a_timing():
-    """"auto" is decided from the CPU (MKL on a non-Intel x86 takes its generic path), so every rank
-    and every resumed run of a machine computes with the same products; "blas" is torch's."""
-    before = gemm._ONEDNN
+    """"auto" is decided from the CPU (MKL on a non-Intel x86 takes its generic path, which leaves
+    AVX-512 unused), so every rank and every resumed run of a machine computes with the same
+    products; "blas" is torch's."""
+    before = gemm._ONEDNN, gemm._ELTWISE, gemm._AUTOCAST
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    assert gemm.has_avx512() == bool(re.search(r"^flags\s*:.*\bavx512f\b", info, re.M))
     try:
         line = gemm.configure("auto")
-        assert (gemm.blas_is_generic() and gemm._onednn_works()) == gemm._ONEDNN
-        assert ("oneDNN" in line) == gemm._ONEDNN
-        assert "BLAS" in gemm.configure("blas") and not gemm._ONEDNN
+        chosen = gemm.blas_is_generic() and gemm.has_avx512() and gemm._onednn_works()
+        assert chosen == gemm._ONEDNN
+        assert ("products: oneDNN" in line) == gemm._ONEDNN
+        # oneDNN's GELU only where its AVX-512 kernel runs, and in bf16 only where oneDNN has bf16
+        assert bool(gemm._ELTWISE) == (gemm.has_avx512() and gemm._eltwise_works(torch.float32))
+        assert (torch.bfloat16 in gemm._ELTWISE) <= gemm._AUTOCAST
+        assert "BLAS" in gemm.configure("blas") and not gemm._ONEDNN and not gemm._ELTWISE
     finally:
-        gemm._ONEDNN = before
+        gemm._ONEDNN, gemm._ELTWISE, gemm._AUTOCAST = before
     out = run_zoo("version")
     assert out.returncode == 0
-    assert ("float32 CPU products: oneDNN" in out.stdout) == (gemm.blas_is_generic() and gemm._onednn_works())
+    assert ("float32 CPU products: oneDNN" in out.stdout) == chosen
+
+
+def test_gelu_on_a_cpu_without_bf16_products_is_torchs():
+    """Where oneDNN has no bf16 inner product (a CPU without AVX-512 bf16 instructions), a bf16
+    tanh-GELU is torch's kernel even when oneDNN was asked for: its post-op would raise."""
+    before = gemm._ONEDNN, gemm._ELTWISE, gemm._AUTOCAST
+    try:
+        gemm.configure("onednn" if gemm._onednn_works() else "auto")
+        x = torch.randn(64, 32).bfloat16()
+        if not gemm._bf16_works():
+            assert torch.bfloat16 not in gemm._ELTWISE
+        torch.testing.assert_close(gemm.gelu_tanh(x).float(), F.gelu(x.float(), approximate="tanh"),
+                                   rtol=1e-2, atol=1e-2)
+    finally:
+        gemm._ONEDNN, gemm._ELTWISE, gemm._AUTOCAST = before
 
 
 def test_a_trained_step_matches_torchs_product_and_recomputation_stays_exact(onednn):
@@ -174,6 +199,8 @@ def test_tanh_gelu_through_onednn_is_torchs_formula_and_reproducible():
             pytest.skip("this torch build has no oneDNN tanh-GELU post-op")
         torch.manual_seed(0)
         for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
+            if dtype not in gemm._ELTWISE:  # bf16: only where oneDNN computes bf16 (AVX-512 bf16)
+                continue
             x = (torch.randn(300, 96) * 4).to(dtype)
             ref = F.gelu(x.double(), approximate="tanh")
             y = gemm.gelu_tanh(x)
@@ -198,3 +225,35 @@ def test_tanh_gelu_through_onednn_is_torchs_formula_and_reproducible():
         assert torch.equal(gemm.gelu_tanh(xd), F.gelu(xd, approximate="tanh"))
     finally:
         gemm._ELTWISE, gemm._ONEDNN = before
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_gets_a_note_and_a_quick_peak(monkeypatch):
+    """A bf16 run where the CPU has no bf16 instructions says so once (fp32 named as the fast
+    choice), and MFU's peak for such a slow dtype is two 256^3 products, not twelve 1024^3 ones (a
+    minute of start-up at torch's fallback rate); a fast dtype is measured in full."""
+    from zoo.config import TrainConfig
+    from zoo.training import cpu, metrics
+
+    train = TrainConfig(precision="bf16")
+    assert (cpu.precision_note(train) is None) == gemm.bf16_is_native()
+    monkeypatch.setattr(gemm, "bf16_is_native", lambda: False)
+    assert "train.precision=fp32" in cpu.precision_note(train)
+    assert cpu.precision_note(TrainConfig(precision="fp32")) is None
+
+    calls: list[int] = []
+    real_mm = gemm.mm
+
+    def slow_mm(a, b, out=None):  # 40 ms a 256^3 product: ~0.8 GFLOP/s, a 1024^3 one would take 2.6 s
+        calls.append(a.shape[0])
+        if a.dtype == torch.float16:
+            import time
+            time.sleep(0.04)
+        return real_mm(a, b) if out is None else real_mm(a, b, out=out)
+
+    monkeypatch.setattr(gemm, "mm", slow_mm)
+    monkeypatch.setattr(metrics, "_PEAK", {})
+    slow = metrics.measured_peak_flops("cpu", torch.float16)
+    assert calls == [256, 256] and slow <= 2 * 256**3 / 0.04
+    calls.clear()
+    metrics.measured_peak_flops("cpu", torch.float32)
+    assert calls == [256, 256] + [1024] * 12

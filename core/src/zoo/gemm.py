@@ -3,9 +3,11 @@
 torch computes float32 ``F.linear``/``mm`` on a CPU with MKL, which runs its generic (AVX2) kernels
 on CPUs that are not Intel's: on a 2-core AMD EPYC (Zen 5) a 2048^3 float32 product reached 212
 GFLOP/s through MKL and 477-503 through oneDNN (which torch ships for bf16 and uses there already).
-`configure` decides once per process ("auto": oneDNN where MKL is on its generic path; "onednn";
-"blas": torch's own), and `linear`/`mm` then route float32 CPU products through oneDNN's matmul
-when it was chosen. Both are float32 products (IEEE float32 multiply-adds; only the summation order
+`configure` decides once per process ("auto": oneDNN where MKL is on its generic path and the CPU
+has AVX-512, which MKL's generic kernels leave unused; "onednn"; "blas": torch's own), and
+`linear`/`mm` then route float32 CPU products through oneDNN's matmul when it was chosen. On an
+AVX2-only AMD CPU (Zen 3) MKL's AVX2 kernels are as fast for a square product and faster for a
+training step's transposed ones: a DiT step's products took 447 ms through oneDNN, 328 through MKL. Both are float32 products (IEEE float32 multiply-adds; only the summation order
 differs, as between any two BLAS builds); autocast, other dtypes and accelerators are untouched.
 `zoo train` applies it to every ``nn.Linear`` of the model (`adopt`), the tensor-parallel linears,
 the experts' products and the LM loss: `train.cpu_gemm`; `zoo version` says what it chose.
@@ -15,8 +17,10 @@ tanh with SLEEF at ~1.5 G elements/s on 2 cores, a tenth of an elementwise pass,
 MLP runs it twice a step (forward and the recomputed copy). oneDNN's JIT eltwise, applied as the
 post-op of a product with the identity, is 2.7x faster (bf16, 2048 x 1536: 0.72 vs 1.95 ms). And
 under bf16 autocast on a CPU, `linear` is one oneDNN call with the bias fused that keeps the
-float32 weight for backward instead of autocast's bf16 copy (`_AutocastLinear`). Any `configure`
-mode but "blas" (torch's own kernels) turns both on, on any CPU vendor.
+float32 weight for backward instead of autocast's bf16 copy (`_AutocastLinear`). The GELU is
+oneDNN's where its AVX-512 kernel runs ("auto"; on an AVX2-only CPU torch's is faster: 39 vs 45 ms
+for 12.6M elements) or "onednn" asks for it, in bf16 only where oneDNN computes bf16 at all; the
+autocast linear wherever oneDNN has bf16 products. "blas" turns both off.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from zoo import fused
 
 Mode = Literal["auto", "onednn", "blas"]
 _ONEDNN = False  # whether float32 CPU products go through oneDNN in this process
-_ELTWISE = False  # whether tanh-GELU on a CPU goes through oneDNN's eltwise kernel
+_ELTWISE: tuple[torch.dtype, ...] = ()  # the dtypes whose tanh-GELU on a CPU is oneDNN's eltwise kernel
 _AUTOCAST = False  # whether bf16-autocast CPU linears go through `_AutocastLinear`
 _EYE = 16  # width of the identity `gelu_tanh` multiplies by (the fastest of 8-128 measured)
 
@@ -51,11 +55,13 @@ def _onednn_works() -> bool:
         return False
 
 
-def _eltwise_works() -> bool:
-    """Whether oneDNN's tanh-GELU post-op exists here and agrees with torch's formula."""
+def _eltwise_works(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's tanh-GELU post-op exists here in ``dtype`` and agrees with torch's formula
+    (without bf16 instructions, oneDNN has no bf16 inner product to attach it to)."""
     try:
         x = torch.linspace(-6, 6, 64 * _EYE)
-        return torch.allclose(_gelu_tanh(x), F.gelu(x, approximate="tanh"), rtol=1e-5, atol=1e-6)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        return torch.allclose(_gelu_tanh(x.to(dtype)).float(), F.gelu(x, approximate="tanh"), rtol=tol, atol=tol)
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
 
@@ -83,26 +89,43 @@ def _bf16_works() -> bool:
         return False
 
 
+def bf16_is_native() -> bool:
+    """Whether this CPU computes bf16 products in hardware (oneDNN's bf16 kernels run: AVX-512 BF16
+    or AMX). Without, torch's bf16 products are fallbacks 10-400x slower than float32 (a Zen 3: autocast linear
+    14 GFLOP/s, bf16 mm 0.35, float32 140)."""
+    return _bf16_works()
+
+
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """``F.gelu(x, approximate="tanh")``; through oneDNN's eltwise kernel where `configure` turned it
     on, for a contiguous float32/bf16 CPU tensor outside autograd (the activations' own backward
     uses torch's derivative; the result is within float32 rounding of torch's, and the same bits
     for the same input whatever the tensor's size or thread count, so a recomputed copy is exact)."""
-    if (_ELTWISE and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous()
+    if (x.dtype in _ELTWISE and x.device.type == "cpu" and x.is_contiguous()
             and x.numel() % _EYE == 0 and x.numel() and not (x.requires_grad and torch.is_grad_enabled())):
         return _gelu_tanh(x)
     return F.gelu(x, approximate="tanh")
 
 
-def _cpu_vendor() -> str:
+def _cpuinfo(field: str) -> str:
+    """The first ``field`` line of /proc/cpuinfo ("" where there is none, as off Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.split(":", 1)[0].strip() == field:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def _cpu_vendor() -> str:
+    return _cpuinfo("vendor_id")
+
+
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512 (the foundation instructions), from /proc/cpuinfo."""
+    return "avx512f" in _cpuinfo("flags").split()
 
 
 def blas_is_generic() -> bool:
@@ -113,26 +136,35 @@ def blas_is_generic() -> bool:
             and _cpu_vendor() not in ("", "GenuineIntel"))
 
 
+def onednn_is_faster() -> bool:
+    """What "auto" decides from the machine: MKL on its generic path (`blas_is_generic`) on a CPU
+    with AVX-512, whose vector width oneDNN uses and MKL's generic kernels do not."""
+    return blas_is_generic() and has_avx512()
+
+
 def configure(mode: Mode = "auto") -> str:
-    """Choose the float32 CPU GEMM for this process ("auto": oneDNN where `blas_is_generic`) and the
-    tanh-GELU kernel (oneDNN's unless "blas"); returns what was chosen and why (one line)."""
+    """Choose the float32 CPU GEMM for this process ("auto": oneDNN where `onednn_is_faster`), the
+    tanh-GELU kernel and the bf16-autocast linear (see the module's docstring); returns what was
+    chosen and why (one line)."""
     global _ONEDNN, _ELTWISE, _AUTOCAST
     _ONEDNN = False
-    _ELTWISE = mode != "blas" and _eltwise_works()
     _AUTOCAST = mode != "blas" and _bf16_works()
-    also = "; tanh-GELU: oneDNN's kernel" if _ELTWISE else ""
+    eltwise = mode == "onednn" or (mode == "auto" and has_avx512())
+    _ELTWISE = tuple(d for d in (torch.float32, torch.bfloat16) if eltwise and _eltwise_works(d))
+    also = f"; tanh-GELU: oneDNN's kernel ({', '.join(str(d)[6:] for d in _ELTWISE)})" if _ELTWISE else ""
     also += "; bf16-autocast linears: oneDNN's" if _AUTOCAST else ""
     if mode == "blas":
         return "float32 CPU products: torch's BLAS (train.cpu_gemm=blas)"
-    if mode == "auto" and not blas_is_generic():
-        return "float32 CPU products: torch's BLAS" + also
+    if mode == "auto" and not onednn_is_faster():
+        why = " (MKL's generic path, but no AVX-512 on this CPU for oneDNN to gain by)" if blas_is_generic() else ""
+        return "float32 CPU products: torch's BLAS" + why + also
     if not _onednn_works():
         if mode == "onednn":
             raise RuntimeError("train.cpu_gemm=onednn: this torch build has no working oneDNN matmul "
                                "(torch.ops.mkldnn._linear_pointwise); use auto or blas")
         return "float32 CPU products: torch's BLAS (no oneDNN matmul in this torch build)" + also
     _ONEDNN = True
-    why = "train.cpu_gemm=onednn" if mode == "onednn" else f"MKL's generic path on this {_cpu_vendor()} CPU"
+    why = "train.cpu_gemm=onednn" if mode == "onednn" else f"MKL's generic path on this {_cpu_vendor()} AVX-512 CPU"
     return f"float32 CPU products: oneDNN ({why})" + also
 
 

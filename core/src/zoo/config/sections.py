@@ -176,10 +176,11 @@ class TrainConfig:
     # variable in the environment or a preloaded jemalloc/tcmalloc wins. "system": glibc's defaults.
     cpu_malloc: Literal["retain", "system"] = "retain"
     # float32 matrix products on a CPU (zoo.gemm): "auto" takes oneDNN's where torch's BLAS is MKL on
-    # a non-Intel x86 (its generic kernels: 2.2x slower on an AMD EPYC), "onednn" always, "blas"
-    # never. Except under "blas", tanh-GELU on a CPU is oneDNN's kernel (2.7x torch's) and a bf16
-    # autocast linear one oneDNN call with its bias (keeping the fp32 weight, not a bf16 copy, for
-    # backward). fp16 and accelerators are unaffected.
+    # a non-Intel x86 with AVX-512 (MKL's generic kernels stop at AVX2: 2.2x slower on a Zen 5; on an
+    # AVX2-only Zen 3 they are the faster), "onednn" always, "blas" never. tanh-GELU on a CPU is
+    # oneDNN's kernel (2.7x torch's) where "auto" finds AVX-512 or "onednn" asks, and a bf16 autocast
+    # linear one oneDNN call with its bias (keeping the fp32 weight, not a bf16 copy, for backward)
+    # where the CPU has bf16 instructions, unless "blas". fp16 and accelerators are unaffected.
     cpu_gemm: Literal["auto", "onednn", "blas"] = "auto"
     # Elementwise work on a CPU (adaLN and RMS norms, SwiGLU, tanh-GELU's derivative, float32 weight
     # gradients' transposed operands) as kernels torch's compiler (inductor) generates, for tensors of

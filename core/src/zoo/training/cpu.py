@@ -7,10 +7,24 @@ from __future__ import annotations
 from typing import Any
 
 
-def configure(train: Any) -> list[str]:
+def configure(train: Any, announce: bool = False) -> list[str]:
     """Apply ``train``'s (a `zoo.config.TrainConfig`) CPU settings to this process; returns what each
-    chose (one line each)."""
+    chose (one line each). ``announce``: print `precision_note` where there is one."""
     from zoo import fused, gemm
     from zoo.training import malloc
 
-    return [malloc.configure(train.cpu_malloc), gemm.configure(train.cpu_gemm), fused.configure(train.cpu_fused)]
+    lines = [malloc.configure(train.cpu_malloc), gemm.configure(train.cpu_gemm), fused.configure(train.cpu_fused)]
+    if announce and (note := precision_note(train)):
+        print(note, flush=True)
+    return lines
+
+
+def precision_note(train: Any) -> str | None:
+    """A note for a bf16 run on a CPU without bf16 instructions (AVX-512 BF16 or AMX), where torch's
+    bf16 products are fallbacks far slower than float32; None otherwise."""
+    from zoo import gemm
+
+    if train.precision != "bf16" or gemm.bf16_is_native():
+        return None
+    return ("note: train.precision=bf16 on a CPU without bf16 instructions (AVX-512 BF16 or AMX): its bf16 products "
+            "run 10-400x slower than float32 here; train.precision=fp32 is the fast choice")

@@ -128,6 +128,18 @@ def measured_peak_flops(device: str, dtype: Any) -> float:
     if key in _PEAK:
         return _PEAK[key]
     n = 1024 if device == "cpu" else 8192
+    if device == "cpu":
+        # A dtype the CPU has no instructions for (bf16 without AVX-512 BF16 or AMX) runs through
+        # torch's scalar fallback at well under 1 GFLOP/s, where ten 1024^3 products would take a
+        # minute: a 256^3 product that is that slow is measurement enough.
+        a = torch.randn(256, 256, dtype=dtype)
+        gemm.mm(a, a)  # a first product also wakes the thread pool
+        t = time.perf_counter()
+        gemm.mm(a, a)
+        rate = 2 * 256**3 / (time.perf_counter() - t)
+        if 2 * n**3 / rate > 2.0:
+            _PEAK[key] = rate
+            return rate
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(2):

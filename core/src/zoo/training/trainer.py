@@ -127,7 +127,7 @@ class Trainer:
         torch.set_flush_denormal(run.train.flush_denormal)
         self.dev_type = "cuda" if env.device.startswith("cuda") else "cpu"
         if self.dev_type == "cpu":
-            cpu.configure(run.train)  # allocator, float32 products, fused kernels
+            cpu.configure(run.train, announce=env.is_main)  # allocator, float32 products, fused kernels
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.train.precision)
         full, record = self._model_on_meta()
         self.n_params = sum(p.numel() for p in full.parameters())
