@@ -268,7 +268,8 @@ LIVE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 def run_child(extra: list[str], args: argparse.Namespace, env_extra: dict | None = None) -> dict:
     cmd = [sys.executable, __file__, *extra, *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                                                 if k not in ("worker", "peak", "impl", "precision", "quick", "preset", "rows")
+                                                 if k not in ("worker", "peak", "impl", "precision", "quick", "preset", "rows",
+                                                              "bf16")
                                                  and v is not None]]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), **(env_extra or {})}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
