@@ -7,8 +7,9 @@ GFLOP/s through MKL and 477-503 through oneDNN (which torch ships for bf16 and u
 has AVX-512, which MKL's generic kernels leave unused; "onednn"; "blas": torch's own), and
 `linear`/`mm` then route float32 CPU products through oneDNN's matmul when it was chosen. On an
 AVX2-only AMD CPU (Zen 3) MKL's AVX2 kernels are as fast for a square product and faster for a
-training step's transposed ones: a DiT step's products took 447 ms through oneDNN, 328 through MKL. Both are float32 products (IEEE float32 multiply-adds; only the summation order
-differs, as between any two BLAS builds); autocast, other dtypes and accelerators are untouched.
+training step's transposed ones: a DiT step's products took 447 ms through oneDNN, 328 through
+MKL. Both are float32 products (IEEE float32 multiply-adds; only the summation order differs, as
+between any two BLAS builds); autocast, other dtypes and accelerators are untouched.
 `zoo train` applies it to every ``nn.Linear`` of the model (`adopt`), the tensor-parallel linears,
 the experts' products and the LM loss: `train.cpu_gemm`; `zoo version` says what it chose.
 
@@ -91,8 +92,8 @@ def _bf16_works() -> bool:
 
 def bf16_is_native() -> bool:
     """Whether this CPU computes bf16 products in hardware (oneDNN's bf16 kernels run: AVX-512 BF16
-    or AMX). Without, torch's bf16 products are fallbacks 10-400x slower than float32 (a Zen 3: autocast linear
-    14 GFLOP/s, bf16 mm 0.35, float32 140)."""
+    or AMX). Without, torch's bf16 products are fallbacks 10-400x slower than float32 (on a Zen 3:
+    a bf16-autocast linear 14 GFLOP/s, a bf16 mm 0.35, float32 140)."""
     return _bf16_works()
 
 
