@@ -75,7 +75,7 @@ def main() -> None:
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        gemm_peak(argparse.Namespace(threads=args.threads))
+        gemm_peak(argparse.Namespace(threads=args.threads, device="cpu"))
     peak = json.loads(buf.getvalue())
     print(f"# {time.strftime('%Y-%m-%d')} {args.threads} threads; GEMM peak fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s, "
           f"bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s (MFU is against the better of the two for bf16)")

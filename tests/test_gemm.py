@@ -229,8 +229,8 @@ def test_tanh_gelu_through_onednn_is_torchs_formula_and_reproducible():
 
 def test_bf16_on_a_cpu_without_bf16_instructions_gets_a_note_and_a_quick_peak(monkeypatch):
     """A bf16 run where the CPU has no bf16 instructions says so once (fp32 named as the fast
-    choice), and MFU's peak for such a slow dtype is two 256^3 products, not twelve 1024^3 ones (a
-    minute of start-up at torch's fallback rate); a fast dtype is measured in full."""
+    choice), and MFU's peak for such a slow dtype is two 256^3 products, not a dozen or more
+    1024^3 ones (a minute of start-up at torch's fallback rate); a fast dtype is measured in full."""
     from zoo.config import TrainConfig
     from zoo.training import cpu, metrics
 
@@ -256,4 +256,4 @@ def test_bf16_on_a_cpu_without_bf16_instructions_gets_a_note_and_a_quick_peak(mo
     assert calls == [256, 256] and slow <= 2 * 256**3 / 0.04
     calls.clear()
     metrics.measured_peak_flops("cpu", torch.float32)
-    assert calls == [256, 256] + [1024] * 12
+    assert calls[:2] == [256, 256] and set(calls[2:]) == {1024} and len(calls) >= 2 + 12  # and >= 0.25 s of them
