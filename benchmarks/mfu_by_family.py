@@ -80,9 +80,9 @@ def main() -> None:
     print(f"# {time.strftime('%Y-%m-%d')} {args.threads} threads; GEMM peak fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s, "
           f"bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s (MFU is against the better of the two for bf16)")
     if args.precisions is None:
-        skip = bf16_skipped(peak, False)
+        skip = bf16_skipped(peak, False, override="--precisions fp32 bf16")
         if skip:
-            print(f"# {skip.replace('; --bf16 runs it anyway', '; --precisions bf16 runs it')}")
+            print(f"# {skip}")
         args.precisions = ["fp32"] if skip else ["fp32", "bf16"]
     print(f"{'model':<10} {'precision':<9} {'units/s':>10} {'unit':<7} {'MFU':>6}")
     cache = Path(tempfile.gettempdir()) / "zoo-mfu-cache"

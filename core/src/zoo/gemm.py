@@ -77,8 +77,11 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._unsafe_view(y, x.shape)
 
 
-def _bf16_works() -> bool:
-    """Whether oneDNN computes bf16 products here (and a small one right)."""
+def bf16_is_native() -> bool:
+    """Whether oneDNN computes bf16 products on this CPU (and a small one right): with AVX-512 BF16 or
+    AMX, or emulated on AVX-512. Without (an AVX2-only CPU), torch's bf16 products are fallbacks
+    10-400x slower than float32 (on a Zen 3: a bf16-autocast linear 14 GFLOP/s, a bf16 mm 0.35,
+    float32 140)."""
     try:
         if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return False
@@ -88,13 +91,6 @@ def _bf16_works() -> bool:
         return torch.allclose(_onednn_linear(a, b, c).float(), want, rtol=2e-2, atol=2e-2)
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
-
-
-def bf16_is_native() -> bool:
-    """Whether this CPU computes bf16 products in hardware (oneDNN's bf16 kernels run: AVX-512 BF16
-    or AMX). Without, torch's bf16 products are fallbacks 10-400x slower than float32 (on a Zen 3:
-    a bf16-autocast linear 14 GFLOP/s, a bf16 mm 0.35, float32 140)."""
-    return _bf16_works()
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +145,7 @@ def configure(mode: Mode = "auto") -> str:
     chosen and why (one line)."""
     global _ONEDNN, _ELTWISE, _AUTOCAST
     _ONEDNN = False
-    _AUTOCAST = mode != "blas" and _bf16_works()
+    _AUTOCAST = mode != "blas" and bf16_is_native()
     eltwise = mode == "onednn" or (mode == "auto" and has_avx512())
     _ELTWISE = tuple(d for d in (torch.float32, torch.bfloat16) if eltwise and _eltwise_works(d))
     also = f"; tanh-GELU: oneDNN's kernel ({', '.join(str(d)[6:] for d in _ELTWISE)})" if _ELTWISE else ""

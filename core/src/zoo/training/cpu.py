@@ -20,11 +20,11 @@ def configure(train: Any, announce: bool = False) -> list[str]:
 
 
 def precision_note(train: Any) -> str | None:
-    """A note for a bf16 run on a CPU without bf16 instructions (AVX-512 BF16 or AMX), where torch's
-    bf16 products are fallbacks far slower than float32; None otherwise."""
+    """A note for a bf16 run on a CPU where oneDNN has no bf16 products (`zoo.gemm.bf16_is_native`:
+    an AVX2-only CPU), so torch's bf16 products are fallbacks far slower than float32; else None."""
     from zoo import gemm
 
     if train.precision != "bf16" or gemm.bf16_is_native():
         return None
-    return ("note: train.precision=bf16 on a CPU without bf16 instructions (AVX-512 BF16 or AMX): its bf16 products "
+    return ("note: train.precision=bf16 on a CPU without bf16 products (no AVX-512 BF16, AMX or AVX-512): they "
             "run 10-400x slower than float32 here; train.precision=fp32 is the fast choice")
