@@ -192,3 +192,30 @@ def test_rms_norm_and_swiglu_match_float64(on, dtype):
     hd = torch.nn.functional.silu(gate) * up
     hd.backward(g[..., :48].double())
     assert _rel(h, hd) <= tol and _rel(gu.grad, gud.grad) <= 10 * tol
+
+
+def test_one_kernel_per_dtype_whatever_grad_mode_autocast_or_view(on):
+    """Training, sampling (no grad) and bf16 autocast call the adaLN norm with the same shapes but
+    different grad modes, requires_grad flags, autocast states and chunk offsets (shift and scale
+    are views into one modulation tensor): each used to compile a variant, and a DiT run that
+    trained and sampled reached dynamo's recompile limit and fell back to eager with a warning."""
+    from zoo.nn import modulated_layer_norm
+
+    torch._dynamo.reset()
+    fused._compiled.cache_clear()
+    torch._dynamo.utils.counters.clear()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="zoo.fused")
+        for dtype in (torch.float32, torch.bfloat16):
+            for grad in (True, False):
+                for autocast in (False, True):
+                    for first in range(0, 5):  # shift, scale = chunks (first, first + 1) of six
+                        x = torch.randn(4, 16, 48, dtype=dtype, requires_grad=grad)
+                        mod = torch.randn(4, 1, 6 * 48, dtype=dtype, requires_grad=grad).chunk(6, -1)
+                        with torch.set_grad_enabled(grad), torch.autocast("cpu", enabled=autocast):
+                            y = modulated_layer_norm(x, mod[first], mod[first + 1], 1e-6)
+                        if grad:
+                            y.sum().backward()
+    assert not fused._BROKEN
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 0 < graphs <= 4, graphs  # forward and backward, each once per dtype

@@ -60,8 +60,14 @@ def _run(name: str, fn: Callable[..., Any], eager: Callable[..., Any], *args: An
         with torch.no_grad():
             return eager(*args)
     try:
-        with torch.no_grad():  # one inference kernel whatever the caller's grad mode (same bits)
-            return _compiled(name, fn)(*args)
+        # One kernel per dtype whatever the caller's state: dynamo guards on the grad mode, the
+        # inputs' requires_grad and autocast (these kernels have no products for autocast to
+        # change), and, by "duck sizing", on a view's storage offset happening to equal a size
+        # (shift and scale are chunks of one adaLN output); each would compile a variant, and a
+        # training run with sampling reached dynamo's limit of 8 and fell back to eager.
+        inputs = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+        with torch.no_grad(), torch.autocast("cpu", enabled=False), _no_duck_shapes():
+            return _compiled(name, fn)(*inputs)
     except Exception as e:  # noqa: BLE001 - inductor's failures have no common type
         with torch.no_grad():
             out = eager(*args)  # the inputs' own fault raises here, and the compiler is not blamed
@@ -69,6 +75,12 @@ def _run(name: str, fn: Callable[..., Any], eager: Callable[..., Any], *args: An
         warnings.warn(f"zoo.fused: compiling {name} failed, using torch's eager kernels for it from now on "
                       f"({_BROKEN[name]}); train.cpu_fused=eager skips trying", RuntimeWarning, stacklevel=3)
         return out
+
+
+def _no_duck_shapes() -> Any:
+    from torch.fx.experimental import _config
+
+    return _config.patch(use_duck_shape=False)
 
 
 @functools.cache
