@@ -89,7 +89,15 @@ def test_kept_probabilities_give_the_recomputed_gradients_bitwise(monkeypatch):
     """A short sequence (DiT's case) keeps the forward's probabilities; backward then gives bitwise
     the gradients of recomputing them, and keeps them only when a backward can follow."""
     q, k, v, grad = _inputs(2, 6, 6, 16, 16, 8)
-    assert ops._keeps_probs(6, 6, 16, 16, 8) and not ops._keeps_probs(8, 2, 512, 512, 64)
+    def keeps(b, h, kv, t, hd, causal, dtype=torch.bfloat16):
+        return ops._keeps_probs(ops._Plan(b, h, kv, t, t, causal, 0, None, q), hd, dtype)
+
+    # DiT-S/2's 256 tokens and a bf16 causal LLaMA layer's 512 (8/2 heads of 64) keep them; 2,048,
+    # a non-causal 1,024 or that LLaMA layer in float32 do not (the probabilities would outgrow the
+    # q, k, v and output kept anyway, twice them in bf16)
+    assert keeps(8, 6, 6, 256, 64, False) and keeps(4, 8, 2, 512, 64, True)
+    assert keeps(8, 6, 6, 256, 64, False, torch.float32) and not keeps(4, 8, 2, 512, 64, True, torch.float32)
+    assert not keeps(4, 8, 2, 2048, 64, True) and not keeps(2, 16, 16, 1024, 64, False)
     runs = {}
     for keep in (True, False):
         monkeypatch.setattr(ops, "_keeps_probs", lambda *shape, keep=keep: keep)

@@ -146,6 +146,42 @@ def modulated_ln_backward(g: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
                 dims)
 
 
+# ------------------------------------------------------------------------------- cross entropy
+
+
+def _cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    x = logits.float()
+    top = x.amax(-1, keepdim=True)
+    e = torch.exp(x - top)
+    total = e.sum(-1, keepdim=True)
+    # the loss from the log-sum-exp at the row's largest logit: exact where the label's own
+    # probability underflows
+    nll = (top + torch.log(total) - x.gather(1, labels[:, None])).squeeze(1)
+    hot = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
+    return nll, ((e / total - hot.float()) * scale[:, None]).to(logits.dtype)
+
+
+def _cross_entropy_grad_eager(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    nll = -logp.gather(1, labels[:, None]).squeeze(1)
+    d = logp.exp_()  # the softmax; d loss / d logits once each row's label is taken off
+    d[torch.arange(d.shape[0], device=d.device), labels] -= 1.0
+    return nll, d.mul_(scale[:, None]).to(logits.dtype)
+
+
+def cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``logits`` (N, V): the cross entropy against ``labels`` (float32), and its
+    gradient times ``scale`` (N,) in the logits' dtype: ``(softmax - one_hot) * scale``. Softmax in
+    float32; compiled, one pass for the statistics and one writing the gradient (eager: a float32
+    copy, log-softmax, exp, the labels' subtraction, the scaling and the cast, a pass each)."""
+    if not wanted(logits):
+        return _cross_entropy_grad_eager(logits, labels, scale)
+    return _run("cross_entropy_grad", _cross_entropy_grad, _cross_entropy_grad_eager, logits, labels, scale)
+
+
 # ------------------------------------------------------------------------------------- RMS norm
 
 
@@ -185,9 +221,38 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of a fused ``[gate | up]`` tensor, in float32, rounded once. (Its backward
-    stays torch's: inductor writes the two halves of ``[d gate | d up]`` slower than eager here.)"""
+    """``silu(gate) * up`` of a fused ``[gate | up]`` tensor, in float32, rounded once."""
     return _run("swiglu", _swiglu, _swiglu, gate_up)
+
+
+def _swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    g, a, u = grad.float(), gate.float(), up.float()
+    s = torch.sigmoid(a)
+    # d silu(a) / da = s (1 + a (1 - s)). The two halves stacked on a new second-to-last axis are
+    # ``[d gate | d up]`` in memory: inductor writes that as one loop (a concatenation along the
+    # last axis it wrote as two slower ones, slower than torch's eager ops)
+    both = torch.stack([g * u * s * (1 + a * (1 - s)), g * a * s], dim=-2)
+    return both.to(grad.dtype).reshape(gate_up.shape)
+
+
+def _swiglu_backward_eager(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    # d gate by torch's silu_backward, halves in place: 7x faster than ops + cat
+    out = torch.empty_like(gate_up)
+    d_gate, d_up = out.chunk(2, dim=-1)
+    torch.mul(grad, torch.nn.functional.silu(gate), out=d_up)
+    torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
+    return out
+
+
+def swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """``[d gate | d up]`` of `swiglu` for the incoming gradient ``grad``, in float32, rounded once
+    (eager: torch's ops, each rounding to the tensors' dtype). 1.35x (bf16) and 2.3x (float32)
+    torch's eager ops alone for a (4, 512, 2 x 1536) tensor on a 2-core Zen 4."""
+    if not wanted(gate_up):
+        return _swiglu_backward_eager(grad, gate_up)
+    return _run("swiglu_backward", _swiglu_backward, _swiglu_backward_eager, grad, gate_up)
 
 
 # ----------------------------------------------------------------------------------------- GELU

@@ -92,13 +92,7 @@ class _SwiGLUFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         (gate_up,) = ctx.saved_tensors
-        gate, up = gate_up.chunk(2, dim=-1)
-        # d gate by torch's silu_backward (bitwise autograd's), halves in place: 7x faster than ops + cat
-        out = torch.empty_like(gate_up)
-        d_gate, d_up = out.chunk(2, dim=-1)
-        torch.mul(grad, F.silu(gate), out=d_up)
-        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
-        return out
+        return fused.swiglu_backward(grad, gate_up)
 
 
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zoo import gemm
+from zoo import fused, gemm
 
 # Elements of one chunk of logits in `linear_cross_entropy`. On a CPU a chunk's float32 logits
 # stay in cache (16 MB); a GPU wants few, large products (a 32-row chunk of a 128k vocabulary
@@ -60,23 +60,22 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                     and _accumulates_in_float32(hidden.device.type, hidden.dtype))
         for s in range(0, n, chunk):
             h = hidden[s:s + chunk]
-            # one fused log-softmax over the chunk's float32 logits gives the loss, and its exp the
-            # softmax, d loss / d logits once each row's label is taken off
-            logp = torch.log_softmax(gemm.mm(h, w.t()).float(), dim=-1)  # (c, V)
+            logits = gemm.mm(h, w.t())  # (c, V)
             lab = labels[s:s + chunk]
             m = mask[s:s + chunk].float()
-            total -= (logp.gather(1, lab[:, None]).squeeze(1) * m).sum()
-            if need:
-                d = logp.exp_()
-                d[torch.arange(d.shape[0], device=d.device), lab] -= 1.0
-                d = d.mul_((m / denom)[:, None]).to(w.dtype)  # one cast for both GEMMs
-                gemm.mm(d, w, grad_h[s:s + chunk])
-                if h.dtype == torch.float32 and not gemm.onednn_for(h):  # no (V, D) temporary
-                    torch.addmm(grad_w, d.t(), h, out=grad_w)  # (addmm_ would be missed by FLOP counters)
-                elif in_place:
-                    torch.addmm(grad_w, d.t(), h, out_dtype=torch.float32, out=grad_w)
-                else:
-                    grad_w += gemm.mm(d.t(), h).float()
+            if not need:
+                total -= (torch.log_softmax(logits.float(), -1).gather(1, lab[:, None]).squeeze(1) * m).sum()
+                continue
+            # the rows' losses, and d loss / d logits in w's dtype (one cast for both GEMMs)
+            nll, d = fused.cross_entropy_grad(logits, lab, m / denom)
+            total += (nll * m).sum()
+            gemm.mm(d, w, grad_h[s:s + chunk])
+            if h.dtype == torch.float32 and not gemm.onednn_for(h):  # no (V, D) temporary
+                torch.addmm(grad_w, d.t(), h, out=grad_w)  # (addmm_ would be missed by FLOP counters)
+            elif in_place:
+                torch.addmm(grad_w, d.t(), h, out_dtype=torch.float32, out=grad_w)
+            else:
+                grad_w += gemm.mm(d.t(), h).float()
         if need:
             ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
