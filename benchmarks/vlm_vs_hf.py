@@ -128,7 +128,7 @@ def worker(a: argparse.Namespace) -> None:
 
 def run_child(extra: list[str], a: argparse.Namespace, *, live: bool) -> dict:
     keep = {k: v for k, v in vars(a).items()
-            if k not in ("worker", "impl", "precision", "quick", "model", "models", "precisions")}
+            if k not in ("worker", "impl", "precision", "quick", "model", "models", "precisions", "bf16")}
     cmd = [sys.executable, __file__, *extra, *[f"--{k.replace('_', '-')}={v}" for k, v in keep.items()]]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), **(LIVE_ENV if live else {})}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)

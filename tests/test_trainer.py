@@ -102,6 +102,10 @@ def test_first_step_matches_an_independent_computation(runs):
     assert first["grad_norm"] == pytest.approx(float(norm), rel=1e-6)
     assert first["samples"] == 8.0
     assert "images_per_s" in first and "tokens_per_s" not in first and first["mfu"] > 0
+    # the achieved model FLOP/s per rank: the step's declared work over its time, MFU its share of
+    # one peak measured once per run
+    peaks = {r["flops_per_s"] / r["mfu"] for r in runs["one"]}
+    assert max(peaks) == pytest.approx(min(peaks), rel=1e-9) and first["flops_per_s"] > 0
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])

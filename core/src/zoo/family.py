@@ -298,4 +298,4 @@ def check_family(family: object, *, owner: str) -> None:
 
 
 # Keys the core itself logs in every metrics record.
-_RESERVED_METRICS = frozenset({"step", "loss", "lr", "grad_norm", "val_loss", "mfu"})
+_RESERVED_METRICS = frozenset({"step", "loss", "lr", "grad_norm", "val_loss", "mfu", "flops_per_s"})

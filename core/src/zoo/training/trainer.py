@@ -404,12 +404,12 @@ class Trainer:
                seconds: float, val: StepOutput | None) -> dict[str, Any]:
         """The metrics line of a step (global rank 0)."""
         unit = self.family.throughput.unit
-        rate = units / max(seconds, 1e-9)
+        rate, achieved = units / max(seconds, 1e-9), flops / max(seconds, 1e-9) / self.env.world_size  # (per rank)
         metrics = {k: float(v) for k, v in out.metrics.items()}
         record: dict[str, Any] = {"step": self.state.step, "loss": metrics.pop("loss"), "lr": lr,
                                   "grad_norm": float(grad_norm), "skipped_steps": self.guard.skipped,
                                   f"{unit}_per_s": rate,
-                                  "mfu": flops / max(seconds, 1e-9) / self.env.world_size / self.peak, **metrics}
+                                  "flops_per_s": achieved, "mfu": achieved / self.peak, **metrics}
         if val is not None:
             record["val_loss"] = float(val.metrics["loss"])
             record.update({f"val_{k}": float(v) for k, v in val.metrics.items() if k != "loss"})
