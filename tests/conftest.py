@@ -15,6 +15,12 @@ os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 # Every collective of every distributed test (gloo processes, torchrun jobs) checks that its
 # tensors live on a device the group's backend serves (`zoo.parallel.distributed.check_collectives`).
 os.environ.setdefault("ZOO_CHECK_COLLECTIVES", "1")
+# The compiled CPU kernels (`zoo.fused`) cost each process that builds one ~3 s of importing torch's
+# compiler, and most tests start processes (ranks, `zoo` commands) that train a few steps. They are
+# off here, on where they are tested: tests/test_fused.py (each kernel against float64, recomputation
+# bitwise under them) and the end-to-end LLaMA (plugins/gpt/tests/test_train.py) and image DiT
+# (plugins/dit/tests/test_dit_train.py) runs, which drop this setting.
+os.environ.setdefault("ZOO_BACKENDS", "-inductor")
 
 
 @pytest.fixture

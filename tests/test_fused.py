@@ -16,6 +16,7 @@ from zoo import fused
 @pytest.fixture
 def on(monkeypatch):
     """Fused kernels for every size (the tests' tensors are small), restored afterwards."""
+    monkeypatch.delenv("ZOO_BACKENDS", raising=False)  # (tests/conftest.py switches them off elsewhere)
     monkeypatch.setattr(fused, "_MIN_ELEMENTS", 0)
     monkeypatch.setattr(fused, "_BROKEN", {})
     fused.configure("auto")
@@ -118,12 +119,18 @@ def test_a_compiler_failure_falls_back_to_eager_and_says_so_once(on, monkeypatch
 
 
 def test_tiny_tensors_and_off_never_compile(monkeypatch):
+    monkeypatch.delenv("ZOO_BACKENDS", raising=False)
     monkeypatch.setattr(fused, "_MIN_ELEMENTS", 1 << 18)
     fused.configure("auto")
     try:
         assert not fused.wanted(torch.zeros(4, 8)) and fused.wanted(torch.zeros(512, 512))
         assert not fused.wanted(torch.zeros(512, 512, dtype=torch.float64))
         assert "off" in fused.configure("eager") and not fused.wanted(torch.zeros(512, 512))
+        for spec in ("-inductor", "off", "-apex,-inductor"):  # ZOO_BACKENDS, as for the optional backends
+            monkeypatch.setenv("ZOO_BACKENDS", spec)
+            assert "ZOO_BACKENDS" in fused.configure("auto") and not fused.wanted(torch.zeros(512, 512))
+        monkeypatch.setenv("ZOO_BACKENDS", "-apex")
+        assert "inductor's" in fused.configure("auto") and fused.wanted(torch.zeros(512, 512))
     finally:
         fused.configure("eager")
 

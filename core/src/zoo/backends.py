@@ -6,6 +6,9 @@ the machine does not suit them: `ImportError` (not installed) or `RuntimeError` 
 for another CUDA or torch, or no GPU). Both mean "not available" here, once per process, with the
 reason kept for `zoo list --backends`. ``ZOO_BACKENDS=off`` (or a comma list of names to turn off,
 e.g. ``ZOO_BACKENDS=-flash-attn``) forces the PyTorch paths, to compare or to rule a kernel out.
+``-inductor`` turns off the CPU elementwise kernels torch's compiler builds (`zoo.fused`), as
+``train.cpu_fused=eager`` does for one run: part of torch, not listed here, but each process that
+compiles one first spends ~3 s importing the compiler.
 
 A caller asks for the one function it uses, ``kernel("mamba-ssm", "mamba_ssm.ops.triton.ssd_combined",
 "mamba_chunk_scan_combined")``, and takes its own fallback when the answer is None.
@@ -41,7 +44,8 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
 )}
 
 
-def _switched_off(name: str) -> bool:
+def switched_off(name: str) -> bool:
+    """Whether ``ZOO_BACKENDS`` turns backend ``name`` off (``off``/``none``: all of them)."""
     spec = os.environ.get("ZOO_BACKENDS", "").strip()
     if spec in ("off", "none"):
         return True
@@ -52,7 +56,7 @@ def _switched_off(name: str) -> bool:
 def probe(name: str) -> tuple[Any, str]:
     """(the backend's module, "available") or (None, why not); tried once per process."""
     backend = BACKENDS[name]  # KeyError: a caller's typo, not a user's
-    if _switched_off(name):
+    if switched_off(name):
         return None, "switched off by ZOO_BACKENDS"
     try:
         module = importlib.import_module(backend.module)
@@ -77,4 +81,4 @@ def report() -> list[tuple[str, str, str, str]]:
     return [(b.name, b.provides, probe(b.name)[1], b.fallback) for b in BACKENDS.values()]
 
 
-__all__ = ["BACKENDS", "Backend", "kernel", "probe", "report"]
+__all__ = ["BACKENDS", "Backend", "kernel", "probe", "report", "switched_off"]

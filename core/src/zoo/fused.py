@@ -34,13 +34,17 @@ _BROKEN: dict[str, str] = {}  # kernel -> why compiling it failed (then eager fo
 
 
 def configure(mode: Mode = "auto") -> str:
-    """Turn the compiled kernels on ("auto") or off ("eager": torch's own kernels); returns what was
-    chosen (one line). Nothing is compiled here: a kernel is built at its first use on a large
-    enough tensor."""
+    """Turn the compiled kernels on ("auto", unless ``ZOO_BACKENDS`` switches "inductor" off) or off
+    ("eager": torch's own kernels); returns what was chosen (one line). Nothing is compiled here: a
+    kernel is built at its first use on a large enough tensor."""
+    from zoo import backends
+
     global _ENABLED
-    _ENABLED = mode == "auto"
+    _ENABLED = mode == "auto" and not backends.switched_off("inductor")
     if mode == "eager":
         return "fused CPU elementwise kernels: off, torch's eager kernels (train.cpu_fused=eager)"
+    if not _ENABLED:
+        return "fused CPU elementwise kernels: off, torch's eager kernels (ZOO_BACKENDS switches inductor off)"
     if _BROKEN:
         return "fused CPU elementwise kernels: eager for " + "; ".join(f"{k} ({v})" for k, v in _BROKEN.items())
     return (f"fused CPU elementwise kernels: torch inductor's, compiled at first use on tensors of >= "

@@ -17,6 +17,7 @@ import torch
 def zoo(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
     env = {**os.environ}
     env.pop("ZOO_PLUGINS", None)
+    env.pop("ZOO_BACKENDS", None)  # `zoo train`'s default compiled CPU kernels (off in most tests: conftest)
     return subprocess.run([sys.executable, "-m", "zoo", *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 

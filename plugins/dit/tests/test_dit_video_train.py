@@ -13,6 +13,15 @@ import sys
 import pytest
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_kernels():
+    """`zoo train`'s default compiled CPU kernels (tests/conftest.py switches them off for the
+    tests that only compare layouts): this module's quality thresholds were set with them."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ZOO_BACKENDS", raising=False)
+        yield
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("dit-video")

@@ -24,8 +24,11 @@ from zoo.testing import run_zoo
 @pytest.fixture(autouse=True)
 def _zoo_in_process(capsys, monkeypatch):
     """`zoo` runs in this process (no interpreter start and torch import per run); the SIGKILL
-    test's killed run is still a process of its own."""
+    test's killed run is still a process of its own. With the compiled CPU kernels `zoo train`
+    uses by default (tests/conftest.py switches them off for the other tests)."""
     import functools
+
+    monkeypatch.delenv("ZOO_BACKENDS", raising=False)
 
     monkeypatch.setitem(globals(), "zoo", functools.partial(run_zoo, capsys))
 

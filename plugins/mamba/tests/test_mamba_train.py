@@ -13,6 +13,15 @@ import pytest
 from zoo.testing import run_zoo
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_kernels():
+    """`zoo train`'s default compiled CPU kernels (tests/conftest.py switches them off for the
+    tests that only compare layouts): this module's quality thresholds were set with them."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ZOO_BACKENDS", raising=False)
+        yield
+
+
 def _unigram_entropy(cache: Path) -> float:
     from zoo.data.gpt import split_ranges
     from zoo.data.indexed import IndexedDataset

@@ -17,6 +17,15 @@ from zoo.testing import run_zoo
 QUIET = ("logging.progress=false", "logging.tensorboard=false", "logging.plot=false")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_kernels():
+    """`zoo train`'s default compiled CPU kernels (tests/conftest.py switches them off for the
+    tests that only compare layouts): this module's quality thresholds were set with them."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ZOO_BACKENDS", raising=False)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _zoo_in_process(capsys, monkeypatch):
     monkeypatch.setitem(globals(), "zoo", functools.partial(run_zoo, capsys))
