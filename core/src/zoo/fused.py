@@ -6,9 +6,10 @@ On a CPU, torch runs each elementwise operation as its own pass over memory: DiT
 derivative spends its time in SLEEF's tanh. Compiled, the adaLN is one pass each way and GELU's
 derivative takes its tanh from an exponential (``(1 + tanh u) / 2 = sigmoid(2u)``): 6x and 2.2x
 faster alone on a 2-core AMD EPYC (bf16, 8 x 256 x 384 and 2048 x 1536), ~4% of a bf16 DiT-S step
-(inside a step their inputs come from memory, not cache). LLaMA's RMS norm and SwiGLU's forward are
-compiled the same way, and so is the transposed copy of a float32 weight gradient's operands that
-oneDNN's inner product wants (tiled: ~3.5x torch's strided copy; ~6% of a float32 LLaMA step).
+(inside a step their inputs come from memory, not cache). LLaMA's RMS norm, SwiGLU (forward and
+backward) and the LM loss's softmax gradient are compiled the same way, and so is the transposed
+copy of a float32 weight gradient's operands that oneDNN's inner product wants (tiled: ~3.5x
+torch's strided copy; ~6% of a float32 LLaMA step).
 
 Used for CPU tensors of at least `_MIN_ELEMENTS` elements (a compile costs ~2.5 s per process,
 once; tiny tensors gain nothing from it) when `configure` turned it on (``train.cpu_fused``).
@@ -48,7 +49,7 @@ def configure(mode: Mode = "auto") -> str:
     if _BROKEN:
         return "fused CPU elementwise kernels: eager for " + "; ".join(f"{k} ({v})" for k, v in _BROKEN.items())
     return (f"fused CPU elementwise kernels: torch inductor's, compiled at first use on tensors of >= "
-            f"{_MIN_ELEMENTS} elements (adaLN and RMS norms, SwiGLU, GELU derivative, transposes)")
+            f"{_MIN_ELEMENTS} elements (adaLN and RMS norms, SwiGLU, GELU derivative, LM-loss softmax, transposes)")
 
 
 def wanted(x: torch.Tensor) -> bool:

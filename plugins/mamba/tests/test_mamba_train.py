@@ -10,16 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zoo.testing import run_zoo
+from zoo.testing import compiled_kernels, run_zoo
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _compiled_kernels():
-    """`zoo train`'s default compiled CPU kernels (tests/conftest.py switches them off for the
-    tests that only compare layouts): this module's quality thresholds were set with them."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("ZOO_BACKENDS", raising=False)
-        yield
+# zoo train's default compiled CPU kernels (tests/conftest.py switches them off for the tests that
+# only compare layouts): this module's quality thresholds were set with them
+_compiled = pytest.fixture(scope="module", autouse=True)(compiled_kernels)
 
 
 def _unigram_entropy(cache: Path) -> float:

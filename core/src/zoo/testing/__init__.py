@@ -22,7 +22,8 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["DistributedTestError", "assert_same_training", "layout_for", "run_distributed", "run_zoo", "train_layout"]
+__all__ = ["DistributedTestError", "assert_same_training", "compiled_kernels", "layout_for", "run_distributed", "run_zoo",
+           "train_layout"]
 
 
 # After the first failure, how long to wait for messages still in flight (an earlier failure's
@@ -271,3 +272,16 @@ def run_zoo(capsys: Any, *args: str) -> Any:
     rc = main(list(args))
     out = capsys.readouterr()
     return subprocess.CompletedProcess(list(args), rc, out.out, out.err)
+
+
+def compiled_kernels() -> Any:
+    """A generator fixture body: `zoo train`'s default compiled CPU kernels (`zoo.fused`) for the
+    tests that use it, where the suite's conftest switched them off (``ZOO_BACKENDS=-inductor``:
+    ~3 s of compiler import in every process that trains). A module whose quality thresholds were
+    set with them declares
+    ``_compiled = pytest.fixture(scope="module", autouse=True)(compiled_kernels)``."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ZOO_BACKENDS", raising=False)
+        yield
