@@ -18,8 +18,8 @@ os.environ.setdefault("ZOO_CHECK_COLLECTIVES", "1")
 # The compiled CPU kernels (`zoo.fused`) cost each process that builds one ~3 s of importing torch's
 # compiler, and most tests start processes (ranks, `zoo` commands) that train a few steps. They are
 # off here, on where they are tested: tests/test_fused.py (each kernel against float64, recomputation
-# bitwise under them) and the end-to-end LLaMA (plugins/gpt/tests/test_train.py) and image DiT
-# (plugins/dit/tests/test_dit_train.py) runs, which drop this setting.
+# bitwise under them) and the end-to-end training tests of LLaMA, DiT (images and video), the VLMs and
+# Mamba, which drop this setting (`zoo.testing.compiled_kernels`).
 os.environ.setdefault("ZOO_BACKENDS", "-inductor")
 
 
