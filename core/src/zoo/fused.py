@@ -28,6 +28,8 @@ from typing import Any, Literal
 
 import torch
 
+from zoo import backends
+
 Mode = Literal["auto", "eager"]
 _ENABLED = False
 _MIN_ELEMENTS = 1 << 18
@@ -38,8 +40,6 @@ def configure(mode: Mode = "auto") -> str:
     """Turn the compiled kernels on ("auto", unless ``ZOO_BACKENDS`` switches "inductor" off) or off
     ("eager": torch's own kernels); returns what was chosen (one line). Nothing is compiled here: a
     kernel is built at its first use on a large enough tensor."""
-    from zoo import backends
-
     global _ENABLED
     _ENABLED = mode == "auto" and not backends.switched_off("inductor")
     if mode == "eager":

@@ -13,11 +13,16 @@ import numpy as np
 import pytest
 import torch
 
+from zoo.testing import compiled_kernels
+
+# zoo train's default compiled CPU kernels (tests/conftest.py switches them off for the tests that
+# only compare layouts): this module's quality thresholds were set with them
+_compiled = pytest.fixture(scope="module", autouse=True)(compiled_kernels)
+
 
 def zoo(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
     env = {**os.environ}
     env.pop("ZOO_PLUGINS", None)
-    env.pop("ZOO_BACKENDS", None)  # `zoo train`'s default compiled CPU kernels (off in most tests: conftest)
     return subprocess.run([sys.executable, "-m", "zoo", *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 

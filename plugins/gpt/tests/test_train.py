@@ -18,17 +18,18 @@ import pytest
 import torch
 from _gpt_helpers import small_run, zoo
 
-from zoo.testing import run_zoo
+from zoo.testing import compiled_kernels, run_zoo
+
+# zoo train's default compiled CPU kernels (tests/conftest.py switches them off for the tests that
+# only compare layouts): the end-to-end LLaMA runs, the SIGKILL resume included, keep them
+_compiled = pytest.fixture(scope="module", autouse=True)(compiled_kernels)
 
 
 @pytest.fixture(autouse=True)
 def _zoo_in_process(capsys, monkeypatch):
     """`zoo` runs in this process (no interpreter start and torch import per run); the SIGKILL
-    test's killed run is still a process of its own. With the compiled CPU kernels `zoo train`
-    uses by default (tests/conftest.py switches them off for the other tests)."""
+    test's killed run is still a process of its own."""
     import functools
-
-    monkeypatch.delenv("ZOO_BACKENDS", raising=False)
 
     monkeypatch.setitem(globals(), "zoo", functools.partial(run_zoo, capsys))
 
