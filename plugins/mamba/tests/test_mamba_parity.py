@@ -184,18 +184,26 @@ def test_causal_conv_equals_torchs_padded_grouped_convolution(with_state, bias):
         assert torch.allclose(got, want, atol=1e-12)
 
 
-def test_scan_gradients_flow_through_the_recomputed_chunks():
-    torch.manual_seed(0)
-    x, dt, b, c = (torch.randn(1, 20, 4, dtype=torch.float64, requires_grad=True) for _ in range(4))
-    a = -torch.rand(4, dtype=torch.float64)
-
-    def grads(scan):
-        out = scan(x.view(1, 20, 4, 1), dt.sigmoid(), a, b.view(1, 20, 1, 4), c.view(1, 20, 1, 4))
-        return torch.autograd.grad(out[0].sum(), (x, dt, b, c))
-
-    ref = grads(lambda *args: _recurrence_mamba2(*args, torch.zeros(1, 4, 1, 4, dtype=torch.float64)))
-    for got, want in zip(grads(lambda *args: ssd_scan(*args, chunk=8)), ref):
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("chunk,groups", [(4, 1), (16, 2), (64, 4)])
+def test_ssd_backward_equals_the_recurrences_gradients(chunk, groups):
+    """The SSD's hand-written backward against autograd through the step-by-step recurrence in
+    float64: the gradients of x, dt, A, B, C and the entering state, from both outputs (y and the
+    last state), over a length no chunk size divides (the last chunk padded)."""
+    g = torch.Generator().manual_seed(chunk)
+    x = torch.randn(2, 37, 4, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    b, c = (torch.randn(2, 37, groups, 5, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    dt = torch.rand(2, 37, 4, generator=g, dtype=torch.float64).requires_grad_()
+    a = (-torch.rand(4, generator=g, dtype=torch.float64) * 4).requires_grad_()
+    h0 = torch.randn(2, 4, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    wy, wh = torch.randn(2, 37, 4, 3, generator=g, dtype=torch.float64), torch.randn(2, 4, 3, 5, generator=g,
+                                                                                      dtype=torch.float64)
+    inputs = (x, dt, a, b, c, h0)
+    ref_y, ref_h = _recurrence_mamba2(x, dt, a, b, c, h0)
+    want = torch.autograd.grad((ref_y * wy).sum() + (ref_h * wh).sum(), inputs)
+    y, h = ssd_scan(x, dt, a, b, c, state=h0, chunk=chunk)
+    got = torch.autograd.grad((y * wy).sum() + (h * wh).sum(), inputs)
+    for name, gv, wv in zip("x dt A B C h0".split(), got, want):
+        assert (gv - wv).norm() <= 1e-5 * wv.norm(), name
 
 
 @pytest.mark.parametrize("flavor", ["mamba_tiny", "mamba2_tiny", "hybrid_moe_tiny"])

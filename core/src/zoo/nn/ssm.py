@@ -144,6 +144,9 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.
     Returns y (B, T, I) fp32 and the last state (B, I, N)."""
     x, dt, b, c, a = x.float(), dt.float(), b.float(), c.float(), a.float()
     h = state.float() if state is not None else x.new_zeros(x.shape[0], x.shape[2], a.shape[1])
+    if x.shape[1] == 1:  # a decoding step: the recurrence itself (a chunk's scan is ~20 small ops)
+        h = torch.exp(dt[:, 0, :, None] * a) * h + (dt[:, 0] * x[:, 0])[..., None] * b[:, 0, None, :]
+        return (h @ c[:, 0, :, None]).transpose(1, 2), h
     ys = []
     for s in range(0, x.shape[1], chunk):
         y, h = _run(_scan_chunk, x[:, s:s + chunk], dt[:, s:s + chunk], a, b[:, s:s + chunk], c[:, s:s + chunk], h)
@@ -161,57 +164,162 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
     return sums.masked_fill(~torch.ones_like(strict).tril(), float("-inf"))
 
 
-_STATE_BLOCK = 16  # chunks whose states pass on in one product (`_pass_states`)
+_STATE_BLOCK = 64  # chunks whose states pass on in one product (`_pass_states`)
 
 
-def _pass_states(states: torch.Tensor, log_decay: torch.Tensor, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The state entering each chunk and the last one: ``h_k = exp(log_decay_k) h_{k-1} + states_k``.
+def _pass_states(states: torch.Tensor, log_decay: torch.Tensor, h0: torch.Tensor, *, reverse: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state entering each chunk and the last one: ``h_{k+1} = exp(log_decay_k) h_k + states_k``.
 
     states (B, H, K, N, P) each chunk's own contribution; log_decay (B, H, K) its whole-chunk
     decay; h0 (B, H, N, P). Within a block of `_STATE_BLOCK` chunks the recurrence is one product
     per head, the block's (S+1) x (S+1) lower-triangular decay matrix (segment sums, no
     differences of cumulative sums) times [h_entering, states...]; blocks follow one another, so
     the work stays linear in K. (One chunk at a time took ~400 small ops per step at T=2048.)
-    Returns the entering states (B, H, K, N, P) and the last one (B, H, N, P)."""
+    Returns the entering states (B, H, K, N, P) and the last one (B, H, N, P).
+
+    ``reverse``: the same recurrence from the last chunk to the first, as backward needs it:
+    ``d_k = states_k + exp(log_decay_k) d_{k+1}`` from ``d_K = h0``; returns ``d_{k+1}`` for each
+    chunk (the gradient of the state it leaves) and ``d_0``. Its matrix is the transpose of the
+    forward one, the entering value appended after the block's sources instead of before them."""
     bsz, h, k, n, p = states.shape
-    starts = []
-    for s0 in range(0, k, _STATE_BLOCK):
-        blk = states[:, :, s0:s0 + _STATE_BLOCK]
-        src = torch.cat([h0[:, :, None], blk], dim=2).flatten(3)  # (B, H, S+1, N*P)
-        # row i: the state after i sources; entry [i, j] decays source j over chunks j .. i-1
-        mat = torch.exp(_segsum(F.pad(log_decay[:, :, s0:s0 + blk.shape[2]], (1, 0))))
-        out = (mat @ src).view(bsz, h, -1, n, p)
-        starts.append(out[:, :, :-1])
-        h0 = out[:, :, -1]
-    return torch.cat(starts, dim=2), h0
+    outs, carry = [], h0.flatten(2)[:, :, None]  # (B, H, 1, N*P)
+    starts = range(0, k, _STATE_BLOCK)
+    for s0 in reversed(starts) if reverse else starts:
+        blk = states[:, :, s0:s0 + _STATE_BLOCK].flatten(3)  # (B, H, S, N*P)
+        s = blk.shape[2]
+        # [i, j]: source j's decay over chunks j .. i-1 (the carry is source 0)
+        mat = torch.exp(_segsum(F.pad(log_decay[:, :, s0:s0 + s], (1, 0))))  # (B, H, S+1, S+1)
+        if reverse:  # rows d_{s0} .. d_{s0+S}; sources states_{s0} .. states_{s0+S-1}, then the carry
+            mat = mat.transpose(-1, -2)
+            out = torch.matmul(mat[..., :s], blk).add_(mat[..., s:] * carry)
+            outs.append(out[:, :, 1:])
+            carry = out[:, :, :1]
+        else:  # rows h_{s0} .. h_{s0+S}
+            out = torch.matmul(mat[..., 1:], blk).add_(mat[..., :1] * carry)
+            outs.append(out[:, :, :-1])
+            carry = out[:, :, -1:]
+    if reverse:
+        outs.reverse()
+    every = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return every.view(bsz, h, k, n, p), carry.view(bsz, h, n, p)
 
 
-def _ssd_chunks(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h0: torch.Tensor
+def _decays(acum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From each chunk's cumulative log decays acum (..., Q), float64: the within-chunk decay matrix
+    ``L[i, j] = exp(acum_i - acum_j)`` for j <= i (zero above), the decay from each position to its
+    chunk's end and from the chunk's start to each position, float32. The differences are taken in
+    float64: a chunk's cumulative sum reaches hundreds where dt A is large, and float32 differences
+    of such numbers lose digits next to the diagonal, where L is near 1."""
+    lmat = (acum[..., :, None] - acum[..., None, :]).float().exp_().tril_()  # exp(> 0) above, then zeroed
+    return lmat, torch.exp(acum[..., -1:] - acum).float(), torch.exp(acum).float()
+
+
+def _heads(v: torch.Tensor, bsz: int, r: int, p: int) -> torch.Tensor:
+    """(G, B*K, N, R*P) per group -> (B, H, K, N, P) per head, as `_pass_states` takes them."""
+    g, bk, n, _ = v.shape
+    return v.view(g, bsz, bk // bsz, n, r, p).permute(1, 0, 4, 2, 3, 5).reshape(bsz, g * r, bk // bsz, n, p)
+
+
+def _groups(v: torch.Tensor, g: int) -> torch.Tensor:
+    """(B, H, K, N, P) per head -> (G, B*K, N, R*P) per group: the inverse of `_heads`."""
+    bsz, h, k, n, p = v.shape
+    return v.view(bsz, g, h // g, k, n, p).permute(1, 0, 3, 4, 2, 5).reshape(g, bsz * k, n, h // g * p)
+
+
+def _per_group(fn: Any, g: int, dim: int = 0) -> torch.Tensor:
+    return torch.stack([fn(i) for i in range(g)], dim) if g > 1 else fn(0).unsqueeze(dim)
+
+
+class _SSD(torch.autograd.Function):
+    """Mamba-2's SSD over whole chunks, with a hand-written backward. Within a chunk the output is
+    a masked "attention" with decays, ``y_in = (C B^T * L) X``, plus the state entering the chunk
+    seen through C, ``y_off = exp(acum) C S_k``; each chunk's own state ``B^T (w * X)`` passes on
+    in `_pass_states`, and backward runs the same recurrence in reverse for the states' gradients.
+
+    Products are of two kinds. Per group, where a group's R heads share B or C: one (Q x N) by
+    (N x R*P) product for all of them, X read in the sequence's own layout. Per head, with the
+    decay matrices: a loop over heads reading X and dY as strided views into a contiguous output
+    (a permuted copy of X, or a strided output, cost more than the product). What backward keeps
+    grows linearly in T: the decay matrices (T x Q x H), the scores (T x Q x G), the entering states
+    and what they add to y (T x H x P each) and the inputs. (Recomputing the chunks under autograd,
+    as before, did the forward's products twice and its elementwise passes three times.)
+
+    Shapes, with BK = batch x chunks: x (BK, Q, H, P) already times dt; a (BK, Q, H) = dt A;
+    b, c (BK, Q, G, N); h0 (B, H, P, N). Returns y (BK, Q, H, P) and the last state (B, H, P, N)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h0: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SSD over whole chunks, in the sequence's own layout. x (B, K, Q, H, P) already times dt;
-    a (B, K, Q, H) = dt A; b, c (B, K, Q, G, N); h0 (B, H, P, N). Returns y like x and the last
-    state. A group's heads are one matrix wherever they share an operand (B or C): the states and
-    the states' contribution are one product per chunk and group, (N x Q)(Q x R*P) and
-    (Q x N)(N x R*P), instead of R products of 64 x 64 with a broadcast (copied) B or C."""
-    bsz, k, q, h, p = x.shape
-    g, n = b.shape[-2:]
-    r = h // g
-    ah = a.permute(0, 1, 3, 2)  # (B, K, H, Q)
-    acum = ah.cumsum(dim=-1)
-    decay = torch.exp(_segsum(ah))  # (B, K, H, Q, Q), zero above the diagonal
-    bg, cg = b.transpose(2, 3), c.transpose(2, 3)  # (B, K, G, Q, N)
-    scores = cg @ bg.transpose(-1, -2)  # (B, K, G, Q, Q): shared by a group's heads
-    xh = x.view(bsz, k, q, g, r, p).permute(0, 1, 3, 4, 2, 5)  # (B, K, G, R, Q, P)
-    y_in = (scores[:, :, :, None] * decay.view(bsz, k, g, r, q, q)) @ xh  # within each chunk
-    to_end = torch.exp(acum[..., -1:] - acum)  # decay from each position to its chunk's end
-    xw = (x * to_end.transpose(2, 3)[..., None]).view(bsz, k, q, g, r * p).transpose(2, 3)  # (B, K, G, Q, R*P)
-    states = bg.transpose(-1, -2) @ xw  # (B, K, G, N, R*P)
-    start, last = _pass_states(states.view(bsz, k, g, n, r, p).permute(0, 2, 4, 1, 3, 5).reshape(bsz, h, k, n, p),
-                               acum[..., -1].transpose(1, 2), h0.transpose(-1, -2))
-    start = start.view(bsz, g, r, k, n, p).permute(0, 3, 1, 4, 2, 5).reshape(bsz, k, g, n, r * p)
-    y = (cg @ start).view(bsz, k, g, q, r, p) * torch.exp(acum).view(bsz, k, g, r, q).transpose(3, 4)[..., None]
-    y = y.add_(y_in.transpose(3, 4))  # (B, K, G, Q, R, P)
-    return y.transpose(2, 3).reshape(bsz, k, q, h, p), last.transpose(-1, -2).contiguous()
+        bk, q, h, p = x.shape
+        g, bsz = b.shape[2], h0.shape[0]
+        r = h // g
+        acum = a.transpose(1, 2).double().cumsum(-1)  # (BK, H, Q)
+        lmat, to_end, from_start = _decays(acum)
+        scores = _per_group(lambda i: torch.bmm(c[:, :, i], b[:, :, i].transpose(1, 2)), g, 1)  # (BK, G, Q, Q)
+        mixed = (lmat.view(bk, g, r, q, q) * scores[:, :, None]).view(bk, h, q, q)
+        y_in = x.new_empty(h, bk, q, p)
+        for i in range(h):
+            torch.bmm(mixed[:, i], x[:, :, i], out=y_in[i])
+        del mixed
+        xw = (x * to_end.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
+        states = _per_group(lambda i: b[:, :, i].transpose(1, 2) @ xw[:, :, i], g)  # (G, BK, N, R*P)
+        chunk_decay = acum[..., -1].float().view(bsz, -1, h).transpose(1, 2)  # (B, H, K)
+        start, last = _pass_states(_heads(states, bsz, r, p), chunk_decay, h0.transpose(-1, -2))
+        start = _groups(start, g)  # the state entering each chunk (G, BK, N, R*P)
+        y_off = _per_group(lambda i: c[:, :, i] @ start[i], g)  # (G, BK, Q, R*P)
+        y = torch.mul(y_off.view(g, bk, q, r, p).permute(1, 2, 0, 3, 4),
+                      from_start.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None]).reshape(bk, q, h, p)
+        y.add_(y_in.permute(1, 2, 0, 3))
+        ctx.save_for_backward(x, b, c, lmat, scores, start, y_off, to_end, from_start, chunk_decay)
+        ctx.bsz = bsz
+        return y, last.transpose(-1, -2).contiguous()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dy: torch.Tensor, dlast: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x, b, c, lmat, scores, start, y_off, to_end, from_start, chunk_decay = ctx.saved_tensors
+        bk, q, h, p = x.shape
+        g, bsz = b.shape[2], ctx.bsz
+        r = h // g
+        dy = dy.contiguous()
+        # the entering states' part: y_off = exp(acum) C S_k
+        dye = (dy * from_start.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
+        dstart = _per_group(lambda i: c[:, :, i].transpose(1, 2) @ dye[:, :, i], g)  # (G, BK, N, R*P)
+        dc = _per_group(lambda i: dye[:, :, i] @ start[i].transpose(1, 2), g, 2)  # (BK, Q, G, N)
+        dacum = (dye.view(bk, q, g, r, p) * y_off.view(g, bk, q, r, p).permute(1, 2, 0, 3, 4)).sum(-1)
+        dacum = dacum.view(bk, q, h).transpose(1, 2).contiguous()  # (BK, H, Q)
+        # the states' recurrence backwards: from the last chunk to the first, dlast entering
+        leaving, dh0 = _pass_states(_heads(dstart, bsz, r, p), chunk_decay, dlast.transpose(-1, -2), reverse=True)
+        dstates = _groups(leaving, g)  # d(state after chunk k), (G, BK, N, R*P)
+        d_decay = (dstates.view(g, bk, -1, r, p) * start.view(g, bk, -1, r, p)).sum((2, 4))  # (G, BK, R)
+        dacum[..., -1] += d_decay.permute(1, 0, 2).reshape(bk, h) * from_start[..., -1]
+        # each chunk's own state: B^T (w * X), w = exp(acum_end - acum)
+        xw = (x * to_end.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
+        db = _per_group(lambda i: xw[:, :, i] @ dstates[i].transpose(1, 2), g, 2)  # (BK, Q, G, N)
+        dxw = _per_group(lambda i: b[:, :, i] @ dstates[i], g).view(g, bk, q, r, p).permute(1, 2, 0, 3, 4)
+        dx = torch.mul(dxw, to_end.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None]).reshape(bk, q, h, p)
+        dw = (dxw * x.view(bk, q, g, r, p)).sum(-1).view(bk, q, h).transpose(1, 2) * to_end  # (BK, H, Q)
+        dacum.sub_(dw)
+        dacum[..., -1] += dw.sum(-1)
+        # within the chunk: y_in = (scores * L) X per head
+        dmix = x.new_empty(h, bk, q, q)
+        for i in range(h):
+            torch.bmm(dy[:, :, i], x[:, :, i].transpose(1, 2), out=dmix[i])
+        mixed = (lmat.view(bk, g, r, q, q) * scores[:, :, None]).view(bk, h, q, q)
+        dx_in = x.new_empty(h, bk, q, p)
+        for i in range(h):
+            torch.bmm(mixed[:, i].transpose(1, 2), dy[:, :, i], out=dx_in[i])
+        del mixed
+        dx.add_(dx_in.permute(1, 2, 0, 3))
+        dl = (lmat * dmix.permute(1, 0, 2, 3)).view(bk, g, r, q, q)  # d(scores * L) * L
+        dscores = dl.sum(2)  # (BK, G, Q, Q)
+        dl.mul_(scores[:, :, None])  # = d(L) * L: L's gradient through acum_i - acum_j
+        dacum.add_(dl.sum(-1).view(bk, h, q)).sub_(dl.sum(-2).view(bk, h, q))
+        dc += _per_group(lambda i: dscores[:, i] @ b[:, :, i], g, 2)
+        db += _per_group(lambda i: dscores[:, i].transpose(1, 2) @ c[:, :, i], g, 2)
+        da = dacum.flip(-1).cumsum(-1).flip(-1).transpose(1, 2)  # acum = cumsum(a)
+        return dx, da, db, dc, dh0.transpose(-1, -2)
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *,
@@ -237,8 +345,15 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
         return y.float(), last.float()
     dt = dt.float()
     h0 = state.float() if state is not None else x.new_zeros(bsz, h, p, n, dtype=torch.float32)
-    y, last = _run(_ssd_chunks, chunked(x.float() * dt[..., None]), chunked(dt * a.float()), chunked(b.float()),
-                   chunked(c.float()), h0)
+    if t == 1:  # a decoding step: the recurrence itself (the chunked form is ~60 small ops)
+        g = b.shape[2]
+        bh = b.float().view(bsz, g, 1, 1, n)  # a group's heads share B and C
+        x1 = (x.float()[:, 0] * dt[:, 0, :, None]).view(bsz, g, h // g, p, 1)
+        last = (torch.exp(dt[:, 0] * a.float())[..., None, None] * h0).view(bsz, g, h // g, p, n).add_(x1 * bh)
+        y = last @ c.float().view(bsz, g, 1, n, 1)
+        return y.view(bsz, 1, h, p), last.view(bsz, h, p, n)
+    y, last = _SSD.apply(chunked(x.float() * dt[..., None]).flatten(0, 1), chunked(dt * a.float()).flatten(0, 1),
+                         chunked(b.float()).flatten(0, 1), chunked(c.float()).flatten(0, 1), h0)
     return y.reshape(bsz, k * q, h, p)[:, :t], last
 
 
