@@ -243,3 +243,19 @@ def test_unsupported_hugging_face_configs_are_refused():
                                                                    ssm_head_dim=16)), "num_heads": 3})
     assert math.isinf(convert.from_hf_config(convert.to_hf_config(MambaConfig(vocab_size=64, hidden_size=32,
                                                                               num_layers=2, ssm_head_dim=16))).dt_max)
+
+
+def test_the_scans_compute_in_float32_under_bf16_autocast():
+    """Autocast would run the scans' products in bf16 (and Mamba-2's hand-written backward then met
+    mixed dtypes): under it both scans give their float32 results bit for bit, and backward runs."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 70, 4, 3, generator=g, requires_grad=True)
+    b, c = torch.randn(1, 70, 2, 5, generator=g), torch.randn(1, 70, 2, 5, generator=g)
+    dt, a = torch.rand(1, 70, 4, generator=g), -torch.rand(4, generator=g)
+    x1, b1, c1 = torch.randn(1, 70, 6, generator=g, requires_grad=True), torch.randn(1, 70, 5), torch.randn(1, 70, 5)
+    dt1, a1 = torch.rand(1, 70, 6, generator=g), -torch.rand(6, 5, generator=g)
+    want = ssd_scan(x, dt, a, b, c, chunk=16)[0], selective_scan(x1, dt1, a1, b1, c1, chunk=16)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ssd_scan(x, dt, a, b, c, chunk=16)[0], selective_scan(x1, dt1, a1, b1, c1, chunk=16)[0]
+        (got[0].sum() + got[1].sum()).backward()
+    assert all(torch.equal(u, v) for u, v in zip(got, want)) and x.grad is not None and x1.grad is not None

@@ -148,9 +148,10 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.
         h = torch.exp(dt[:, 0, :, None] * a) * h + (dt[:, 0] * x[:, 0])[..., None] * b[:, 0, None, :]
         return (h @ c[:, 0, :, None]).transpose(1, 2), h
     ys = []
-    for s in range(0, x.shape[1], chunk):
-        y, h = _run(_scan_chunk, x[:, s:s + chunk], dt[:, s:s + chunk], a, b[:, s:s + chunk], c[:, s:s + chunk], h)
-        ys.append(y)
+    with torch.autocast(x.device.type, enabled=False):  # float32 products too (autocast would make them bf16)
+        for s in range(0, x.shape[1], chunk):
+            y, h = _run(_scan_chunk, x[:, s:s + chunk], dt[:, s:s + chunk], a, b[:, s:s + chunk], c[:, s:s + chunk], h)
+            ys.append(y)
     return torch.cat(ys, dim=1), h
 
 
@@ -278,48 +279,49 @@ class _SSD(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dy: torch.Tensor, dlast: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        x, b, c, lmat, scores, start, y_off, to_end, from_start, chunk_decay = ctx.saved_tensors
-        bk, q, h, p = x.shape
-        g, bsz = b.shape[2], ctx.bsz
-        r = h // g
-        dy = dy.contiguous()
-        # the entering states' part: y_off = exp(acum) C S_k
-        dye = (dy * from_start.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
-        dstart = _per_group(lambda i: c[:, :, i].transpose(1, 2) @ dye[:, :, i], g)  # (G, BK, N, R*P)
-        dc = _per_group(lambda i: dye[:, :, i] @ start[i].transpose(1, 2), g, 2)  # (BK, Q, G, N)
-        dacum = (dye.view(bk, q, g, r, p) * y_off.view(g, bk, q, r, p).permute(1, 2, 0, 3, 4)).sum(-1)
-        dacum = dacum.view(bk, q, h).transpose(1, 2).contiguous()  # (BK, H, Q)
-        # the states' recurrence backwards: from the last chunk to the first, dlast entering
-        leaving, dh0 = _pass_states(_heads(dstart, bsz, r, p), chunk_decay, dlast.transpose(-1, -2), reverse=True)
-        dstates = _groups(leaving, g)  # d(state after chunk k), (G, BK, N, R*P)
-        d_decay = (dstates.view(g, bk, -1, r, p) * start.view(g, bk, -1, r, p)).sum((2, 4))  # (G, BK, R)
-        dacum[..., -1] += d_decay.permute(1, 0, 2).reshape(bk, h) * from_start[..., -1]
-        # each chunk's own state: B^T (w * X), w = exp(acum_end - acum)
-        xw = (x * to_end.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
-        db = _per_group(lambda i: xw[:, :, i] @ dstates[i].transpose(1, 2), g, 2)  # (BK, Q, G, N)
-        dxw = _per_group(lambda i: b[:, :, i] @ dstates[i], g).view(g, bk, q, r, p).permute(1, 2, 0, 3, 4)
-        dx = torch.mul(dxw, to_end.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None]).reshape(bk, q, h, p)
-        dw = (dxw * x.view(bk, q, g, r, p)).sum(-1).view(bk, q, h).transpose(1, 2) * to_end  # (BK, H, Q)
-        dacum.sub_(dw)
-        dacum[..., -1] += dw.sum(-1)
-        # within the chunk: y_in = (scores * L) X per head
-        dmix = x.new_empty(h, bk, q, q)
-        for i in range(h):
-            torch.bmm(dy[:, :, i], x[:, :, i].transpose(1, 2), out=dmix[i])
-        mixed = (lmat.view(bk, g, r, q, q) * scores[:, :, None]).view(bk, h, q, q)
-        dx_in = x.new_empty(h, bk, q, p)
-        for i in range(h):
-            torch.bmm(mixed[:, i].transpose(1, 2), dy[:, :, i], out=dx_in[i])
-        del mixed
-        dx.add_(dx_in.permute(1, 2, 0, 3))
-        dl = (lmat * dmix.permute(1, 0, 2, 3)).view(bk, g, r, q, q)  # d(scores * L) * L
-        dscores = dl.sum(2)  # (BK, G, Q, Q)
-        dl.mul_(scores[:, :, None])  # = d(L) * L: L's gradient through acum_i - acum_j
-        dacum.add_(dl.sum(-1).view(bk, h, q)).sub_(dl.sum(-2).view(bk, h, q))
-        dc += _per_group(lambda i: dscores[:, i] @ b[:, :, i], g, 2)
-        db += _per_group(lambda i: dscores[:, i].transpose(1, 2) @ c[:, :, i], g, 2)
-        da = dacum.flip(-1).cumsum(-1).flip(-1).transpose(1, 2)  # acum = cumsum(a)
-        return dx, da, db, dc, dh0.transpose(-1, -2)
+        with torch.autocast(dy.device.type, enabled=False):  # (when backward runs inside an autocast region)
+            x, b, c, lmat, scores, start, y_off, to_end, from_start, chunk_decay = ctx.saved_tensors
+            bk, q, h, p = x.shape
+            g, bsz = b.shape[2], ctx.bsz
+            r = h // g
+            dy = dy.contiguous()
+            # the entering states' part: y_off = exp(acum) C S_k
+            dye = (dy * from_start.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
+            dstart = _per_group(lambda i: c[:, :, i].transpose(1, 2) @ dye[:, :, i], g)  # (G, BK, N, R*P)
+            dc = _per_group(lambda i: dye[:, :, i] @ start[i].transpose(1, 2), g, 2)  # (BK, Q, G, N)
+            dacum = (dye.view(bk, q, g, r, p) * y_off.view(g, bk, q, r, p).permute(1, 2, 0, 3, 4)).sum(-1)
+            dacum = dacum.view(bk, q, h).transpose(1, 2).contiguous()  # (BK, H, Q)
+            # the states' recurrence backwards: from the last chunk to the first, dlast entering
+            leaving, dh0 = _pass_states(_heads(dstart, bsz, r, p), chunk_decay, dlast.transpose(-1, -2), reverse=True)
+            dstates = _groups(leaving, g)  # d(state after chunk k), (G, BK, N, R*P)
+            d_decay = (dstates.view(g, bk, -1, r, p) * start.view(g, bk, -1, r, p)).sum((2, 4))  # (G, BK, R)
+            dacum[..., -1] += d_decay.permute(1, 0, 2).reshape(bk, h) * from_start[..., -1]
+            # each chunk's own state: B^T (w * X), w = exp(acum_end - acum)
+            xw = (x * to_end.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
+            db = _per_group(lambda i: xw[:, :, i] @ dstates[i].transpose(1, 2), g, 2)  # (BK, Q, G, N)
+            dxw = _per_group(lambda i: b[:, :, i] @ dstates[i], g).view(g, bk, q, r, p).permute(1, 2, 0, 3, 4)
+            dx = torch.mul(dxw, to_end.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None]).reshape(bk, q, h, p)
+            dw = (dxw * x.view(bk, q, g, r, p)).sum(-1).view(bk, q, h).transpose(1, 2) * to_end  # (BK, H, Q)
+            dacum.sub_(dw)
+            dacum[..., -1] += dw.sum(-1)
+            # within the chunk: y_in = (scores * L) X per head
+            dmix = x.new_empty(h, bk, q, q)
+            for i in range(h):
+                torch.bmm(dy[:, :, i], x[:, :, i].transpose(1, 2), out=dmix[i])
+            mixed = (lmat.view(bk, g, r, q, q) * scores[:, :, None]).view(bk, h, q, q)
+            dx_in = x.new_empty(h, bk, q, p)
+            for i in range(h):
+                torch.bmm(mixed[:, i].transpose(1, 2), dy[:, :, i], out=dx_in[i])
+            del mixed
+            dx.add_(dx_in.permute(1, 2, 0, 3))
+            dl = (lmat * dmix.permute(1, 0, 2, 3)).view(bk, g, r, q, q)  # d(scores * L) * L
+            dscores = dl.sum(2)  # (BK, G, Q, Q)
+            dl.mul_(scores[:, :, None])  # = d(L) * L: L's gradient through acum_i - acum_j
+            dacum.add_(dl.sum(-1).view(bk, h, q)).sub_(dl.sum(-2).view(bk, h, q))
+            dc += _per_group(lambda i: dscores[:, i] @ b[:, :, i], g, 2)
+            db += _per_group(lambda i: dscores[:, i].transpose(1, 2) @ c[:, :, i], g, 2)
+            da = dacum.flip(-1).cumsum(-1).flip(-1).transpose(1, 2)  # acum = cumsum(a)
+            return dx, da, db, dc, dh0.transpose(-1, -2)
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *,
@@ -352,8 +354,9 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
         last = (torch.exp(dt[:, 0] * a.float())[..., None, None] * h0).view(bsz, g, h // g, p, n).add_(x1 * bh)
         y = last @ c.float().view(bsz, g, 1, n, 1)
         return y.view(bsz, 1, h, p), last.view(bsz, h, p, n)
-    y, last = _SSD.apply(chunked(x.float() * dt[..., None]).flatten(0, 1), chunked(dt * a.float()).flatten(0, 1),
-                         chunked(b.float()).flatten(0, 1), chunked(c.float()).flatten(0, 1), h0)
+    with torch.autocast(x.device.type, enabled=False):  # float32 products too (autocast would make them bf16)
+        y, last = _SSD.apply(chunked(x.float() * dt[..., None]).flatten(0, 1), chunked(dt * a.float()).flatten(0, 1),
+                             chunked(b.float()).flatten(0, 1), chunked(c.float()).flatten(0, 1), h0)
     return y.reshape(bsz, k * q, h, p)[:, :t], last
 
 
