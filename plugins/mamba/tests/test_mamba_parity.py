@@ -141,15 +141,10 @@ def test_chunked_scans_equal_the_sequential_recurrence(length):
         assert (h - ref2_h).abs().max() <= 1e-5 * ref2_h.abs().max()
 
 
-@pytest.mark.parametrize("block", [1, 3, 32])
-def test_ssd_state_passing_in_blocks_of_chunks_equals_the_recurrence(block, monkeypatch):
-    """The chunks' states pass on a block of chunks per product (`_pass_states`): block sizes that
-    split 19 chunks unevenly, one chunk per block, and one block for all give the recurrence's
-    outputs, last state and gradients."""
-    from zoo.nn import ssm
-
-    monkeypatch.setattr(ssm, "_STATE_BLOCK", block)
-    g = torch.Generator().manual_seed(block)
+def test_ssd_state_passing_over_many_chunks_equals_the_recurrence():
+    """19 chunks (the last one padded) pass their states on one after another (`_pass_states`),
+    forward and in reverse for backward: the recurrence's outputs, last state and gradients."""
+    g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 75, 4, 3, generator=g, dtype=torch.float64, requires_grad=True)
     b, c = (torch.randn(2, 75, 2, 5, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
     dt = torch.rand(2, 75, 4, generator=g, dtype=torch.float64)

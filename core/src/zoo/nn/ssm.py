@@ -6,15 +6,14 @@ I into H heads of P channels and shares B/C over G groups of H/G heads.
 
 Mamba-1's decay ``exp(dt A)`` is a (I, N) matrix per step, so no (T x T) matrix form is cheap: the
 scan runs chunk by chunk, a log-depth (Hillis-Steele) scan of the pairs ``(exp(dt A), dt B x)``
-inside each chunk, carrying the state between chunks. Mamba-2's decay is a scalar per head, so each
-chunk is a masked "attention" with decays (``ssd_minimal``), and the chunks pass their states on
-block by block (`_pass_states`: one product per block of 16 chunks), linear in T (the minimal
-code's dense chunk x chunk einsum is quadratic).
-
-Under autograd each chunk is recomputed in backward (`_Recomputed`), so what a layer keeps
-for backward is its inputs and one state per chunk: Mamba-1's (B, chunk, I, N) scan tensors, and HF's
-(B, I, T, N) ones, exist for one chunk at a time. `mamba_ssm`/`causal_conv1d` kernels are used on
-CUDA when they import (`_kernels`), never required.
+inside each chunk, carrying the state between chunks; under autograd each chunk is recomputed in
+backward (`_Recomputed`), so a layer keeps its inputs and one state per chunk (its (B, chunk, I, N)
+scan tensors, and HF's (B, I, T, N) ones, exist for one chunk at a time). Mamba-2's decay is a
+scalar per head, so each chunk is a masked "attention" with decays (``ssd_minimal``), the chunks
+pass their states on one multiply-add per chunk (`_pass_states`), linear in T (the minimal code's
+dense chunk x chunk einsum is quadratic), and its backward is written out (`_SSD`). A one-token
+step (decoding) runs either recurrence itself. Both compute in float32, under autocast too.
+`mamba_ssm`/`causal_conv1d` kernels are used on CUDA when they import (`_kernels`), never required.
 """
 
 from __future__ import annotations
@@ -155,55 +154,33 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.
     return torch.cat(ys, dim=1), h
 
 
-def _segsum(a: torch.Tensor) -> torch.Tensor:
-    """a (..., Q) -> (..., Q, Q) with [l, s] = a[s+1] + ... + a[l] for s <= l, -inf above: each
-    entry a sum of its own terms (a difference of cumulative sums would lose digits)."""
-    q = a.shape[-1]
-    rep = a[..., None, :].expand(*a.shape[:-1], q, q)  # [l, s] = a[s]... transposed below
-    strict = torch.ones(q, q, dtype=torch.bool, device=a.device).tril(-1)
-    sums = rep.transpose(-1, -2).masked_fill(~strict, 0).cumsum(dim=-2)  # [l, s] = sum_{s<k<=l} a[k]
-    return sums.masked_fill(~torch.ones_like(strict).tril(), float("-inf"))
-
-
-_STATE_BLOCK = 64  # chunks whose states pass on in one product (`_pass_states`)
-
-
 def _pass_states(states: torch.Tensor, log_decay: torch.Tensor, h0: torch.Tensor, *, reverse: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The state entering each chunk and the last one: ``h_{k+1} = exp(log_decay_k) h_k + states_k``.
 
-    states (B, H, K, N, P) each chunk's own contribution; log_decay (B, H, K) its whole-chunk
-    decay; h0 (B, H, N, P). Within a block of `_STATE_BLOCK` chunks the recurrence is one product
-    per head, the block's (S+1) x (S+1) lower-triangular decay matrix (segment sums, no
-    differences of cumulative sums) times [h_entering, states...]; blocks follow one another, so
-    the work stays linear in K. (One chunk at a time took ~400 small ops per step at T=2048.)
-    Returns the entering states (B, H, K, N, P) and the last one (B, H, N, P).
+    states (G, B*K, N, R*P) each chunk's own contribution, per group as `_SSD` computes it;
+    log_decay (B, H, K) each chunk's whole decay; h0 (B, H, P, N). One multiply-add per chunk on
+    a (G, B, N, R*P) slice, in place and in this layout. (Products of a block's decay matrix with
+    the states, as before, needed the states per head, a copy each way: 1.5 ms a call at T = 2,048
+    against ~0.4.) Returns the entering states like ``states`` and the last one (B, H, P, N).
 
     ``reverse``: the same recurrence from the last chunk to the first, as backward needs it:
     ``d_k = states_k + exp(log_decay_k) d_{k+1}`` from ``d_K = h0``; returns ``d_{k+1}`` for each
-    chunk (the gradient of the state it leaves) and ``d_0``. Its matrix is the transpose of the
-    forward one, the entering value appended after the block's sources instead of before them."""
-    bsz, h, k, n, p = states.shape
-    outs, carry = [], h0.flatten(2)[:, :, None]  # (B, H, 1, N*P)
-    starts = range(0, k, _STATE_BLOCK)
-    for s0 in reversed(starts) if reverse else starts:
-        blk = states[:, :, s0:s0 + _STATE_BLOCK].flatten(3)  # (B, H, S, N*P)
-        s = blk.shape[2]
-        # [i, j]: source j's decay over chunks j .. i-1 (the carry is source 0)
-        mat = torch.exp(_segsum(F.pad(log_decay[:, :, s0:s0 + s], (1, 0))))  # (B, H, S+1, S+1)
-        if reverse:  # rows d_{s0} .. d_{s0+S}; sources states_{s0} .. states_{s0+S-1}, then the carry
-            mat = mat.transpose(-1, -2)
-            out = torch.matmul(mat[..., :s], blk).add_(mat[..., s:] * carry)
-            outs.append(out[:, :, 1:])
-            carry = out[:, :, :1]
-        else:  # rows h_{s0} .. h_{s0+S}
-            out = torch.matmul(mat[..., 1:], blk).add_(mat[..., :1] * carry)
-            outs.append(out[:, :, :-1])
-            carry = out[:, :, -1:]
-    if reverse:
-        outs.reverse()
-    every = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return every.view(bsz, h, k, n, p), carry.view(bsz, h, n, p)
+    chunk (the gradient of the state it leaves) and ``d_0``."""
+    g, bk, n, rp = states.shape
+    bsz, h, k = log_decay.shape
+    r = h // g
+    src = states.view(g, bsz, k, n, r, rp // r)
+    decay = torch.exp(log_decay).view(bsz, g, r, k).permute(1, 0, 3, 2)[:, :, :, None, :, None]  # (G, B, K, 1, R, 1)
+    out = torch.empty_like(src)
+    order = range(k - 1, 0, -1) if reverse else range(k - 1)
+    first, step = (k - 1, -1) if reverse else (0, 1)
+    out[:, :, first] = h0.view(bsz, g, r, -1, n).permute(1, 0, 4, 2, 3)  # (G, B, N, R, P)
+    for i in order:
+        torch.addcmul(src[:, :, i], out[:, :, i], decay[:, :, i], out=out[:, :, i + step])
+    end = 0 if reverse else k - 1
+    last = torch.addcmul(src[:, :, end], out[:, :, end], decay[:, :, end])  # (G, B, N, R, P)
+    return out.view(states.shape), last.permute(1, 0, 3, 4, 2).reshape(bsz, h, -1, n)
 
 
 def _decays(acum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -214,18 +191,6 @@ def _decays(acum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     of such numbers lose digits next to the diagonal, where L is near 1."""
     lmat = (acum[..., :, None] - acum[..., None, :]).float().exp_().tril_()  # exp(> 0) above, then zeroed
     return lmat, torch.exp(acum[..., -1:] - acum).float(), torch.exp(acum).float()
-
-
-def _heads(v: torch.Tensor, bsz: int, r: int, p: int) -> torch.Tensor:
-    """(G, B*K, N, R*P) per group -> (B, H, K, N, P) per head, as `_pass_states` takes them."""
-    g, bk, n, _ = v.shape
-    return v.view(g, bsz, bk // bsz, n, r, p).permute(1, 0, 4, 2, 3, 5).reshape(bsz, g * r, bk // bsz, n, p)
-
-
-def _groups(v: torch.Tensor, g: int) -> torch.Tensor:
-    """(B, H, K, N, P) per head -> (G, B*K, N, R*P) per group: the inverse of `_heads`."""
-    bsz, h, k, n, p = v.shape
-    return v.view(bsz, g, h // g, k, n, p).permute(1, 0, 3, 4, 2, 5).reshape(g, bsz * k, n, h // g * p)
 
 
 def _per_group(fn: Any, g: int, dim: int = 0) -> torch.Tensor:
@@ -266,15 +231,14 @@ class _SSD(torch.autograd.Function):
         xw = (x * to_end.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
         states = _per_group(lambda i: b[:, :, i].transpose(1, 2) @ xw[:, :, i], g)  # (G, BK, N, R*P)
         chunk_decay = acum[..., -1].float().view(bsz, -1, h).transpose(1, 2)  # (B, H, K)
-        start, last = _pass_states(_heads(states, bsz, r, p), chunk_decay, h0.transpose(-1, -2))
-        start = _groups(start, g)  # the state entering each chunk (G, BK, N, R*P)
+        start, last = _pass_states(states, chunk_decay, h0)  # the state entering each chunk (G, BK, N, R*P)
         y_off = _per_group(lambda i: c[:, :, i] @ start[i], g)  # (G, BK, Q, R*P)
         y = torch.mul(y_off.view(g, bk, q, r, p).permute(1, 2, 0, 3, 4),
                       from_start.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None]).reshape(bk, q, h, p)
         y.add_(y_in.permute(1, 2, 0, 3))
         ctx.save_for_backward(x, b, c, lmat, scores, start, y_off, to_end, from_start, chunk_decay)
         ctx.bsz = bsz
-        return y, last.transpose(-1, -2).contiguous()
+        return y, last
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -292,8 +256,7 @@ class _SSD(torch.autograd.Function):
             dacum = (dye.view(bk, q, g, r, p) * y_off.view(g, bk, q, r, p).permute(1, 2, 0, 3, 4)).sum(-1)
             dacum = dacum.view(bk, q, h).transpose(1, 2).contiguous()  # (BK, H, Q)
             # the states' recurrence backwards: from the last chunk to the first, dlast entering
-            leaving, dh0 = _pass_states(_heads(dstart, bsz, r, p), chunk_decay, dlast.transpose(-1, -2), reverse=True)
-            dstates = _groups(leaving, g)  # d(state after chunk k), (G, BK, N, R*P)
+            dstates, dh0 = _pass_states(dstart, chunk_decay, dlast, reverse=True)  # d(state after chunk k)
             d_decay = (dstates.view(g, bk, -1, r, p) * start.view(g, bk, -1, r, p)).sum((2, 4))  # (G, BK, R)
             dacum[..., -1] += d_decay.permute(1, 0, 2).reshape(bk, h) * from_start[..., -1]
             # each chunk's own state: B^T (w * X), w = exp(acum_end - acum)
@@ -321,7 +284,7 @@ class _SSD(torch.autograd.Function):
             dc += _per_group(lambda i: dscores[:, i] @ b[:, :, i], g, 2)
             db += _per_group(lambda i: dscores[:, i].transpose(1, 2) @ c[:, :, i], g, 2)
             da = dacum.flip(-1).cumsum(-1).flip(-1).transpose(1, 2)  # acum = cumsum(a)
-            return dx, da, db, dc, dh0.transpose(-1, -2)
+            return dx, da, db, dc, dh0
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *,
