@@ -197,7 +197,7 @@ def test_ssd_backward_equals_the_recurrences_gradients(chunk, groups):
     want = torch.autograd.grad((ref_y * wy).sum() + (ref_h * wh).sum(), inputs)
     y, h = ssd_scan(x, dt, a, b, c, state=h0, chunk=chunk)
     got = torch.autograd.grad((y * wy).sum() + (h * wh).sum(), inputs)
-    for name, gv, wv in zip("x dt A B C h0".split(), got, want):
+    for name, gv, wv in zip(["x", "dt", "A", "B", "C", "h0"], got, want):
         assert (gv - wv).norm() <= 1e-5 * wv.norm(), name
 
 

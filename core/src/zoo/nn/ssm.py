@@ -237,7 +237,6 @@ class _SSD(torch.autograd.Function):
                       from_start.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None]).reshape(bk, q, h, p)
         y.add_(y_in.permute(1, 2, 0, 3))
         ctx.save_for_backward(x, b, c, lmat, scores, start, y_off, to_end, from_start, chunk_decay)
-        ctx.bsz = bsz
         return y, last
 
     @staticmethod
@@ -246,7 +245,7 @@ class _SSD(torch.autograd.Function):
         with torch.autocast(dy.device.type, enabled=False):  # (when backward runs inside an autocast region)
             x, b, c, lmat, scores, start, y_off, to_end, from_start, chunk_decay = ctx.saved_tensors
             bk, q, h, p = x.shape
-            g, bsz = b.shape[2], ctx.bsz
+            g = b.shape[2]
             r = h // g
             dy = dy.contiguous()
             # the entering states' part: y_off = exp(acum) C S_k
