@@ -242,7 +242,8 @@ def test_unsupported_hugging_face_configs_are_refused():
 
 def test_the_scans_compute_in_float32_under_bf16_autocast():
     """Autocast would run the scans' products in bf16 (and Mamba-2's hand-written backward then met
-    mixed dtypes): under it both scans give their float32 results bit for bit, and backward runs."""
+    mixed dtypes): under it both scans give their float32 results bit for bit, decoding steps
+    included, and backward runs."""
     g = torch.Generator().manual_seed(7)
     x = torch.randn(1, 70, 4, 3, generator=g, requires_grad=True)
     b, c = torch.randn(1, 70, 2, 5, generator=g), torch.randn(1, 70, 2, 5, generator=g)
@@ -254,3 +255,10 @@ def test_the_scans_compute_in_float32_under_bf16_autocast():
         got = ssd_scan(x, dt, a, b, c, chunk=16)[0], selective_scan(x1, dt1, a1, b1, c1, chunk=16)[0]
         (got[0].sum() + got[1].sum()).backward()
     assert all(torch.equal(u, v) for u, v in zip(got, want)) and x.grad is not None and x1.grad is not None
+    h0, s0 = torch.randn(1, 4, 3, 5, generator=g), torch.randn(1, 6, 5, generator=g)  # one decoding step each
+    want = ssd_scan(x[:, :1], dt[:, :1], a, b[:, :1], c[:, :1], state=h0), selective_scan(
+        x1[:, :1], dt1[:, :1], a1, b1[:, :1], c1[:, :1], state=s0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ssd_scan(x[:, :1], dt[:, :1], a, b[:, :1], c[:, :1], state=h0), selective_scan(
+            x1[:, :1], dt1[:, :1], a1, b1[:, :1], c1[:, :1], state=s0)
+    assert all(torch.equal(u, v) for pair in zip(got, want) for u, v in zip(*pair))

@@ -143,11 +143,11 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.
     Returns y (B, T, I) fp32 and the last state (B, I, N)."""
     x, dt, b, c, a = x.float(), dt.float(), b.float(), c.float(), a.float()
     h = state.float() if state is not None else x.new_zeros(x.shape[0], x.shape[2], a.shape[1])
-    if x.shape[1] == 1:  # a decoding step: the recurrence itself (a chunk's scan is ~20 small ops)
-        h = torch.exp(dt[:, 0, :, None] * a) * h + (dt[:, 0] * x[:, 0])[..., None] * b[:, 0, None, :]
-        return (h @ c[:, 0, :, None]).transpose(1, 2), h
     ys = []
     with torch.autocast(x.device.type, enabled=False):  # float32 products too (autocast would make them bf16)
+        if x.shape[1] == 1:  # a decoding step: the recurrence itself (a chunk's scan is ~20 small ops)
+            h = torch.exp(dt[:, 0, :, None] * a) * h + (dt[:, 0] * x[:, 0])[..., None] * b[:, 0, None, :]
+            return (h @ c[:, 0, :, None]).transpose(1, 2), h
         for s in range(0, x.shape[1], chunk):
             y, h = _run(_scan_chunk, x[:, s:s + chunk], dt[:, s:s + chunk], a, b[:, s:s + chunk], c[:, s:s + chunk], h)
             ys.append(y)
@@ -175,7 +175,7 @@ def _pass_states(states: torch.Tensor, log_decay: torch.Tensor, h0: torch.Tensor
     out = torch.empty_like(src)
     order = range(k - 1, 0, -1) if reverse else range(k - 1)
     first, step = (k - 1, -1) if reverse else (0, 1)
-    out[:, :, first] = h0.view(bsz, g, r, -1, n).permute(1, 0, 4, 2, 3)  # (G, B, N, R, P)
+    out[:, :, first] = h0.reshape(bsz, g, r, -1, n).permute(1, 0, 4, 2, 3)  # (G, B, N, R, P)
     for i in order:
         torch.addcmul(src[:, :, i], out[:, :, i], decay[:, :, i], out=out[:, :, i + step])
     end = 0 if reverse else k - 1
@@ -309,14 +309,14 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
         return y.float(), last.float()
     dt = dt.float()
     h0 = state.float() if state is not None else x.new_zeros(bsz, h, p, n, dtype=torch.float32)
-    if t == 1:  # a decoding step: the recurrence itself (the chunked form is ~60 small ops)
-        g = b.shape[2]
-        bh = b.float().view(bsz, g, 1, 1, n)  # a group's heads share B and C
-        x1 = (x.float()[:, 0] * dt[:, 0, :, None]).view(bsz, g, h // g, p, 1)
-        last = (torch.exp(dt[:, 0] * a.float())[..., None, None] * h0).view(bsz, g, h // g, p, n).add_(x1 * bh)
-        y = last @ c.float().view(bsz, g, 1, n, 1)
-        return y.view(bsz, 1, h, p), last.view(bsz, h, p, n)
     with torch.autocast(x.device.type, enabled=False):  # float32 products too (autocast would make them bf16)
+        if t == 1:  # a decoding step: the recurrence itself (the chunked form is ~60 small ops)
+            g = b.shape[2]
+            bh = b.float().reshape(bsz, g, 1, 1, n)  # a group's heads share B and C
+            x1 = (x.float()[:, 0] * dt[:, 0, :, None]).reshape(bsz, g, h // g, p, 1)
+            last = (torch.exp(dt[:, 0] * a.float())[..., None, None] * h0).view(bsz, g, h // g, p, n).add_(x1 * bh)
+            y = last @ c.float().reshape(bsz, g, 1, n, 1)
+            return y.view(bsz, 1, h, p), last.view(bsz, h, p, n)
         y, last = _SSD.apply(chunked(x.float() * dt[..., None]).flatten(0, 1), chunked(dt * a.float()).flatten(0, 1),
                              chunked(b.float()).flatten(0, 1), chunked(c.float()).flatten(0, 1), h0)
     return y.reshape(bsz, k * q, h, p)[:, :t], last
