@@ -6,8 +6,9 @@ model FLOP/s the trainer logs (the family's declared FLOPs per unit) and MFU aga
 this benchmark measures once, for every row alike, of the precision used (the better of that
 precision's and fp32's, so a CPU whose bf16 GEMM is slower than fp32 is judged against fp32). The
 MFU each run logged, against its own start-up probe, is shown beside it: a probe that met a slow
-moment of a shared VM makes that MFU read high. The peaks are printed with the table. The per-family peer comparisons (HF, diffusers) are in each family's own
-benchmark; this one is the MFU table of docs/benchmarks.md.
+moment of a shared VM makes that MFU read high. The peaks are printed with the table. The
+per-family peer comparisons (HF, diffusers) are in each family's own benchmark; this one is the
+MFU table of docs/benchmarks.md.
 
     python benchmarks/mfu_by_family.py                    # every family, fp32 and bf16
     python benchmarks/mfu_by_family.py --models llama dit --precisions bf16

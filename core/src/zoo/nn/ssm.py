@@ -167,7 +167,7 @@ def _pass_states(states: torch.Tensor, log_decay: torch.Tensor, h0: torch.Tensor
     ``reverse``: the same recurrence from the last chunk to the first, as backward needs it:
     ``d_k = states_k + exp(log_decay_k) d_{k+1}`` from ``d_K = h0``; returns ``d_{k+1}`` for each
     chunk (the gradient of the state it leaves) and ``d_0``."""
-    g, bk, n, rp = states.shape
+    g, _, n, rp = states.shape
     bsz, h, k = log_decay.shape
     r = h // g
     src = states.view(g, bsz, k, n, r, rp // r)
@@ -233,8 +233,9 @@ class _SSD(torch.autograd.Function):
         chunk_decay = acum[..., -1].float().view(bsz, -1, h).transpose(1, 2)  # (B, H, K)
         start, last = _pass_states(states, chunk_decay, h0)  # the state entering each chunk (G, BK, N, R*P)
         y_off = _per_group(lambda i: c[:, :, i] @ start[i], g)  # (G, BK, Q, R*P)
-        y = torch.mul(y_off.view(g, bk, q, r, p).permute(1, 2, 0, 3, 4),
-                      from_start.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None]).reshape(bk, q, h, p)
+        y = x.new_empty(bk, q, h, p)  # written in place: a product of the permuted operands would take their
+        torch.mul(y_off.view(g, bk, q, r, p).permute(1, 2, 0, 3, 4),  # layout, and the reshape then copy it
+                  from_start.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None], out=y.view(bk, q, g, r, p))
         y.add_(y_in.permute(1, 2, 0, 3))
         ctx.save_for_backward(x, b, c, lmat, scores, start, y_off, to_end, from_start, chunk_decay)
         return y, last
@@ -262,7 +263,8 @@ class _SSD(torch.autograd.Function):
             xw = (x * to_end.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
             db = _per_group(lambda i: xw[:, :, i] @ dstates[i].transpose(1, 2), g, 2)  # (BK, Q, G, N)
             dxw = _per_group(lambda i: b[:, :, i] @ dstates[i], g).view(g, bk, q, r, p).permute(1, 2, 0, 3, 4)
-            dx = torch.mul(dxw, to_end.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None]).reshape(bk, q, h, p)
+            dx = torch.empty_like(x)
+            torch.mul(dxw, to_end.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None], out=dx.view(bk, q, g, r, p))
             dw = (dxw * x.view(bk, q, g, r, p)).sum(-1).view(bk, q, h).transpose(1, 2) * to_end  # (BK, H, Q)
             dacum.sub_(dw)
             dacum[..., -1] += dw.sum(-1)
