@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.nn import AttentionCore, RMSNorm, SequenceShard, activation, modulated_layer_norm
+from zoo.nn import AttentionCore, RMSNorm, SequenceShard, modulated_layer_norm
+from zoo.nn.layers import MLP
 from zoo.spec import AdaLNSpec, AttentionSpec, BlockSpec, MLPSpec, ModelSpec
 from zoo_dit.plugin import DiTConfig
 
@@ -68,17 +69,6 @@ def per_token(v: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor
         return v[:, :1]
     idx = segment_ids.clamp(min=0)[..., None].expand(-1, -1, v.shape[-1])
     return v.gather(1, idx)
-
-
-class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int, spec: MLPSpec) -> None:
-        super().__init__()
-        self.fc = nn.Linear(dim, hidden, bias=spec.bias)
-        self.activation = spec.activation
-        self.proj = nn.Linear(hidden, dim, bias=spec.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(activation(self.fc(x), self.activation))
 
 
 class Attention(nn.Module):
@@ -140,7 +130,7 @@ class Block(nn.Module):
         self.eps, self.mlp_eps = cfg.norm_eps, cfg.mlp_norm_eps or cfg.norm_eps
         self.attn = Attention(cfg, spec.mixer)
         self.cross = Attention(cfg, spec.cross_attention) if spec.cross_attention is not None else None
-        self.mlp = Mlp(d, cfg.ffn_hidden_size, spec.ffn)
+        self.mlp = MLP(spec.ffn, hidden=d, ffn_hidden=cfg.ffn_hidden_size)
         if cfg.adaln_lora_rank:  # DFM's low-rank adaLN: D -> r -> chunks * D, no biases
             self.ada = nn.Sequential(nn.SiLU(), nn.Linear(d, cfg.adaln_lora_rank, bias=False),
                                      nn.Linear(cfg.adaln_lora_rank, self.chunks * d, bias=False))
