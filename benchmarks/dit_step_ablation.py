@@ -8,9 +8,10 @@ minutes) and each variant's median step is reported; differences below ~2% of a 
 
 Parts: the adaLN norms (``x + shift``), tanh-GELU forward and its recomputation (ReLU), GELU's
 derivative (the incoming gradient), the attention core (``q + v``) and AdamW (skipped). The ablated
-steps compute wrong numbers on purpose; only their time is used. The model and EDM step are
-`dit_vs_diffusers.py`'s (DiT-S widths, 6 layers, batch 8, 256 tokens), under `zoo train`'s process
-settings and elementwise recomputation.
+steps compute wrong numbers on purpose; only their time is used. The sizes are
+`dit_vs_diffusers.py`'s (its `add_size_args`/`diffusers_config`: DiT-S widths, 6 layers, batch 8, 256
+tokens) and so is the EDM loss (computed on the patch tokens: the same sum in another order), under
+`zoo train`'s process settings and elementwise recomputation.
 
     python benchmarks/dit_step_ablation.py [--bf16/--fp32] [--rounds 8] [--layers 6] [--batch 8]
 """
@@ -21,14 +22,12 @@ import argparse
 import time
 
 import torch
+from dit_vs_diffusers import add_size_args, diffusers_config
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--hidden", type=int, default=384)
-    ap.add_argument("--heads", type=int, default=6)
-    ap.add_argument("--batch", type=int, default=8)
+    add_size_args(ap)
     ap.add_argument("--rounds", type=int, default=8, help="steps of each variant, alternating")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fp32", dest="bf16", action="store_false", help="float32 instead of bf16 autocast")
@@ -48,11 +47,8 @@ def main() -> None:
     from zoo import gemm
     from zoo.nn import AttentionCore, recompute
 
-    conf = {"num_attention_heads": args.heads, "attention_head_dim": args.hidden // args.heads, "in_channels": 4,
-            "out_channels": 4, "num_layers": args.layers, "sample_size": 32, "patch_size": 2,
-            "num_embeds_ada_norm": 1000, "norm_eps": 1e-6}
     torch.manual_seed(0)
-    model = DiT(config_from_diffusers(conf), DIT)
+    model = DiT(config_from_diffusers(diffusers_config(args)), DIT)
     gemm.adopt(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     gen = torch.Generator().manual_seed(1)

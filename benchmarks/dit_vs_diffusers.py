@@ -44,12 +44,24 @@ def saved_bytes(fn, recompute: bool, params: set[int]) -> tuple[object, int]:
     return out, sum(seen.values())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_size_args(ap: argparse.ArgumentParser) -> None:
+    """The model and batch sizes (DiT-S widths at 6 layers, batch 8; `dit_step_ablation.py` too)."""
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--hidden", type=int, default=384)
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--batch", type=int, default=8)
+
+
+def diffusers_config(args: argparse.Namespace) -> dict:
+    """`DiTTransformer2DModel`'s config for those sizes: 4x32x32 latents, patch 2, 1000 classes."""
+    return {"num_attention_heads": args.heads, "attention_head_dim": args.hidden // args.heads, "in_channels": 4,
+            "out_channels": 4, "num_layers": args.layers, "sample_size": 32, "patch_size": 2,
+            "num_embeds_ada_norm": 1000, "norm_eps": 1e-6}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_size_args(ap)
     ap.add_argument("--steps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bf16", action="store_true", help="run bf16 on a CPU without bf16 instructions too")
@@ -68,9 +80,7 @@ def main() -> None:
     from zoo import gemm
     from zoo.nn import recompute
 
-    dconf = {"num_attention_heads": args.heads, "attention_head_dim": args.hidden // args.heads, "in_channels": 4,
-             "out_channels": 4, "num_layers": args.layers, "sample_size": 32, "patch_size": 2,
-             "num_embeds_ada_norm": 1000, "norm_eps": 1e-6}
+    dconf = diffusers_config(args)
     torch.manual_seed(0)
     theirs = DiTTransformer2DModel(**dconf)
     with torch.no_grad():  # one shared timestep/class embedder, as in every converted checkpoint
