@@ -99,8 +99,8 @@ def test_mamba_ssm_original_key_names_are_read():
     assert all(torch.equal(again[k], state[k]) for k in state)
 
 
-def _recurrence_mamba1(x, dt, a, b, c):
-    h = torch.zeros(x.shape[0], x.shape[2], a.shape[1], dtype=torch.float64)
+def _recurrence_mamba1(x, dt, a, b, c, h=None):
+    h = torch.zeros(x.shape[0], x.shape[2], a.shape[1], dtype=torch.float64) if h is None else h
     ys = []
     for t in range(x.shape[1]):
         h = torch.exp(dt[:, t, :, None] * a) * h + (dt[:, t] * x[:, t])[..., None] * b[:, t, None, :]
@@ -158,6 +158,31 @@ def test_ssd_state_passing_over_many_chunks_equals_the_recurrence():
     for gv, wv in zip(got, want):
         assert (gv - wv).norm() <= 1e-6 * wv.norm()
 
+
+
+@pytest.mark.parametrize("chunk", [4, 16, 64])
+def test_selective_scan_backward_equals_the_recurrences_gradients(chunk):
+    """Mamba-1's hand-written backward against autograd through the step-by-step recurrence in
+    float64: the gradients of x, dt, A, B, C and the entering state, from both outputs, over a
+    length no chunk size divides (the last chunk shorter)."""
+    g = torch.Generator().manual_seed(chunk)
+    x, b, c = (torch.randn(2, 37, n, generator=g, dtype=torch.float64, requires_grad=True) for n in (6, 5, 5))
+    dt = torch.rand(2, 37, 6, generator=g, dtype=torch.float64).requires_grad_()
+    a = (-torch.rand(6, 5, generator=g, dtype=torch.float64) * 4).requires_grad_()
+    h0 = torch.randn(2, 6, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    wy, wh = torch.randn(2, 37, 6, generator=g, dtype=torch.float64), torch.randn(2, 6, 5, generator=g,
+                                                                                   dtype=torch.float64)
+    inputs = (x, dt, a, b, c, h0)
+    ref_y, ref_h = _recurrence_mamba1(x, dt, a, b, c, h0)
+    want = torch.autograd.grad((ref_y * wy).sum() + (ref_h * wh).sum(), inputs)
+    y, h = selective_scan(x, dt, a, b, c, state=h0, chunk=chunk)
+    got = torch.autograd.grad((y * wy).sum() + (h * wh).sum(), inputs)
+    for name, gv, wv in zip(["x", "dt", "A", "B", "C", "h0"], got, want):
+        assert (gv - wv).norm() <= 1e-5 * wv.norm(), name
+    # only y used (the last state's gradient absent), as in training
+    got = torch.autograd.grad((selective_scan(x, dt, a, b, c, chunk=chunk)[0] * wy).sum(), (x, dt, a))
+    want = torch.autograd.grad((_recurrence_mamba1(x, dt, a, b, c)[0] * wy).sum(), (x, dt, a))
+    assert all((gv - wv).norm() <= 1e-5 * wv.norm() for gv, wv in zip(got, want))
 
 @pytest.mark.parametrize("with_state,bias", [(False, True), (True, False)])
 def test_causal_conv_equals_torchs_padded_grouped_convolution(with_state, bias):
