@@ -37,10 +37,10 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("transformer-engine", "transformer_engine.pytorch", "fused linear, norm and fp8 GEMMs (CUDA)",
             "torch.nn.Linear and zoo.nn's norms under autocast"),
     Backend("apex", "apex", "fused Adam and norms (CUDA)", "torch.optim.AdamW and zoo.nn's norms"),
-    Backend("mamba-ssm", "mamba_ssm", "Mamba-2 fused chunk scan (CUDA, Triton)",
+    Backend("mamba-ssm", "mamba_ssm", "Mamba-1 selective scan and Mamba-2 fused chunk scan (CUDA)",
             "zoo.nn.ssm's chunked scan in PyTorch (checked against the recurrence)"),
     Backend("causal-conv1d", "causal_conv1d", "fused depthwise causal convolution (CUDA)",
-            "torch.nn.functional.conv1d with left padding"),
+            "zoo.nn.ssm's shifted multiply-adds (CPU), torch.nn.functional.conv1d (other devices)"),
 )}
 
 

@@ -13,7 +13,7 @@ scalar per head, so each chunk is a masked "attention" with decays (``ssd_minima
 pass their states on one multiply-add per chunk (`_pass_states`), linear in T (the minimal code's
 dense chunk x chunk einsum is quadratic), and its backward is written out (`_SSD`). A one-token
 step (decoding) runs either recurrence itself. Both compute in float32, under autocast too.
-`mamba_ssm`/`causal_conv1d` kernels are used on CUDA when they import (`_kernels`), never required.
+`mamba_ssm`/`causal_conv1d` kernels are used on CUDA when they import (`_kernel`), never required.
 """
 
 from __future__ import annotations
@@ -27,12 +27,24 @@ from torch import nn
 
 from zoo.spec import SSMSpec
 
+# The optional CUDA kernels (`zoo.backends`), each for one function here, used on CUDA tensors when
+# their package imports: mamba_ssm's scans (Mamba-1's selective scan, Mamba-2's fused chunk scan,
+# both with their own backward) and causal_conv1d's depthwise convolution.
+_KERNELS = {"selective_scan": ("mamba-ssm", "mamba_ssm.ops.selective_scan_interface", "selective_scan_fn"),
+            "ssd": ("mamba-ssm", "mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined"),
+            "conv": ("causal-conv1d", "causal_conv1d", "causal_conv1d_fn")}
 
-def _kernels() -> Any:
-    """mamba_ssm's fused chunk scan for Mamba-2 on CUDA, or None (it is optional: `zoo.backends`)."""
+
+def _on_cuda(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def _kernel(which: str, x: torch.Tensor) -> Any:
+    """The CUDA kernel ``which`` of `_KERNELS` for tensors like ``x``, or None (not on CUDA, or the
+    package does not import: the PyTorch path then runs)."""
     from zoo.backends import kernel
 
-    return kernel("mamba-ssm", "mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
+    return kernel(*_KERNELS[which]) if _on_cuda(x) else None
 
 
 class _CausalConv1d(torch.autograd.Function):
@@ -79,7 +91,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     before = x.new_zeros(x.shape[0], k - 1, x.shape[2]) if state is None else state.transpose(1, 2).to(x.dtype)
     xp = torch.cat([before, x], dim=1)  # (B, K-1+T, C)
     w = weight.view(weight.shape[0], k)
-    if x.device.type == "cpu":
+    fused = _kernel("conv", x) if state is None else None
+    if fused is not None:  # (B, C, T) in and out, as every causal_conv1d release takes it
+        y = fused(x.to(dtype).transpose(1, 2).contiguous(), w.to(dtype), None if bias is None else bias.to(dtype))
+        y = y.transpose(1, 2)
+    elif x.device.type == "cpu":
         y = _CausalConv1d.apply(xp.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype))
     else:  # accelerators: torch's grouped convolution kernel
         y = F.conv1d(xp.transpose(1, 2), weight.to(dtype), None if bias is None else bias.to(dtype),
@@ -165,6 +181,11 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.
     x, dt (B, T, I) (dt after softplus); a (I, N) negative; b, c (B, T, N). Computed in fp32,
     ``chunk`` steps at a time (what the scan holds at once, and backward recomputes, is one chunk's
     (B, chunk, I, N) states). Returns y (B, T, I) fp32 and the last state (B, I, N)."""
+    fused = _kernel("selective_scan", x) if state is None and x.shape[1] > 1 else None
+    if fused is not None:  # mamba_ssm's kernel (its own backward) takes (B, I, T) and (B, N, T)
+        y, last = fused(x.transpose(1, 2), dt.transpose(1, 2), a, b.transpose(1, 2), c.transpose(1, 2),
+                        return_last_state=True)
+        return y.transpose(1, 2).float(), last.float()
     x, dt, b, c, a = x.float(), dt.float(), b.float(), c.float(), a.float()
     h = state.float() if state is not None else x.new_zeros(x.shape[0], x.shape[2], a.shape[1])
     with torch.autocast(x.device.type, enabled=False):  # float32 products too (autocast would make them bf16)
@@ -325,7 +346,7 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
         v = F.pad(v, (0, 0) * (v.dim() - 2) + (0, pad)) if pad else v
         return v.reshape(bsz, k, q, *v.shape[2:])
 
-    fused = _kernels() if x.is_cuda and state is None else None
+    fused = _kernel("ssd", x) if state is None else None
     if fused is not None:  # mamba_ssm's Triton kernels (its own backward), same inputs and outputs
         y, last = fused(x, dt, a, b, c, chunk_size=chunk, return_final_states=True)
         return y.float(), last.float()
