@@ -3,15 +3,19 @@
 512, 2048 and 8192, and generation tokens/s with each side's recurrent cache.
 
 Both sides get the identical config (2 layers, hidden 256, vocab 1024, batch 1 by default; Mamba-2
-with 8 heads of 64, state 64, chunk 64), the same batch, AdamW and thread count, fp32. zoo's model
-is built from HF's config by the plugin's own reader. Each measurement runs in a fresh process (its
-peak RSS is that model's alone) with a time limit: a side that runs out of time or memory is
-reported as such. (The default allocator: a low mmap threshold, which the LLaMA benchmark uses to
+with 8 heads of 64 and mamba-ssm's and HF's defaults state 128, chunk 256: ``--state 64 --chunk
+64`` is the config of the sessions before 2026-11-26's eighteenth), the same batch, AdamW and thread
+count, fp32. The chunk is an algorithmic choice (any chunk computes the same function): zoo's CPU
+scan uses at most 64 (`zoo.nn.ssm.CPU_CHUNK`), so with a larger one HF also runs at chunk 64, its
+fastest here, and both ratios are printed. zoo's model is built from HF's config by the plugin's own
+reader. Each measurement runs in a fresh process (its peak RSS is that model's alone) with a time
+limit: a side that runs out of time or memory is reported as such. (The default allocator: a low mmap threshold, which the LLaMA benchmark uses to
 make RSS follow live memory, turns every scan chunk's allocation into page faults and slows both
 sides ~5x.)
 
     python benchmarks/mamba_vs_hf.py            # 512, 2048, 8192
     python benchmarks/mamba_vs_hf.py --quick    # 512 and 2048, fewer steps
+    python benchmarks/mamba_vs_hf.py --kinds mamba2 --state 64 --chunk 64   # earlier sessions' config
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ def hf_model(a: argparse.Namespace):
         return tf.MambaForCausalLM(tf.MambaConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
                                                   state_size=16))
     return tf.Mamba2ForCausalLM(tf.Mamba2Config(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
-                                                state_size=64, num_heads=2 * a.hidden // 64, head_dim=64, n_groups=1,
-                                                chunk_size=64))
+                                                state_size=a.state, num_heads=2 * a.hidden // 64, head_dim=64,
+                                                n_groups=1, chunk_size=a.chunk))
 
 
 def build(a: argparse.Namespace):
@@ -51,7 +55,7 @@ def build(a: argparse.Namespace):
     from zoo_mamba.plugin import SPECS
 
     cfg = from_hf_config(hf.config.to_dict())
-    cfg.chunk_size = 64
+    cfg.chunk_size = a.chunk if a.kind == "mamba2" else 64  # (Mamba-1's HF config has no chunk)
     del hf
     from zoo import gemm
 
@@ -115,6 +119,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--state", type=int, default=128, help="Mamba-2's state size (Mamba-1: 16)")
+    p.add_argument("--chunk", type=int, default=256, help="Mamba-2's scan chunk in both configs")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -133,7 +139,8 @@ def main() -> None:
     if a.quick:
         a.steps, a.limit = 2, 90.0
     print(f"# {platform.processor() or platform.machine()}, {a.threads} threads; {a.layers} layers, hidden {a.hidden}, "
-          f"vocab {a.vocab}, batch 1, fp32; each measurement limited to {a.limit:.0f} s")
+          f"vocab {a.vocab}, batch 1, fp32; Mamba-2 state {a.state}, chunk {a.chunk}; each measurement limited "
+          f"to {a.limit:.0f} s")
     peaks = measured_gemm_peaks(a.threads)
     print(f"# GEMM peak (best 2048^3 product) fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s")
     for kind in a.kinds.split(","):
@@ -147,6 +154,13 @@ def main() -> None:
                 line += (f" -> {z['tokens_per_s'] / h['tokens_per_s']:.2f}x tokens/s, "
                          f"{z['peak_rss_mb'] / h['peak_rss_mb']:.2f}x memory; tokens/s "
                          f"{ceiling(h['gemm_flops_per_token'] * seq, peaks['fp32'], h['step_s'])}")
+            if kind == "mamba2" and a.chunk > 64 and isinstance(z, dict):
+                # zoo's CPU scan works in chunks of <= 64 whatever the config says (zoo.nn.ssm.CPU_CHUNK):
+                # HF's own path at that chunk too, so the ratio is not only HF's larger chunk
+                h64 = run_child(a, kind=kind, impl="hf", seq=seq, chunk=64)
+                line += "; HF at chunk 64 " + (f"{h64['tokens_per_s']:,.0f} tok/s -> "
+                                               f"{z['tokens_per_s'] / h64['tokens_per_s']:.2f}x"
+                                               if isinstance(h64, dict) else h64)
             print(line, flush=True)
         gen = {impl: run_child(a, kind=kind, impl=impl, generate=True) for impl in ("hf", "zoo")}
         z, h = gen["zoo"], gen["hf"]

@@ -329,16 +329,26 @@ class _SSD(torch.autograd.Function):
             return dx, da, db, dc, dh0
 
 
+# The chunk is an algorithmic choice, not part of the model: any chunk computes the same function
+# (to rounding). A chunk's quadratic part (the Q x Q decay matrices and products of every head)
+# grows with Q and the state passing between chunks shrinks with it; on a CPU 64 is the best
+# trade. Mamba-2 configs carry mamba-ssm's 256, the Triton kernel's choice on a GPU: a 2-layer,
+# state-128 Mamba-2 step at T = 2,048 took 182 ms in chunks of 64, 189 of 128, 223 of 256 (the
+# same process, alternating; 32: 199), and at T = 512 and 8,192 64 was the best too.
+CPU_CHUNK = 64
+
+
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *,
              state: torch.Tensor | None = None, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba-2: ``S_t = exp(dt_t a_h) S_{t-1} + dt_t x_t (x) b_t``, ``y_t = S_t c_t`` per head.
 
     x (B, T, H, P); dt (B, T, H) after softplus and clamping; a (H,) negative; b, c (B, T, G, N).
-    Computed in fp32, chunk by chunk (T padded to a multiple of ``chunk`` with steps that change
-    nothing). Returns y (B, T, H, P) fp32 and the last state (B, H, P, N)."""
+    Computed in fp32, chunk by chunk (T padded to a multiple of the chunk with steps that change
+    nothing); on a CPU in chunks of at most `CPU_CHUNK`. Returns y (B, T, H, P) fp32 and the last
+    state (B, H, P, N)."""
     bsz, t, h, p = x.shape
     n = b.shape[-1]
-    q = min(chunk, t)
+    q = min(chunk, t, CPU_CHUNK if x.device.type == "cpu" else chunk)
     pad = (-t) % q
     k = (t + pad) // q
 

@@ -39,7 +39,9 @@ class MambaConfig:
     dt_rank: int = 0  # Mamba-1's low-rank dt projection; 0: ceil(hidden / 16)
     ssm_head_dim: int = 64
     ssm_groups: int = 1
-    chunk_size: int = 64  # scan chunk: memory of a layer's scan is bounded by it, not by the sequence
+    # scan chunk: memory of a layer's scan is bounded by it, not by the sequence (Mamba-2 on a CPU:
+    # at most zoo.nn.ssm.CPU_CHUNK, its fastest there; mamba-ssm's kernel takes this one on a GPU)
+    chunk_size: int = 64
     dt_min: float = 0.0  # Mamba-2 clamps softplus(dt + dt_bias) to [dt_min, dt_max]
     dt_max: float = math.inf
     # Attention layers (*), as LLaMA's without positions by default (NemotronH), and MLP layers (-).
