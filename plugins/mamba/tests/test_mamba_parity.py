@@ -160,29 +160,34 @@ def test_ssd_state_passing_over_many_chunks_equals_the_recurrence():
 
 
 
+def _assert_gradients_match(scan, recurrence, inputs, chunk, g):
+    """The scan's gradients of (x, dt, A, B, C, entering state) from both outputs (y and the last
+    state, weighted at random) against autograd through the float64 recurrence."""
+    ref_y, ref_h = recurrence(*inputs)
+    wy, wh = (torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (ref_y, ref_h))
+    want = torch.autograd.grad((ref_y * wy).sum() + (ref_h * wh).sum(), inputs)
+    y, h = scan(*inputs[:-1], state=inputs[-1], chunk=chunk)
+    got = torch.autograd.grad((y * wy).sum() + (h * wh).sum(), inputs)
+    for name, gv, wv in zip(["x", "dt", "A", "B", "C", "h0"], got, want):
+        assert (gv - wv).norm() <= 1e-5 * wv.norm(), name
+    return wy
+
+
 @pytest.mark.parametrize("chunk", [4, 16, 64])
 def test_selective_scan_backward_equals_the_recurrences_gradients(chunk):
     """Mamba-1's hand-written backward against autograd through the step-by-step recurrence in
-    float64: the gradients of x, dt, A, B, C and the entering state, from both outputs, over a
-    length no chunk size divides (the last chunk shorter)."""
+    float64, over a length no chunk size divides (the last chunk shorter)."""
     g = torch.Generator().manual_seed(chunk)
     x, b, c = (torch.randn(2, 37, n, generator=g, dtype=torch.float64, requires_grad=True) for n in (6, 5, 5))
     dt = torch.rand(2, 37, 6, generator=g, dtype=torch.float64).requires_grad_()
     a = (-torch.rand(6, 5, generator=g, dtype=torch.float64) * 4).requires_grad_()
     h0 = torch.randn(2, 6, 5, generator=g, dtype=torch.float64, requires_grad=True)
-    wy, wh = torch.randn(2, 37, 6, generator=g, dtype=torch.float64), torch.randn(2, 6, 5, generator=g,
-                                                                                   dtype=torch.float64)
-    inputs = (x, dt, a, b, c, h0)
-    ref_y, ref_h = _recurrence_mamba1(x, dt, a, b, c, h0)
-    want = torch.autograd.grad((ref_y * wy).sum() + (ref_h * wh).sum(), inputs)
-    y, h = selective_scan(x, dt, a, b, c, state=h0, chunk=chunk)
-    got = torch.autograd.grad((y * wy).sum() + (h * wh).sum(), inputs)
-    for name, gv, wv in zip(["x", "dt", "A", "B", "C", "h0"], got, want):
-        assert (gv - wv).norm() <= 1e-5 * wv.norm(), name
+    wy = _assert_gradients_match(selective_scan, _recurrence_mamba1, (x, dt, a, b, c, h0), chunk, g)
     # only y used (the last state's gradient absent), as in training
     got = torch.autograd.grad((selective_scan(x, dt, a, b, c, chunk=chunk)[0] * wy).sum(), (x, dt, a))
     want = torch.autograd.grad((_recurrence_mamba1(x, dt, a, b, c)[0] * wy).sum(), (x, dt, a))
     assert all((gv - wv).norm() <= 1e-5 * wv.norm() for gv, wv in zip(got, want))
+
 
 @pytest.mark.parametrize("with_state,bias", [(False, True), (True, False)])
 def test_causal_conv_equals_torchs_padded_grouped_convolution(with_state, bias):
@@ -215,15 +220,7 @@ def test_ssd_backward_equals_the_recurrences_gradients(chunk, groups):
     dt = torch.rand(2, 37, 4, generator=g, dtype=torch.float64).requires_grad_()
     a = (-torch.rand(4, generator=g, dtype=torch.float64) * 4).requires_grad_()
     h0 = torch.randn(2, 4, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
-    wy, wh = torch.randn(2, 37, 4, 3, generator=g, dtype=torch.float64), torch.randn(2, 4, 3, 5, generator=g,
-                                                                                      dtype=torch.float64)
-    inputs = (x, dt, a, b, c, h0)
-    ref_y, ref_h = _recurrence_mamba2(x, dt, a, b, c, h0)
-    want = torch.autograd.grad((ref_y * wy).sum() + (ref_h * wh).sum(), inputs)
-    y, h = ssd_scan(x, dt, a, b, c, state=h0, chunk=chunk)
-    got = torch.autograd.grad((y * wy).sum() + (h * wh).sum(), inputs)
-    for name, gv, wv in zip(["x", "dt", "A", "B", "C", "h0"], got, want):
-        assert (gv - wv).norm() <= 1e-5 * wv.norm(), name
+    _assert_gradients_match(ssd_scan, _recurrence_mamba2, (x, dt, a, b, c, h0), chunk, g)
 
 
 @pytest.mark.parametrize("flavor", ["mamba_tiny", "mamba2_tiny", "hybrid_moe_tiny"])
