@@ -89,18 +89,20 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     k = weight.shape[-1]
     dtype = torch.promote_types(x.dtype, weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x.dtype
     before = x.new_zeros(x.shape[0], k - 1, x.shape[2]) if state is None else state.transpose(1, 2).to(x.dtype)
-    xp = torch.cat([before, x], dim=1)  # (B, K-1+T, C)
     w = weight.view(weight.shape[0], k)
+    # the next state: the K-1 last inputs (a copy, not a view that keeps the whole input alive)
+    nxt = torch.cat([before, x[:, max(0, x.shape[1] - (k - 1)):]], dim=1)[:, -(k - 1):].transpose(1, 2).contiguous()
     fused = _kernel("conv", x) if state is None else None
     if fused is not None:  # (B, C, T) in and out, as every causal_conv1d release takes it
         y = fused(x.to(dtype).transpose(1, 2).contiguous(), w.to(dtype), None if bias is None else bias.to(dtype))
-        y = y.transpose(1, 2)
-    elif x.device.type == "cpu":
+        return y.transpose(1, 2), nxt
+    xp = torch.cat([before, x], dim=1)  # (B, K-1+T, C)
+    if x.device.type == "cpu":
         y = _CausalConv1d.apply(xp.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype))
     else:  # accelerators: torch's grouped convolution kernel
         y = F.conv1d(xp.transpose(1, 2), weight.to(dtype), None if bias is None else bias.to(dtype),
                      groups=x.shape[2]).transpose(1, 2).contiguous()
-    return y, xp[:, xp.shape[1] - (k - 1):].transpose(1, 2).contiguous()  # (not a view that keeps xp alive)
+    return y, nxt
 
 
 class _SelectiveScan(torch.autograd.Function):
