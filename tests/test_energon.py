@@ -30,6 +30,7 @@ from zoo.data.energon import (
     get_loader,
     get_train_dataset,
     get_val_dataset,
+    stateless,
 )
 from zoo.data.energon.dataset import make_sample
 from zoo.data.energon.media import prepare_images
@@ -530,3 +531,108 @@ def test_reseeded_hooks_draw_per_key_and_leave_every_generator_as_it_was(monkeyp
     after = torch.rand(2), np.random.rand(), random.random()
     assert torch.equal(a[0], b[0]) and a[1:] == b[1:] and not torch.equal(a[0], c[0])
     assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
+
+
+def _draw() -> tuple[float, float, float]:
+    return torch.rand(1).item(), float(np.random.rand()), random.random()
+
+
+class _Draws(Augment):
+    """Augment's reseeded encode_sample (its noise from torch) and a reseeded packing, and the hooks
+    that are not reseeded (choosing packs, grouping, batching) drawing from the caller's streams,
+    each draw logged."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[float, float, float]] = []
+
+    def select_samples_to_pack(self, samples):
+        self.log.append(_draw())
+        return super().select_samples_to_pack(samples)
+
+    @stateless(restore_seeds=True)
+    def pack_selected_samples(self, samples):  # reseeded too (its own draw joins the pack)
+        return {**super().pack_selected_samples(samples), "r": torch.rand(1)}
+
+    def batch_group_criterion(self, s):
+        self.log.append(_draw())
+        return super().batch_group_criterion(s)
+
+    def batch(self, samples):
+        self.log.append(_draw())
+        return super().batch(samples)
+
+    def encode_batch(self, batch):
+        self.log.append(_draw())
+        return batch
+
+
+def test_hooks_not_reseeded_draw_the_callers_streams_as_if_no_reseeded_hook_ran(digits):
+    """The pipeline puts the caller's torch/numpy/random states back once per batch, not around each
+    reseeded call; every hook that is not reseeded must still draw exactly the caller's streams (as
+    if nothing else had drawn), during a batch, after a restore from a saved state, and after it."""
+    def expected(n: int) -> list[tuple[float, float, float]]:
+        torch.default_generator.manual_seed(0)
+        np.random.seed(0)
+        random.seed(0)
+        return [_draw() for _ in range(n)]
+
+    def run(state=None) -> tuple[_Draws, list, tuple, object]:
+        te = _Draws()
+        ld = _loader(digits, 0, state, te=te)
+        torch.default_generator.manual_seed(0)  # the caller's streams from here
+        np.random.seed(0)
+        random.seed(0)
+        it = iter(ld)  # (with a state, the buffered samples are rebuilt through the reseeded hook)
+        batches = [_signature(next(it)) for _ in range(6)]
+        after = _draw()
+        saved = ld.save_state_rank()
+        ld.close()
+        return te, batches, after, saved
+
+    te, batches, after, saved = run()
+    assert len(te.log) >= 12 and te.log + [after] == expected(len(te.log) + 1)
+    te2, batches2, after2, _ = run()
+    assert batches2 == batches  # the reseeded noise is the sample's own
+    te3, _, after3, _ = run(saved)
+    assert te3.log + [after3] == expected(len(te3.log) + 1)
+
+
+def test_a_cooker_not_marked_stateless_draws_the_callers_streams(tmp_path):
+    """A crude dataset's cooker is the user's code: unless marked ``@stateless`` it may draw from
+    the caller's streams, so it runs on them, between reseeded encode_sample calls."""
+    from zoo.data.energon import Cooker, TaskEncoder
+
+    root = tmp_path / "varied"
+    _varied(root)
+    prepare_webdataset(root, split=(1, 0, 0), crude=True)
+    log: list[tuple[float, float, float]] = []
+
+    def cook(sample):
+        log.append(_draw())
+        return sample
+
+    class Crude(TaskEncoder):
+        cookers = (Cooker(cook=cook),)
+
+        @stateless(restore_seeds=True)
+        def encode_sample(self, s):
+            return {"key": s["__key__"], "r": torch.rand(1)}
+
+        def batch(self, samples):
+            log.append(_draw())
+            return [s["key"] for s in samples]
+
+    ld = get_loader(get_train_dataset(str(root), worker_config=_wc(), batch_size=2, shuffle_buffer_size=4, max_samples_per_sequence=4,
+                                      task_encoder=Crude(), seed=3))
+    torch.default_generator.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    it = iter(ld)
+    for _ in range(5):
+        next(it)
+    log.append(_draw())
+    ld.close()
+    torch.default_generator.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    assert len(log) >= 15 and log == [_draw() for _ in log]

@@ -66,8 +66,9 @@ TEXT_PARTS = ("text", "t5.npy", "pickle", "pickle.npy", "pickle.pth")
 
 class DiTTaskEncoder(TaskEncoder):
     # Crude datasets (DFM's: .pth latent, .pickle text, .json) arrive as dicts of decoded parts,
-    # which encode_sample reads directly.
-    cookers = (Cooker(cook=lambda sample: sample),)
+    # which encode_sample reads directly (a stateless cooker draws nothing: the pipeline runs it
+    # without putting its caller's random streams back first).
+    cookers = (Cooker(cook=stateless(lambda sample: sample)),)
 
     def __init__(self, cfg: DiTConfig, *, seq_length: int, packing: bool, multiple_of: int = 1) -> None:
         self.cfg, self.seq_length, self.packing = cfg, seq_length, packing
@@ -84,8 +85,8 @@ class DiTTaskEncoder(TaskEncoder):
         # Seeded per sample (run seed, key and epoch): sigma, noise and dropout are the sample's own.
         sigma = float(edm.sample_sigma(torch.randn(()), cfg.p_mean, cfg.p_std))
         noise = torch.randn(tokens.shape)
-        out: dict[str, Any] = {"latents": tokens, "positions": positions, "noise": noise, "sigma": sigma,
-                               "grid": tuple(int(g) for g in positions.max(0).values + 1)}
+        grid = (latent.shape[1] // cfg.patch_t, latent.shape[2] // cfg.patch_size, latent.shape[3] // cfg.patch_size)
+        out: dict[str, Any] = {"latents": tokens, "positions": positions, "noise": noise, "sigma": sigma, "grid": grid}
         if cfg.num_classes:
             label = getattr(sample, "label", None) if not isinstance(sample, dict) else sample.get("cls")
             if label is None:

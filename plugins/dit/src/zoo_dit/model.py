@@ -19,6 +19,7 @@ applied from outside by the core; the EDM objective lives in `zoo_dit.diffusion`
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -250,9 +251,14 @@ def patchify(latent: torch.Tensor, pt: int, ph: int, pw: int) -> tuple[torch.Ten
     c, t, h, w = latent.shape
     x = latent.reshape(c, t // pt, pt, h // ph, ph, w // pw, pw)
     x = x.permute(1, 3, 5, 2, 4, 6, 0).reshape((t // pt) * (h // ph) * (w // pw), pt * ph * pw * c)
-    grid = torch.stack(torch.meshgrid(torch.arange(t // pt), torch.arange(h // ph), torch.arange(w // pw),
-                                      indexing="ij"), dim=-1).reshape(-1, 3)
-    return x, grid
+    return x, _grid_positions(t // pt, h // ph, w // pw).clone()
+
+
+@functools.lru_cache(maxsize=64)
+def _grid_positions(gt: int, gh: int, gw: int) -> torch.Tensor:
+    # the same few grids for every sample of a dataset: built once (~40 us of a sample's encoding)
+    return torch.stack(torch.meshgrid(torch.arange(gt), torch.arange(gh), torch.arange(gw), indexing="ij"),
+                       dim=-1).reshape(-1, 3)
 
 
 def unpatchify(tokens: torch.Tensor, grid: tuple[int, int, int], pt: int, ph: int, pw: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from zoo.data.energon.dataset import WebDataset, make_sample
-from zoo.data.energon.task_encoder import SkipSample, TaskEncoder, call_hook
+from zoo.data.energon.task_encoder import Reseeder, SkipSample, TaskEncoder, pure
 
 Key = tuple[Any, ...]
 
@@ -240,8 +240,15 @@ class Pipeline:
         # is made; `sources` then names the last batch's samples (for the trainer's error messages).
         self.where: dict[Key, str] = {}
         self.sources: list[str] = []
+        # Reseeded hooks leave the global RNGs to the next one; the caller's states come back
+        # before any other user code runs and before a batch (or a restore) is done.
+        self.seeds = Reseeder()
+        self.pure_cookers = not self.te.overrides("cook_crude_sample") and all(pure(c.cook) for c in self.te.cookers)
         if state is not None:
-            self.restore(state)
+            try:
+                self.restore(state)
+            finally:
+                self.seeds.restore()
 
     # --------------------------------------------------------------------------- reading
 
@@ -282,6 +289,8 @@ class Pipeline:
         ds, leaf = self.datasets[k], self.cfg.leaves[k]
         sid, j = ds.locate(idx)
         self.status(f"{ds.shard_where(ds.shards[sid])} sample {j}")
+        if ds.config is not None and ds.config.sample_loader:
+            self.seeds.restore()  # dataset.yaml's sample_loader is the user's code
         sample = make_sample(ds, idx, restore_key=key, subflavors=leaf.subflavors, decode=self.te.decoder)
         crude = isinstance(sample, dict) and "__shard__" in sample
         where = ds.where(ds.shards[sid], sample["__key__"] if crude else sample.__key__)
@@ -290,6 +299,8 @@ class Pipeline:
             self.where = dict(list(self.where.items())[2048:])
         self.where[key] = where
         if crude:
+            if not self.pure_cookers:  # the user's code, which may draw from the caller's streams
+                self.seeds.restore()
             sample = self.te.cook_crude_sample(sample, sample["__subflavors__"], where)
         return sample
 
@@ -323,7 +334,7 @@ class Pipeline:
         if not self.te.overrides("encode_sample"):
             return [(key, sample)]
         try:
-            out = call_hook(self.te.encode_sample, sample, seed=self.cfg.seed, key=key)
+            out = self.seeds.call(self.te.encode_sample, sample, seed=self.cfg.seed, key=key)
         except SkipSample:
             return []
         outs = list(out) if _is_gen(self.te.encode_sample) or inspect.isgenerator(out) else [out]
@@ -336,9 +347,9 @@ class Pipeline:
 
     def _pack(self, group: list[tuple[Key, Any]]) -> tuple[Key, Any]:
         key: Key = ("p", tuple(k for k, _ in group))
-        members = [call_hook(self.te.postencode_sample, s, seed=self.cfg.seed, key=k) for k, s in group] \
+        members = [self.seeds.call(self.te.postencode_sample, s, seed=self.cfg.seed, key=k) for k, s in group] \
             if self.te.overrides("postencode_sample") else [s for _, s in group]
-        return key, call_hook(self.te.pack_selected_samples, members, seed=self.cfg.seed, key=key)
+        return key, self.seeds.call(self.te.pack_selected_samples, members, seed=self.cfg.seed, key=key)
 
     def _packed(self) -> tuple[Key, Any]:
         size = self.cfg.packing_buffer_size
@@ -355,6 +366,7 @@ class Pipeline:
             if not self.pack_buffer:
                 raise StopIteration
             by_id = {id(s): (k, s) for k, s in self.pack_buffer}
+            self.seeds.restore()
             groups = self.te.select_samples_to_pack([s for _, s in self.pack_buffer])
             queue, used = [], set()
             for group in groups:
@@ -379,6 +391,12 @@ class Pipeline:
 
     def next(self) -> Any:
         """The next batch (or sample when batch_size is None); StopIteration at the end."""
+        try:
+            return self._next()
+        finally:
+            self.seeds.restore()
+
+    def _next(self) -> Any:
         cfg, te = self.cfg, self.te
         if cfg.batch_size is None and not te.overrides("batch_group_criterion"):
             key, out = self._packed()
@@ -394,8 +412,10 @@ class Pipeline:
                     break
             if not items or (len(items) < cfg.batch_size and cfg.batch_drop_last):  # type: ignore[operator]
                 raise StopIteration
+            self.seeds.restore()
             keys, out = [k for k, _ in items], te.batch([x for _, x in items])
         if te.overrides("encode_batch"):
+            self.seeds.restore()
             out = te.encode_batch(out)
         self.sources = [self.where.get(k, repr(k)) for k in _leaf_keys(keys)]
         self.batches += 1
@@ -407,11 +427,13 @@ class Pipeline:
             try:
                 key, s = self._packed()
             except StopIteration:
+                self.seeds.restore()
                 for gkey in list(self.buckets):
                     items = self.buckets.pop(gkey)
                     if not cfg.batch_drop_last:
                         return [k for k, _ in items], te.batch([x for _, x in items])
                 raise
+            self.seeds.restore()
             gkey, size = te.batch_group_criterion(s)
             if size is None:
                 size = cfg.batch_size
@@ -464,6 +486,7 @@ class Pipeline:
         self.buckets = {}
         for bucket in st["buckets"]:
             entries = items(bucket)
+            self.seeds.restore()
             gkey, _ = self.te.batch_group_criterion(entries[0][1])
             self.buckets[gkey] = entries
 
