@@ -41,8 +41,11 @@ def image_tensor(image: torch.Tensor, cfg: VisionFields, where: str) -> torch.Te
         raise ValueError(f"{where}: a {x.shape[0]}x{x.shape[1]}x{x.shape[2]} image, the vision tower takes "
                          f"{cfg.num_channels}x{cfg.image_size}x{cfg.image_size} (model.num_channels, model.image_size)")
     if cfg.num_channels == 3:
-        x = (x - torch.tensor(CLIP_MEAN)[:, None, None]) / torch.tensor(CLIP_STD)[:, None, None]
+        return (x - _MEAN) / _STD  # (a new, contiguous tensor)
     return x.contiguous()
+
+
+_MEAN, _STD = (torch.tensor(v)[:, None, None] for v in (CLIP_MEAN, CLIP_STD))
 
 
 class CLIPTaskEncoder(TaskEncoder):
