@@ -136,7 +136,7 @@ def _info_metadataset(path: str) -> int:
     """Each split's leaves with their share of the blend (or repetitions) and sample counts."""
     from zoo.data.energon.dataset import DatasetError, WebDataset
     from zoo.data.energon.metadataset import load_metadataset, split_names
-    from zoo.data.energon.pipeline import resolve_subset
+    from zoo.data.energon.reader import resolve_subset
 
     print(f"metadataset {path}")
     for split in split_names(path):

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from zoo.data.energon.dataset import WebDataset, make_sample
+from zoo.data.energon.reader import LeafReader, resolve_subset, rng_state, seeded_rng, set_rng_state, worker_range
 from zoo.data.energon.task_encoder import Reseeder, SkipSample, TaskEncoder, pure
 
 Key = tuple[Any, ...]
@@ -80,124 +81,6 @@ def tuplify(x: Any) -> Any:
     return tuple(tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def _rng(*words: int) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(w) & 0xFFFFFFFF for w in words])))
-
-
-def _rng_state(rng: np.random.Generator) -> dict[str, Any]:
-    return rng.bit_generator.state
-
-
-def _set_rng(rng: np.random.Generator, state: dict[str, Any]) -> None:
-    rng.bit_generator.state = state
-
-
-def resolve_subset(subset: tuple[tuple[Any, Any], ...], n: int, where: str) -> tuple[int, int]:
-    """Energon's nested ``subset: {range: [a, b]}``: the inner range first, the outer scaled inside it."""
-    def bound(v: Any, default: int, length: int) -> int:
-        if v == "end" or v is None:
-            return default
-        try:
-            if isinstance(v, str) and v.strip().endswith("%"):
-                return int(round(float(v.strip()[:-1]) / 100 * length))
-            if type(v) is not int:
-                raise ValueError
-            return v
-        except (ValueError, OverflowError):
-            from zoo.errors import ZooError
-
-            raise ZooError(f"{where}: subset bound {v!r} is not an index, a percentage or 'end'") from None
-
-    lo, hi = 0, n
-    for a, b in subset:
-        length = hi - lo
-        new_lo, new_hi = lo + bound(a, 0, length), lo + bound(b, length, length)
-        if not lo <= new_lo <= new_hi <= hi:
-            from zoo.errors import ZooError
-
-            raise ZooError(f"{where}: subset range [{a}, {b}] is outside the {length} samples it applies to")
-        lo, hi = new_lo, new_hi
-    return lo, hi
-
-
-def worker_range(n: int, g: int, G: int, rotation: int) -> tuple[int, int]:
-    """Global worker ``g``'s contiguous share of ``n`` samples: ``n // G`` each, the ``n % G``
-    extra samples to the workers after ``rotation`` (so remainders of several datasets spread)."""
-    base, extra = divmod(n, G)
-    gets = [base + (1 if (w - rotation) % G < extra else 0) for w in range(G)]
-    start = sum(gets[:g])
-    return start, start + gets[g]
-
-
-class LeafReader:
-    """Sample indices of one dataset for one worker, slice by slice."""
-
-    def __init__(self, ds: WebDataset, lo: int, hi: int, *, training: bool, msps: int | None, parallel: int,
-                 limit: int | None, seed_words: tuple[int, ...]) -> None:
-        bounds = [b for b in ds._starts if lo < b < hi]  # shard boundaries inside the range
-        pieces = list(zip([lo, *bounds], [*bounds, hi])) if hi > lo else []
-        self.slices: list[tuple[int, int]] = []
-        for a, b in pieces:
-            k = round((b - a) / msps) if msps and (b - a) > 1.5 * msps else 1
-            cuts = [a + (b - a) * i // k for i in range(k + 1)]
-            self.slices += list(zip(cuts[:-1], cuts[1:]))
-        self.n = hi - lo
-        self.training, self.parallel = training, parallel if training else 1
-        self.limit = limit  # samples in all (None: epochs without end)
-        self.seed_words = seed_words
-        self.rng = _rng(*seed_words, 1)
-        self.epoch, self.next_slice, self.taken = 0, 0, 0
-        self.active: list[list[int]] = []
-        self.order = self._order()
-
-    def _order(self) -> list[int]:
-        if not self.training:
-            return list(range(len(self.slices)))
-        return _rng(*self.seed_words, 2, self.epoch).permutation(len(self.slices)).tolist()
-
-    def next(self) -> int:
-        if self.limit is not None and self.taken >= self.limit:
-            raise StopIteration
-        while len(self.active) < self.parallel and self.next_slice < len(self.order):
-            a, b = self.slices[self.order[self.next_slice]]
-            self.active.append([self.order[self.next_slice], a])
-            self.next_slice += 1
-        if not self.active:
-            if not self.training or not self.slices:
-                raise StopIteration
-            self.epoch, self.next_slice = self.epoch + 1, 0
-            self.order = self._order()
-            return self.next()
-        if len(self.active) == 1:
-            k = 0
-        else:
-            # A slice is drawn in proportion to the samples it has left (plain Python: a dozen
-            # slices per sample is cheaper without numpy's per-call overhead).
-            left = [self.slices[s][1] - p for s, p in self.active]
-            r = int(self.rng.integers(sum(left)))
-            k = 0
-            while r >= left[k]:
-                r -= left[k]
-                k += 1
-        entry = self.active[k]
-        idx = entry[1]
-        entry[1] += 1
-        if entry[1] >= self.slices[entry[0]][1]:
-            self.active.pop(k)
-        self.taken += 1
-        return idx
-
-    def state(self) -> dict[str, Any]:
-        return {"rng": _rng_state(self.rng), "epoch": self.epoch, "next": self.next_slice, "taken": self.taken,
-                "active": [list(a) for a in self.active]}
-
-    def restore(self, st: dict[str, Any]) -> None:
-        _set_rng(self.rng, st["rng"])
-        self.epoch, self.next_slice, self.taken = st["epoch"], st["next"], st["taken"]
-        self.active = [list(a) for a in st["active"]]
-        self.order = self._order()
-
-
 class Pipeline:
     """Batches of global worker ``g`` of ``G``; ``state`` (from `state()`) resumes after the
     batch it was taken at. ``status(text)`` is told what is being read (for the watchdog)."""
@@ -225,10 +108,10 @@ class Pipeline:
             self.readers.append(LeafReader(ds, a, b, training=cfg.training, msps=cfg.max_samples_per_sequence,
                                            parallel=cfg.parallel_slices, limit=limit,
                                            seed_words=(cfg.seed, G, g, k)))
-        self.blend_rng = _rng(cfg.seed, G, g, 1 << 20)
+        self.blend_rng = seeded_rng(cfg.seed, G, g, 1 << 20)
         self.quota = self._quotas()
         self.current = 0  # validation: the dataset being read
-        self.shuffle_rng = _rng(cfg.seed, G, g, 1 << 21)
+        self.shuffle_rng = seeded_rng(cfg.seed, G, g, 1 << 21)
         self.shuffle: list[tuple[Key, Any]] = []
         self.pending: list[tuple[Key, Any]] = []  # encode_sample outputs not yet passed on
         self.pack_buffer: list[tuple[Key, Any]] = []
@@ -464,8 +347,8 @@ class Pipeline:
 
     def state(self) -> dict[str, Any]:
         keys = lambda items: [list(k) for k, _ in items]  # noqa: E731
-        return {"readers": [r.state() for r in self.readers], "blend_rng": _rng_state(self.blend_rng),
-                "quota": list(self.quota), "current": self.current, "shuffle_rng": _rng_state(self.shuffle_rng),
+        return {"readers": [r.state() for r in self.readers], "blend_rng": rng_state(self.blend_rng),
+                "quota": list(self.quota), "current": self.current, "shuffle_rng": rng_state(self.shuffle_rng),
                 "shuffle": keys(self.shuffle), "pending": keys(self.pending), "pack_buffer": keys(self.pack_buffer),
                 "pack_queue": [keys(g) for g in self.pack_queue],
                 "buckets": [keys(b) for b in self.buckets.values()], "batches": self.batches,
@@ -474,8 +357,8 @@ class Pipeline:
     def restore(self, st: dict[str, Any]) -> None:
         for r, rs in zip(self.readers, st["readers"]):
             r.restore(rs)
-        _set_rng(self.blend_rng, st["blend_rng"])
-        _set_rng(self.shuffle_rng, st["shuffle_rng"])
+        set_rng_state(self.blend_rng, st["blend_rng"])
+        set_rng_state(self.shuffle_rng, st["shuffle_rng"])
         self.quota, self.current = list(st["quota"]), st["current"]
         self.batches, self.exhausted = st["batches"], st["exhausted"]
         items = lambda ks: [(tuplify(k), self.rebuild(tuplify(k))) for k in ks]  # noqa: E731
@@ -508,4 +391,4 @@ def _is_gen(fn: Any) -> bool:
     return inspect.isgeneratorfunction(getattr(fn, "__func__", fn))
 
 
-__all__ = ["Leaf", "Pipeline", "PipelineConfig", "resolve_subset", "tuplify", "worker_range"]
+__all__ = ["Leaf", "Pipeline", "PipelineConfig", "tuplify"]
