@@ -189,12 +189,13 @@ def test_selective_scan_backward_equals_the_recurrences_gradients(chunk):
     assert all((gv - wv).norm() <= 1e-5 * wv.norm() for gv, wv in zip(got, want))
 
 
-@pytest.mark.parametrize("with_state,bias", [(False, True), (True, False)])
-def test_causal_conv_equals_torchs_padded_grouped_convolution(with_state, bias):
+@pytest.mark.parametrize("with_state,bias,t", [(False, True, 11), (True, False, 11), (False, True, 2), (True, True, 1)])
+def test_causal_conv_equals_torchs_padded_grouped_convolution(with_state, bias, t):
     """zoo's shifted multiply-adds against torch's depthwise conv1d over the left-padded (or
-    state-prefixed) input in float64: output, next state and the gradients of x, weight and bias."""
+    state-prefixed) input in float64: output, next state and the gradients of x, weight and bias;
+    also for sequences shorter than the kernel's history and a decoding step."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 11, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, t, 6, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(6, 1, 4, generator=g, dtype=torch.float64, requires_grad=True)
     b = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
     state = torch.randn(2, 6, 3, generator=g, dtype=torch.float64) if with_state else None
