@@ -28,6 +28,7 @@ IMAGE_TOKEN = "<image>"
 # OpenAI CLIP's normalisation (its image processor's image_mean / image_std).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+_MEAN, _STD = (torch.tensor(v)[:, None, None] for v in (CLIP_MEAN, CLIP_STD))
 
 
 def image_tensor(image: torch.Tensor, cfg: VisionFields, where: str) -> torch.Tensor:
@@ -43,9 +44,6 @@ def image_tensor(image: torch.Tensor, cfg: VisionFields, where: str) -> torch.Te
     if cfg.num_channels == 3:
         return (x - _MEAN) / _STD  # (a new, contiguous tensor)
     return x.contiguous()
-
-
-_MEAN, _STD = (torch.tensor(v)[:, None, None] for v in (CLIP_MEAN, CLIP_STD))
 
 
 class CLIPTaskEncoder(TaskEncoder):
