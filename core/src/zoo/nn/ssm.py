@@ -90,24 +90,21 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     k = weight.shape[-1]
     dtype = torch.promote_types(x.dtype, weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x.dtype
     before = x.new_zeros(x.shape[0], k - 1, x.shape[2]) if state is None else state.transpose(1, 2).to(x.dtype)
-    w = weight.view(weight.shape[0], k)
+    w, b = weight.view(weight.shape[0], k).to(dtype), None if bias is None else bias.to(dtype)
     # the next state: the K-1 last inputs (a copy, not a view that keeps the whole input alive)
     nxt = torch.cat([before, x[:, max(0, x.shape[1] - (k - 1)):]], dim=1)[:, -(k - 1):].transpose(1, 2).contiguous()
     fused = _kernel("conv", x) if state is None else None
     if fused is not None:  # (B, C, T) in and out, as every causal_conv1d release takes it
-        y = fused(x.to(dtype).transpose(1, 2).contiguous(), w.to(dtype), None if bias is None else bias.to(dtype))
-        return y.transpose(1, 2), nxt
-    b = None if bias is None else bias.to(dtype)
-    if x.device.type == "cpu" and state is None:  # training, a prompt's first pass
-        return _CausalConv1d.apply(x.to(dtype), w.to(dtype), b), nxt
-    xp = torch.cat([before, x], dim=1).to(dtype)  # (B, K-1+T, C): a continued sequence (decoding)
-    if x.device.type != "cpu":  # accelerators: torch's grouped convolution kernel
-        return F.conv1d(xp.transpose(1, 2), weight.to(dtype), b, groups=x.shape[2]).transpose(1, 2).contiguous(), nxt
-    t = x.shape[1]  # on a CPU the same shifted multiply-adds (torch's grouped conv1d: 2x slower for one token)
-    y = xp[:, k - 1:] * w[:, k - 1].to(dtype)
-    for i in range(k - 1):
-        y = y.addcmul(xp[:, i:i + t], w[:, i].to(dtype))
-    return (y if b is None else y + b), nxt
+        return fused(x.to(dtype).transpose(1, 2).contiguous(), w, b).transpose(1, 2), nxt
+    if x.device.type == "cpu":
+        if state is None:  # training, a prompt's first pass: no padded copy
+            return _CausalConv1d.apply(x.to(dtype), w, b), nxt
+        # a continued sequence (decoding): over the cached inputs and x, the cached ones' outputs
+        # dropped (torch's grouped conv1d took 2x this time for one token)
+        return _CausalConv1d.apply(torch.cat([before, x], dim=1).to(dtype), w, b)[:, k - 1:], nxt
+    # accelerators: torch's grouped convolution kernel over the padded input
+    xp = torch.cat([before, x], dim=1).to(dtype).transpose(1, 2)
+    return F.conv1d(xp, weight.to(dtype), b, groups=x.shape[2]).transpose(1, 2).contiguous(), nxt
 
 
 class _SelectiveScan(torch.autograd.Function):
