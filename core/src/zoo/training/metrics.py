@@ -142,6 +142,11 @@ def measured_peak_flops(device: str, dtype: Any) -> float:
             return rate
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
+    if device == "cpu":
+        # as a layer's weight (N, K) is read: oneDNN's product takes b^T's rows as they lie, where
+        # b's own layout had it transpose b first, compiling `zoo.fused.transpose` (~4 s, before the
+        # first step, for a kernel a small model's products never use)
+        b = b.t()
     for _ in range(2):
         gemm.mm(a, b)
     reps, best = 10 if device == "cpu" else 20, float("inf")  # best of many: a shared VM's one GEMM varies by 20%
