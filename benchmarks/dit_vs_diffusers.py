@@ -11,6 +11,7 @@ fp32 and bf16 autocast. Both sides run in this one process, under `zoo train`'s 
 (`train.cpu_malloc`: freed memory kept for reuse), which therefore helps both.
 
     python benchmarks/dit_vs_diffusers.py [--layers 6] [--batch 8] [--steps 9] [--threads 2] [--bf16]
+    python benchmarks/dit_vs_diffusers.py --device cuda --batch 64   # on a GPU (CUDA autocast, SDPA on both sides)
 """
 
 from __future__ import annotations
@@ -65,11 +66,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bf16", action="store_true", help="run bf16 on a CPU without bf16 instructions too")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from llama_vs_hf import bf16_skipped, ceiling, measured_gemm_peaks, zoo_process_settings
 
-    zoo_process_settings()
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    if not cuda:
+        zoo_process_settings()
+    # a step's time is its GPU work's: wait for it before reading the clock
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     from diffusers import DiTTransformer2DModel
     from zoo_dit import edm
@@ -91,9 +98,12 @@ def main() -> None:
     ours = DiT(cfg, DIT)
     gemm.adopt(ours)  # as `zoo train` does (diffusers' linears keep torch's product)
     ours.load_state_dict(from_diffusers(theirs.state_dict(), cfg))
+    theirs.to(dev)
+    ours.to(dev)
     n_params = sum(p.numel() for p in ours.parameters())
+    where = torch.cuda.get_device_name() if cuda else f"{args.threads} threads"
     print(f"DiT {args.layers} layers x {args.hidden} ({n_params / 1e6:.1f}M parameters), 4x32x32 latents, patch 2 "
-          f"(256 tokens), batch {args.batch}, {args.threads} threads, torch {torch.__version__}")
+          f"(256 tokens), batch {args.batch}, {where}, torch {torch.__version__}")
 
     gen = torch.Generator().manual_seed(1)
     b = args.batch
@@ -102,12 +112,13 @@ def main() -> None:
     noise = torch.randn(b, 4, 32, 32, generator=gen)
     labels = torch.randint(0, 1000, (b,), generator=gen)
     pos = patchify(x0[0, :, None], 1, 2, 2)[1][None].expand(b, -1, -1)
+    x0, sigma, noise, labels, pos = (t.to(dev) for t in (x0, sigma, noise, labels, pos))
 
     def edm_loss(forward, dtype):
         s = sigma[:, None, None, None]
         c_skip, c_out, c_in, c_noise = edm.precondition(s, 0.5)
         noisy = x0 + s * noise
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
             out = forward(c_in * noisy, c_noise.flatten())
         d = c_skip * noisy + c_out * out.float()
         return (edm.loss_weight(s, 0.5) * (d - x0) ** 2).mean()
@@ -125,7 +136,7 @@ def main() -> None:
     # token, attention's scores (non-causal); the per-image adaLN and embedders are left out.
     tokens, h = b * 256, args.hidden
     gemm_flops = 6.0 * tokens * (args.layers * (12 * h * h + 2 * 256 * h) + h * 2 * 2 * 4)
-    peaks = measured_gemm_peaks(args.threads)
+    peaks = measured_gemm_peaks(args.threads, args.device)
     results: dict[tuple[str, str], dict[str, float]] = {}
     skip = bf16_skipped(peaks, args.bf16)
     if skip:
@@ -143,12 +154,14 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
 
             def step(fwd=fwd, opt=opt, zoo=zoo, dtype=dtype) -> float:
+                sync()
                 t0 = time.perf_counter()
                 with recompute.scope("elementwise" if zoo else "none"):
                     loss = edm_loss(fwd, dtype)
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+                sync()
                 return time.perf_counter() - t0
 
             step()  # a second warm-up (zoo's first compiles its fused CPU kernels, zoo.fused)
@@ -173,9 +186,9 @@ def main() -> None:
     ours.eval()
     theirs.eval()
     n = 4
-    lab = torch.arange(n)
-    start = torch.randn(n, 4, 32, 32, generator=torch.Generator().manual_seed(2))
-    sigmas = edm.karras_sigmas(18)
+    lab = torch.arange(n, device=dev)
+    start = torch.randn(n, 4, 32, 32, generator=torch.Generator().manual_seed(2)).to(dev)
+    sigmas = edm.karras_sigmas(18).to(dev)
 
     def denoiser(fwd):
         def d(x, s):
@@ -199,8 +212,10 @@ def main() -> None:
     samples = {}
     for name, fwd in (("diffusers", s_theirs), ("zoo", s_ours)):
         with torch.no_grad(), contextlib.nullcontext():
+            sync()
             t0 = time.perf_counter()
             samples[name] = edm.sample(denoiser(fwd), start, sigmas)
+            sync()
             times[name] = time.perf_counter() - t0
     gap = float((samples["zoo"] - samples["diffusers"]).abs().max())
     print(f"sampling 18 Heun steps (35 NFE), {n} images with guidance: zoo {times['zoo']:.2f}s  diffusers "

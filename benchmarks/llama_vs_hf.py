@@ -237,11 +237,11 @@ def bf16_skipped(peaks: dict, forced: bool, override: str = "--bf16") -> str | N
             f"{peaks['bf16'] / 1e9:.1f} GFLOP/s, fp32 at {peaks['fp32'] / 1e9:.0f}; {override} runs it anyway")
 
 
-def measured_gemm_peaks(threads: int) -> dict[str, float]:
-    """This machine's GEMM peaks (FLOP/s, "fp32" and "bf16"), measured in a fresh process as this
-    benchmark's MFU is: for the other benchmarks' ceilings."""
-    out = subprocess.run([sys.executable, __file__, "--peak", f"--threads={threads}"], capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": str(threads)}, check=True)
+def measured_gemm_peaks(threads: int, device: str = "cpu") -> dict[str, float]:
+    """This machine's GEMM peaks (FLOP/s, "fp32" and "bf16"; on a GPU "tf32" too), measured in a
+    fresh process as this benchmark's MFU is: for the other benchmarks' ceilings."""
+    out = subprocess.run([sys.executable, __file__, "--peak", f"--threads={threads}", f"--device={device}"],
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -16,6 +16,8 @@ sides ~5x.)
     python benchmarks/mamba_vs_hf.py            # 512, 2048, 8192
     python benchmarks/mamba_vs_hf.py --quick    # 512 and 2048, fewer steps
     python benchmarks/mamba_vs_hf.py --kinds mamba2 --state 64 --chunk 64   # earlier sessions' config
+    python benchmarks/mamba_vs_hf.py --kinds mamba2 --device cuda   # on a GPU (both sides' PyTorch paths; zoo
+                                                                    # takes mamba_ssm's kernels where installed)
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def build(a: argparse.Namespace):
     import torch.nn.functional as F
 
     torch.manual_seed(0)
-    hf = hf_model(a)
+    hf = hf_model(a).to(a.device)  # (built on the CPU, as zoo's: the same initial draws on any device)
     if a.impl == "hf":
         return hf, lambda m, x, y: F.cross_entropy(m(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
     from zoo_mamba.convert import from_hf_config
@@ -61,8 +63,8 @@ def build(a: argparse.Namespace):
     del hf
     from zoo import gemm
 
-    model = zoo_build(cfg, SPECS[cfg.layer_spec])
-    gemm.adopt(model)  # as `zoo train` does
+    model = zoo_build(cfg, SPECS[cfg.layer_spec]).to(a.device)
+    gemm.adopt(model)  # as `zoo train` does (on a GPU a no-op)
     return model, lambda m, x, y: m(x, labels=y)
 
 
@@ -71,12 +73,13 @@ def worker(a: argparse.Namespace) -> None:
     from llama_vs_hf import time_training, zoo_process_settings  # the LLaMA benchmark's timed AdamW loop
 
     torch.set_num_threads(a.threads)
-    if a.impl != "hf":
+    if a.impl != "hf" and a.device == "cpu":
         zoo_process_settings()
     model, loss_of = build(a)
     if a.generate:
         model.eval()
-        prompt = torch.randint(0, a.vocab, (1, 16), generator=torch.Generator().manual_seed(1))
+        prompt = torch.randint(0, a.vocab, (1, 16), generator=torch.Generator().manual_seed(1)).to(a.device)
+        sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
         with torch.no_grad():
             def run() -> None:
                 if a.impl == "hf":
@@ -88,8 +91,10 @@ def worker(a: argparse.Namespace) -> None:
                     generate_tokens(model, context=16 + a.new_tokens, prompt=prompt, max_new_tokens=a.new_tokens,
                                     temperature=0.0)
             run()
+            sync()
             t = time.perf_counter()
             run()
+            sync()
         print(json.dumps({"tokens_per_s": a.new_tokens / (time.perf_counter() - t)}))
         return
     a.batch, a.precision = 1, "fp32"
@@ -129,6 +134,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--limit", type=float, default=180.0, help="seconds each measurement may take")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--kinds", default="mamba,mamba2", help="which of mamba, mamba2 to measure")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -141,11 +147,16 @@ def main() -> None:
     lengths = (512, 2048) if a.quick else (512, 2048, 8192)
     if a.quick:
         a.steps, a.limit = 3, 90.0
-    print(f"# {platform.processor() or platform.machine()}, {a.threads} threads; {a.layers} layers, hidden {a.hidden}, "
+    where = f"{platform.processor() or platform.machine()}, {a.threads} threads"
+    if a.device == "cuda":
+        import torch
+
+        where = torch.cuda.get_device_name()
+    print(f"# {where}; {a.layers} layers, hidden {a.hidden}, "
           f"vocab {a.vocab}, batch 1, fp32; Mamba-2 state {a.state}, chunk {a.chunk}; each measurement limited "
           f"to {a.limit:.0f} s")
-    peaks = measured_gemm_peaks(a.threads)
-    print(f"# GEMM peak (best 2048^3 product) fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s")
+    peaks = measured_gemm_peaks(a.threads, a.device)
+    print(f"# GEMM peak (best 2048^3 product; 8192^3 on a GPU) fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s")
     for kind in a.kinds.split(","):
         for seq in lengths:
             res = {impl: run_child(a, kind=kind, impl=impl, seq=seq) for impl in ("hf", "zoo")}
@@ -157,7 +168,7 @@ def main() -> None:
                 line += (f" -> {z['tokens_per_s'] / h['tokens_per_s']:.2f}x tokens/s, "
                          f"{z['peak_rss_mb'] / h['peak_rss_mb']:.2f}x memory; tokens/s "
                          f"{ceiling(h['gemm_flops_per_token'] * seq, peaks['fp32'], h['step_s'])}")
-            if kind == "mamba2" and a.chunk > CPU_CHUNK and isinstance(z, dict):
+            if kind == "mamba2" and a.device == "cpu" and a.chunk > CPU_CHUNK and isinstance(z, dict):
                 # zoo's CPU scan works in chunks of <= CPU_CHUNK whatever the config says: HF's own
                 # path at that chunk too, so the ratio is not only HF's larger chunk
                 hq = run_child(a, kind=kind, impl="hf", seq=seq, chunk=CPU_CHUNK)
