@@ -143,9 +143,9 @@ def measured_peak_flops(device: str, dtype: Any) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     if device == "cpu":
-        # as a layer's weight (N, K) is read: oneDNN's product takes b^T's rows as they lie, where
-        # b's own layout had it transpose b first, compiling `zoo.fused.transpose` (~4 s, before the
-        # first step, for a kernel a small model's products never use)
+        # as a layer's weight (N, K) is read: oneDNN's product takes b^T's rows as they lie. In b's
+        # own layout every timed product first transposed b (the peak read 199 GFLOP/s for 217 on
+        # a Zen 4) and the first one compiled `zoo.fused.transpose` (~4 s before the first step)
         b = b.t()
     for _ in range(2):
         gemm.mm(a, b)
