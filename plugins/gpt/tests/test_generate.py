@@ -90,6 +90,13 @@ def test_generate_cli_on_a_trained_checkpoint(tmp_path, corpus_cache):
     assert "the model's context is 256" in too_long.stderr and "Traceback" not in too_long.stderr
     missing = zoo("generate", "--checkpoint", str(tmp_path / "nothing"), "--prompt", "x")
     assert missing.returncode == 1 and "no such checkpoint" in missing.stderr
+    # settings outside their meaning are refused, not decoded greedily or left unfiltered
+    for flag, value, message in (("--temperature", "-1", "temperature=-1 must be at least 0"),
+                                 ("--top-p", "1.5", "top_p=1.5 must be in (0, 1]"),
+                                 ("--top-p", "0", "top_p=0 must be in (0, 1]"),
+                                 ("--top-k", "-1", "top_k=-1 must be at least 0")):
+        bad = zoo("generate", "--checkpoint", str(run_dir), "--prompt", "x", flag, value)
+        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, (flag, bad.stderr)
 
 
 def test_convert_cli_round_trip(tmp_path, corpus_cache):

@@ -46,8 +46,16 @@ def generate_tokens(
     """Return ``prompt`` (B, T) followed by up to ``max_new_tokens`` sampled tokens.
 
     ``temperature=0`` is greedy decoding. A prompt that does not fit the model's ``context`` with
-    at least one new token is an error, not a silent truncation.
+    at least one new token is an error, not a silent truncation; so is a setting outside its meaning
+    (a negative temperature would decode greedily, a top-p above 1 or of 0 or a negative top-k filter
+    nothing); a top-k of 0 is no top-k filter, as in Hugging Face's `generate`.
     """
+    if not temperature >= 0:  # (NaN too)
+        raise UsageError(f"sampling: temperature={temperature:g} must be at least 0 (0 decodes greedily)")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise UsageError(f"sampling: top_p={top_p:g} must be in (0, 1] (1 keeps every token)")
+    if top_k is not None and top_k < 0:
+        raise UsageError(f"sampling: top_k={top_k} must be at least 0 (0: no top-k filter)")
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise UsageError("the prompt encodes to no tokens")
     t = prompt.shape[1]
