@@ -75,6 +75,10 @@ def test_generate_cli_writes_a_grid_and_refuses_bad_sizes(trained, tmp_path):
     assert bad.returncode == 2 and "divisible by the patch size 2" in bad.stderr and not (tmp_path / "b.png").exists()
     bad = zoo("generate", "--checkpoint", str(trained), "--output", str(tmp_path / "c.png"))
     assert bad.returncode == 2 and "class-conditional" in bad.stderr
+    for label in ("10", "-1"):  # 10 is the null class's row: guidance's, not one to ask for
+        bad = zoo("generate", "--checkpoint", str(trained), "--class", "3", label, "--output", str(tmp_path / "d.png"))
+        assert bad.returncode == 2 and f"class {label}: this DiT draws classes 0-9" in bad.stderr, bad.stderr
+    assert not (tmp_path / "d.png").exists()
 
 
 def test_resume_is_exact_including_ema_and_data_position(tmp_path):
