@@ -41,6 +41,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.max_new_tokens < 1:
             raise UsageError("--max-new-tokens must be at least 1")
         labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
+        if labels is not None and not all(labels):
+            raise UsageError(f"--labels {args.labels!r}: an empty label (comma-separated texts, e.g. 'a 0,a 1')")
         print(resolve(fam.generate, owner=str(entry.plugin))(
             loaded.model, loaded.config, images=args.image, labels=labels, prompt=args.prompt, tokenizer=tok,
             max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,

@@ -86,6 +86,8 @@ def test_clip_zero_shot_accuracy_on_held_out_digits(clip_run, cache, tmp_path):
               ",".join(f"a handwritten {d}" for d in range(10)))
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"{png}: a handwritten ") and "(p=" in out.stdout
+    bad = zoo("generate", "--model", "clip", "--checkpoint", str(clip_run), "--image", str(png), "--labels", "a 0,,a 1")
+    assert bad.returncode == 2 and "an empty label" in bad.stderr, bad.stderr
 
 
 def _png(image: torch.Tensor) -> bytes:
