@@ -19,6 +19,8 @@ DIRECTIONS = ("left", "right", "up", "down")
 def clips(n: int, *, frames: int = 8, size: int = 16, seed: int = 0) -> Iterator[tuple[np.ndarray, int, str]]:
     """``n`` clips ``(frames, size, size)`` in [0, 1] with their digit and direction: the 8x8 digit
     moves from one edge of the canvas to the other in equal steps, at a random offset across."""
+    if size <= 8:
+        raise ValueError(f"size={size}: the 8 x 8 digit needs a canvas larger than 8 to move across")
     from sklearn.datasets import load_digits
 
     d = load_digits()

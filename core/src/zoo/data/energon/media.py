@@ -175,6 +175,8 @@ def prepare_video(out: str | os.PathLike[str], *, dataset: str = "moving-digits"
         raise DatasetError(f"{out}: already holds a prepared dataset; pass --force-overwrite to replace it")
     if dataset != "moving-digits":
         raise DatasetError(f"--dataset {dataset!r}: the built-in video dataset is 'moving-digits'")
+    if size <= 8:
+        raise DatasetError(f"--size {size}: the 8 x 8 digit needs a larger canvas to move across (16: the default)")
     enc_vae, enc_text = _encoders(vae, text_encoder, default_text=True)
 
     def samples() -> Iterable[tuple[str, dict[str, Any]]]:
