@@ -34,6 +34,8 @@ def test_exit_codes_and_one_line_errors():
     assert out.returncode == 2 and "--model is required" in _one_line(out.stderr)
     out = run_zoo("train", "--model", "mixer", "--config", "/nonexistent/x.yaml")
     assert out.returncode == 2 and "/nonexistent/x.yaml: config file not found" in _one_line(out.stderr)
+    out = run_zoo("train", "--model", "mixer", "--dry-run", "--world-size", "0")  # (0 was the default 1, silently)
+    assert out.returncode == 2 and "argument --world-size: 0: must be at least 1" in _one_line(out.stderr)
 
 
 def test_debug_shows_the_traceback():

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zoo.errors import ConfigError, PluginError, UnknownNameError, UsageError, ZooError, suggest
+from zoo.errors import ConfigError, PluginError, UnknownNameError, UsageError, ZooError, at_least_one, suggest
 
 if TYPE_CHECKING:  # the CLI imports no torch until a command needs it
     from zoo.config import RunConfig
@@ -322,7 +322,7 @@ def build_parser(registry: Any | None) -> _Parser:
     add_run_arguments(p)
     p.add_argument("--run-dir", help="where config, metrics and checkpoints go (default runs/<model>-<flavor>)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config, parameter count and layout")
-    p.add_argument("--world-size", type=int, help="plan the layout for this many processes (dry runs)")
+    p.add_argument("--world-size", type=at_least_one, help="plan the layout for this many processes (dry runs)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("convert", help="convert checkpoints to and from other formats (hf, diffusers)")
@@ -353,10 +353,10 @@ def build_parser(registry: Any | None) -> _Parser:
     t.add_argument("--input", nargs="+", required=True, help="JSONL (.gz), .txt files or directories of them")
     t.add_argument("--output-prefix", required=True)
     t.add_argument("--tokenizer", help="HF tokenizer dir, tokenizer.json, .tiktoken file or 'bytes'")
-    t.add_argument("--train-bpe", type=int, metavar="VOCAB_SIZE", help="train a byte-level BPE on the input first")
+    t.add_argument("--train-bpe", type=at_least_one, metavar="VOCAB_SIZE", help="train a byte-level BPE on the input first")
     t.add_argument("--json-keys", nargs="+", default=["text"])
     t.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document token")
-    t.add_argument("--workers", type=int, default=1)
+    t.add_argument("--workers", type=at_least_one, default=1)
     t.add_argument("--on-error", default="fail", help="fail (default) or skip malformed lines")
     t.add_argument("--quiet", action="store_true", help="no progress line")
     t.set_defaults(func=cmd_prepare_text)

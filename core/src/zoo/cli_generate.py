@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from zoo.errors import UsageError
+from zoo.errors import UsageError, at_least_one
 
 
 def _registry(args: argparse.Namespace) -> Any:
@@ -38,8 +38,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"{path} holds no tokenizer.json; pass --tokenizer (a tokenizer directory or 'bytes')")
     tok = load_tokenizer(tok_source)
     if fam.task != "causal_lm":  # image-text families: the family's entry reads the request and answers in text
-        if args.max_new_tokens < 1:
-            raise UsageError("--max-new-tokens must be at least 1")
         labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
         if labels is not None and not all(labels):
             raise UsageError(f"--labels {args.labels!r}: an empty label (comma-separated texts, e.g. 'a 0,a 1')")
@@ -51,8 +49,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.prompt is None:
         raise UsageError(f"family {fam.name!r}: zoo generate continues a text: give --prompt")
     ids = tok.encode(args.prompt)
-    if args.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens must be at least 1")
     generate = resolve(fam.generate, owner=str(entry.plugin))
     out = generate(loaded.model, loaded.config, prompt=torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
                    temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -69,8 +65,6 @@ def _generate_samples(args: argparse.Namespace, generate: Any, loaded: Any) -> i
     output = args.output or args.video_save_path
     if output is None:
         raise UsageError("--output FILE (.png for images, .gif or .mp4 for a clip) is required for a diffusion model")
-    if args.num_steps < 1:
-        raise UsageError("--num-steps must be at least 1")
     request = {"labels": args.classes, "num_steps": args.num_steps, "guidance": args.guidance,
                "guidance_form": args.guidance_form, "solver": args.solver, "seed": args.seed, "height": args.height,
                "width": args.width, "frames": args.num_video_frames, "num_samples": args.num_samples,
@@ -88,7 +82,7 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoint directory, run directory or HF directory")
     p.add_argument("--model", "-m", help="the family the checkpoint must hold (checked; it is read from the checkpoint)")
     p.add_argument("--prompt", help="text to continue (language models) or to condition on (text-to-video)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=at_least_one, default=64)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -103,16 +97,16 @@ def add_generate_parser(sub: Any) -> None:
     v.add_argument("--labels", help="CLIP zero-shot: comma-separated label texts, e.g. 'a 0,a 1,a 2'")
     d = p.add_argument_group("diffusion models (DiT); DFM's argument names are accepted")
     d.add_argument("--class", dest="classes", type=int, nargs="+", help="class(es) to draw, one sample each")
-    d.add_argument("--num-steps", "--num_steps", type=int, default=18, help="sampler steps (Heun: 2 evaluations each)")
+    d.add_argument("--num-steps", "--num_steps", type=at_least_one, default=18, help="sampler steps (Heun: 2 evaluations each)")
     d.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale (1: none)")
     d.add_argument("--guidance-form", choices=["standard", "dfm"], default="standard",
                    help="standard: uncond + g (cond - uncond); dfm: cond + g (cond - uncond)")
     d.add_argument("--solver", choices=["heun", "euler"], default="heun")
-    d.add_argument("--height", type=int, help="latent height (default: the model's sample size)")
-    d.add_argument("--width", type=int, help="latent width")
-    d.add_argument("--num-video-frames", "--num_video_frames", type=int, help="latent frames of a clip")
-    d.add_argument("--num-samples", type=int, help="samples to draw when no --class is given")
-    d.add_argument("--nrow", type=int, help="images per row of the grid")
+    d.add_argument("--height", type=at_least_one, help="latent height (default: the model's sample size)")
+    d.add_argument("--width", type=at_least_one, help="latent width")
+    d.add_argument("--num-video-frames", "--num_video_frames", type=at_least_one, help="latent frames of a clip")
+    d.add_argument("--num-samples", type=at_least_one, help="samples to draw when no --class is given")
+    d.add_argument("--nrow", type=at_least_one, help="images per row of the grid")
     d.add_argument("--output", help="file to write: .png (grid), .gif or .mp4 (clip)")
     d.add_argument("--video-save-path", "--video_save_path", help="DFM's name for --output")
     d.add_argument("--text-encoder", help="T5 encoder directory for --prompt (default: the built-in datasets' own)")

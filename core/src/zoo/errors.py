@@ -6,6 +6,7 @@ Exit codes: 2 for a usage or configuration mistake the user can fix by changing 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import difflib
 from collections.abc import Iterable, Iterator
@@ -57,3 +58,16 @@ def reading(path: object, error: type[ZooError] = ZooError, what: str = "") -> I
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, ArithmeticError) as e:
         detail = f"missing key {e}" if isinstance(e, KeyError) else " ".join(str(e).split())[:300]
         raise error(f"{path}: malformed{' ' + what if what else ''} ({type(e).__name__}: {detail})") from None
+
+
+def at_least_one(text: str) -> int:
+    """An argparse type for a count or size: an int of at least 1, refused in argparse's one line
+    (``argument --size: 0: must be at least 1``), where 0 or less would mean an empty output, a
+    default taken silently for a falsy 0, or an error deep inside the command."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
+    return value

@@ -94,7 +94,8 @@ def test_generate_cli_on_a_trained_checkpoint(tmp_path, corpus_cache):
     for flag, value, message in (("--temperature", "-1", "temperature=-1 must be at least 0"),
                                  ("--top-p", "1.5", "top_p=1.5 must be in (0, 1]"),
                                  ("--top-p", "0", "top_p=0 must be in (0, 1]"),
-                                 ("--top-k", "-1", "top_k=-1 must be at least 0")):
+                                 ("--top-k", "-1", "top_k=-1 must be at least 0"),
+                                 ("--max-new-tokens", "0", "argument --max-new-tokens: 0: must be at least 1")):
         bad = zoo("generate", "--checkpoint", str(run_dir), "--prompt", "x", flag, value)
         assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, (flag, bad.stderr)
 

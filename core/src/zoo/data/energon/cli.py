@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any
 
-from zoo.errors import UsageError
+from zoo.errors import UsageError, at_least_one
 
 
 def _ratio(text: str) -> list[float]:
@@ -232,17 +232,6 @@ def cmd_preview(args: argparse.Namespace) -> int:
 
 
 
-def _positive(text: str) -> int:
-    """An argparse type: a count or size of at least 1 (0 or less wrote empty clips, or no shards
-    after creating the output directory)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
-    return value
-
 def add_prepare_parsers(prep: Any) -> None:
     w = prep.add_parser("webdataset", help="index WebDataset tar shards as Energon does (.tar.idx, .nv-meta/)")
     w.add_argument("path")
@@ -253,7 +242,7 @@ def add_prepare_parsers(prep: Any) -> None:
     w.add_argument("--field-map", help="field=part pairs, e.g. image=png,caption=txt (or energon's JSON)")
     w.add_argument("--crude", action="store_true", help="a CrudeWebdataset (plain dicts, cooked by your task encoder)")
     w.add_argument("--shuffle-tars", action="store_true", help="shuffle shards before splitting (seed 42, as energon)")
-    w.add_argument("--num-workers", type=_positive, help="indexing processes (default: cores, at most 16)")
+    w.add_argument("--num-workers", type=at_least_one, help="indexing processes (default: cores, at most 16)")
     w.add_argument("--tar-index-only", action="store_true", help="only rebuild the .tar.idx files")
     w.add_argument("--force-overwrite", action="store_true", help="redo an already prepared dataset")
     w.add_argument("--non-interactive", action="store_true", help="never prompt (the default off a terminal)")
@@ -265,12 +254,12 @@ def add_prepare_parsers(prep: Any) -> None:
     i.add_argument("--dataset", choices=["digits"], help="scikit-learn's handwritten digits (no download)")
     i.add_argument("--folder", help="a folder of images; captions from NAME.txt or --captions")
     i.add_argument("--captions", help="CSV (file,caption) or JSONL ({file, caption})")
-    i.add_argument("--shard-size", type=_positive, default=100, help="samples per shard")
+    i.add_argument("--shard-size", type=at_least_one, default=100, help="samples per shard")
     i.add_argument("--split", default="8,1,1")
     i.add_argument("--sample-type", choices=["CaptioningSample", "VQASample"], default="CaptioningSample",
                    help="digits: captions ('a handwritten 7') or question/answer pairs ('What digit is this?' -> 'seven')")
-    i.add_argument("--size", type=_positive, default=8, help="digits: side in pixels (nearest upscaling)")
-    i.add_argument("--repeat", type=_positive, default=1, help="digits: write the 1797 images this many times")
+    i.add_argument("--size", type=at_least_one, default=8, help="digits: side in pixels (nearest upscaling)")
+    i.add_argument("--repeat", type=at_least_one, default=1, help="digits: write the 1797 images this many times")
     i.add_argument("--vae", metavar="DIR", help="a local diffusers AutoencoderKL: also store its latents (latent.npy)")
     i.add_argument("--text-encoder", metavar="DIR", help="a local T5 encoder: also store caption embeddings (t5.npy)")
     i.add_argument("--force-overwrite", action="store_true")
@@ -279,9 +268,9 @@ def add_prepare_parsers(prep: Any) -> None:
     v = prep.add_parser("video", help="the built-in moving-digits clips (captioned, embedded) -> a prepared Energon dataset")
     v.add_argument("output")
     v.add_argument("--dataset", choices=["moving-digits"], default="moving-digits")
-    v.add_argument("--count", type=_positive, default=2000, help="clips")
-    v.add_argument("--num-frames", type=_positive, default=8)
-    v.add_argument("--size", type=_positive, default=16, help="canvas side in pixels")
+    v.add_argument("--count", type=at_least_one, default=2000, help="clips")
+    v.add_argument("--num-frames", type=at_least_one, default=8)
+    v.add_argument("--size", type=at_least_one, default=16, help="canvas side in pixels")
     v.add_argument("--split", default="18,1,1")
     v.add_argument("--vae", metavar="DIR", help="a local diffusers AutoencoderKL: also store the frames' latents")
     v.add_argument("--text-encoder", metavar="DIR", help="a local T5 encoder (default: the fixed-seed tiny T5)")
@@ -308,7 +297,7 @@ def add_data_parser(sub: Any) -> None:
     pv = what.add_parser("preview", help="print the first samples decoded")
     pv.add_argument("path")
     pv.add_argument("--split-part", default="train")
-    pv.add_argument("-n", type=_positive, default=3)
+    pv.add_argument("-n", type=at_least_one, default=3)
     pv.add_argument("--allow-pickle", action="store_true")
     pv.set_defaults(func=cmd_preview)
 
