@@ -103,3 +103,23 @@ def test_prepared_latents_and_embeddings_equal_the_libraries_own(encoders, tmp_p
                  str(tmp_path / "h.png"))
     assert wrong.returncode == 2 and "--height 6: must be divisible by the patch size 2 x the VAE's downsampling " \
         "factor 2 = 4" in wrong.stderr and not (tmp_path / "h.png").exists()
+
+
+def test_prepared_digits_train_a_class_conditional_dit_only_with_their_classes(tmp_path, capsys):
+    """`zoo prepare images --dataset digits` types samples for CLIP (captions): a class-conditional
+    DiT refuses them up front, naming the sample type that carries the class, and trains on that."""
+    from sklearn.datasets import load_digits
+
+    for name, extra in (("cap", ()), ("cls", ("--sample-type", "ImageClassificationSample"))):
+        out = run_zoo(capsys, "prepare", "images", str(tmp_path / name), "--dataset", "digits", "--shard-size", "200",
+                      *extra)
+        assert out.returncode == 0, out.stderr
+    sample = _first_sample(tmp_path / "cls")
+    index = int(sample.__key__.removeprefix("digit"))
+    assert sample.label == int(load_digits().target[index])  # the class itself, not the caption's text
+    args = ("train", "--model", "dit", "train.steps=2", "train.eval_interval=0", "logging.interval=1")
+    bad = run_zoo(capsys, *args, "--run-dir", str(tmp_path / "r1"), f"data.path={tmp_path / 'cap'}")
+    assert bad.returncode == 2 and "its samples are CaptioningSample, without a class" in bad.stderr
+    assert "--sample-type ImageClassificationSample" in bad.stderr and not (tmp_path / "r1" / "checkpoints").exists()
+    ok = run_zoo(capsys, *args, "--run-dir", str(tmp_path / "r2"), f"data.path={tmp_path / 'cls'}")
+    assert ok.returncode == 0, ok.stderr

@@ -206,8 +206,26 @@ def _check_encoders(run: Any) -> None:
                           "with zoo prepare images|video --vae DIR)")
 
 
+def _check_classes(run: Any) -> None:
+    """A class-conditional DiT trains on samples that carry a class: a typed dataset whose sample
+    type has no ``label`` (captions, questions) is refused here, not at its first sample."""
+    from zoo.data.energon.dataset import META, read_dataset_config
+    from zoo.data.energon.storage import Storage
+
+    if not run.model.num_classes or run.data.path is None or not (Path(run.data.path) / META).is_dir():
+        return
+
+    kind = read_dataset_config(Storage(run.data.path)).sample_class
+    if kind is not None and "label" not in getattr(kind, "__dataclass_fields__", {}):
+        raise ConfigError(f"data.path={run.data.path}: its samples are {kind.__name__}, without a class; the "
+                          f"class-conditional DiT (model.num_classes={run.model.num_classes}) needs one per sample: "
+                          "prepare the digits with `zoo prepare images DIR --dataset digits --sample-type "
+                          "ImageClassificationSample` (a dataset of your own: field map label=cls)")
+
+
 def task_encoder(run: Any) -> DiTTaskEncoder:
     _check_encoders(run)
+    _check_classes(run)
     p = run.parallel
     # Context parallelism cuts a row into 2 cp chunks, sequence parallelism each into tp shards.
     multiple = 2 * p.cp if p.cp > 1 else 1

@@ -256,8 +256,9 @@ def add_prepare_parsers(prep: Any) -> None:
     i.add_argument("--captions", help="CSV (file,caption) or JSONL ({file, caption})")
     i.add_argument("--shard-size", type=at_least_one, default=100, help="samples per shard")
     i.add_argument("--split", default="8,1,1")
-    i.add_argument("--sample-type", choices=["CaptioningSample", "VQASample"], default="CaptioningSample",
-                   help="digits: captions ('a handwritten 7') or question/answer pairs ('What digit is this?' -> 'seven')")
+    i.add_argument("--sample-type", choices=["CaptioningSample", "VQASample", "ImageClassificationSample"],
+                   default="CaptioningSample", help="digits: captions ('a handwritten 7', CLIP), question/answer pairs "
+                   "('What digit is this?' -> 'seven', LLaVA) or classes (7, a class-conditional DiT)")
     i.add_argument("--size", type=at_least_one, default=8, help="digits: side in pixels (nearest upscaling)")
     i.add_argument("--repeat", type=at_least_one, default=1, help="digits: write the 1797 images this many times")
     i.add_argument("--vae", metavar="DIR", help="a local diffusers AutoencoderKL: also store its latents (latent.npy)")

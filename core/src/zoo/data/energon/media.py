@@ -114,7 +114,8 @@ def prepare_images(out: str | os.PathLike[str], *, dataset: str | None = None, f
     """A captioned image dataset, sharded and prepared: the built-in ``digits`` (sample type
     CaptioningSample, field map image=png, caption=txt; the class in ``cls``, a VQA pair in
     ``json``; with ``sample_type="VQASample"`` typed as that pair: context=json[question],
-    answers=json[answers]) or a folder of images with captions. With ``vae`` and/or ``text_encoder`` (local
+    answers=json[answers]; with "ImageClassificationSample" image=png, label=cls, what a
+    class-conditional DiT trains on) or a folder of images with captions. With ``vae`` and/or ``text_encoder`` (local
     directories) each sample also gets ``latent.npy`` / ``t5.npy`` and the dataset is crude (a
     DiT's task encoder reads the parts); ``.nv-meta/encoders.json`` records the encoders."""
     out = Path(out)
@@ -124,11 +125,11 @@ def prepare_images(out: str | os.PathLike[str], *, dataset: str | None = None, f
         raise DatasetError("give either --dataset digits or --folder DIR")
     if dataset is not None and dataset != "digits":
         raise DatasetError(f"--dataset {dataset!r}: the built-in image dataset is 'digits'")
-    if sample_type not in ("CaptioningSample", "VQASample"):
-        raise DatasetError(f"--sample-type {sample_type!r}: CaptioningSample or VQASample")
-    if sample_type == "VQASample" and (dataset is None or vae or text_encoder):
-        raise DatasetError("--sample-type VQASample: the built-in digits carry a question and answer; a folder of "
-                           "captioned images does not (and encoded datasets are crude)")
+    if sample_type not in ("CaptioningSample", "VQASample", "ImageClassificationSample"):
+        raise DatasetError(f"--sample-type {sample_type!r}: CaptioningSample, VQASample or ImageClassificationSample")
+    if sample_type != "CaptioningSample" and (dataset is None or vae or text_encoder):
+        raise DatasetError(f"--sample-type {sample_type}: the built-in digits carry a class, question and answer; a "
+                           "folder of captioned images does not (and encoded datasets are crude, their class in cls)")
     enc_vae, enc_text = _encoders(vae, text_encoder)
     samples: Iterable[Any] = digit_samples(size=size, repeat=repeat) if dataset else folder_samples(Path(folder), Path(captions) if captions else None)  # type: ignore[arg-type]
     if enc_vae is not None or enc_text is not None:
@@ -141,6 +142,9 @@ def prepare_images(out: str | os.PathLike[str], *, dataset: str | None = None, f
     if sample_type == "VQASample":
         return prepare_webdataset(out, split=split, sample_type="VQASample", force_overwrite=True, progress=progress,
                                   field_map={"image": "png", "context": "json[question]", "answers": "json[answers]"})
+    if sample_type == "ImageClassificationSample":
+        return prepare_webdataset(out, split=split, sample_type=sample_type, force_overwrite=True, progress=progress,
+                                  field_map={"image": "png", "label": "cls"})
     fmap = {"image": "png", "caption": "txt"} if dataset else {"image": ",".join(
         e for e in ("jpg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm")), "caption": "txt"}
     return prepare_webdataset(out, split=split, sample_type="CaptioningSample", field_map=fmap,
