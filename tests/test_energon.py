@@ -432,6 +432,19 @@ def test_cli_prepare_images_and_data_info(tmp_path, capsys):
     assert "already prepared" in capsys.readouterr().err
 
 
+def test_cli_prepare_notes_a_split_part_left_without_a_shard(tmp_path, capsys):
+    """The split divides whole shards: 4 shards at 8,1,1 leave val none (training then skips its
+    validation), which the summary says; a part given no share is not noted."""
+    from zoo.testing import run_zoo
+
+    out = run_zoo(capsys, "prepare", "images", str(tmp_path / "a"), "--dataset", "digits", "--shard-size", "500")
+    assert out.returncode == 0 and "  val        0 shards" in out.stdout
+    assert "note: val got no shard of 4 at --split 8,1,1" in out.stdout
+    out = run_zoo(capsys, "prepare", "images", str(tmp_path / "b"), "--dataset", "digits", "--shard-size", "500",
+                  "--split", "10,0,0")
+    assert out.returncode == 0 and "  val        0 shards" in out.stdout and "note:" not in out.stdout
+
+
 def test_cli_prepare_refuses_counts_and_sizes_with_one_line_and_writes_nothing(tmp_path, capsys):
     """A count or size below 1 (zero-frame clips, no shards after creating the directory), or a
     moving-digits canvas the digit cannot move across: refused before anything is written."""

@@ -40,16 +40,22 @@ def cmd_webdataset(args: argparse.Namespace) -> int:
         shuffle_tars=args.shuffle_tars, num_workers=args.num_workers, tar_index_only=args.tar_index_only,
         force_overwrite=args.force_overwrite, progress=not args.no_progress and sys.stderr.isatty(),
         ask=_ask if tty and not args.non_interactive else None)
-    _summary(res, time.perf_counter() - t0)
+    _summary(res, time.perf_counter() - t0, args.split)
     return 0
 
 
-def _summary(res: Any, seconds: float) -> None:
+def _summary(res: Any, seconds: float, split: str | None = None) -> None:
     print(f"prepared {res.root}: {res.total:,} samples in {len(res.shard_counts)} shards ({seconds:.1f}s); "
           f"parts: {', '.join(res.parts)}")
     for name, shards in res.splits.items():
         n = sum(res.shard_counts[s] for s in shards)
         print(f"  {name:<6} {len(shards):>5} shards {n:>10,} samples")
+    # The ratio divides whole shards (as energon's): a part it gives a share can still end up empty.
+    asked = dict(zip(res.splits, _ratio(split))) if split else {}
+    empty = [name for name, shards in res.splits.items() if not shards and asked.get(name, 0) > 0]
+    if empty:
+        print(f"note: {' and '.join(empty)} got no shard of {len(res.shard_counts)} at --split {split} (the split "
+              "divides whole shards): more, smaller shards give every part its share")
 
 
 def cmd_images(args: argparse.Namespace) -> int:
@@ -60,7 +66,7 @@ def cmd_images(args: argparse.Namespace) -> int:
                          shard_size=args.shard_size, split=_ratio(args.split), size=args.size, repeat=args.repeat,
                          vae=args.vae, text_encoder=args.text_encoder, force_overwrite=args.force_overwrite,
                          progress=sys.stderr.isatty(), sample_type=args.sample_type)
-    _summary(res, time.perf_counter() - t0)
+    _summary(res, time.perf_counter() - t0, args.split)
     print(f"next: zoo data info {res.root}")
     return 0
 
@@ -72,7 +78,7 @@ def cmd_video(args: argparse.Namespace) -> int:
     res = prepare_video(args.output, dataset=args.dataset, count=args.count, frames=args.num_frames, size=args.size,
                         split=_ratio(args.split), vae=args.vae, text_encoder=args.text_encoder,
                         force_overwrite=args.force_overwrite, progress=sys.stderr.isatty())
-    _summary(res, time.perf_counter() - t0)
+    _summary(res, time.perf_counter() - t0, args.split)
     print(f"next: zoo train --model dit-video data.path={res.root}")
     return 0
 
