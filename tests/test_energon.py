@@ -432,6 +432,18 @@ def test_cli_prepare_images_and_data_info(tmp_path, capsys):
     assert "already prepared" in capsys.readouterr().err
 
 
+def test_a_family_without_a_task_encoder_refuses_energon_data_before_writing(digits, tmp_path, capsys):
+    """LLaMA's loss reads token batches; energon's default batches are collated samples (it failed
+    with KeyError 'tokens' at the first step, after writing the run directory)."""
+    from zoo.testing import run_zoo
+
+    for extra in (("--dry-run",), ("--run-dir", str(tmp_path / "run"), "train.steps=1")):
+        out = run_zoo(capsys, "train", "--model", "llama", f"data.path={digits}", *extra)
+        assert out.returncode == 2, out.stderr
+        assert "family 'llama' declares no task encoder" in out.stderr and "zoo prepare text" in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_cli_prepare_notes_a_split_part_left_without_a_shard(tmp_path, capsys):
     """The split divides whole shards: 4 shards at 8,1,1 leave val none (training then skips its
     validation), which the summary says; a part given no share is not noted."""

@@ -235,6 +235,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     entry, run = resolve_run(args)
     world = args.world_size or distributed.world_size_from_env()
     plan = layout.plan(run, world_size=world, family=entry.family)
+    from zoo.data.energon.training import check_reader
+
+    check_reader(entry.family, run)
     if args.dry_run:
         print(run.to_yaml().rstrip())
         n, per_stage = count_parameters(entry, run, plan)

@@ -25,8 +25,28 @@ def task_encoder_for(family: Any, run: Any) -> Any:
     from zoo.data.energon.task_encoder import DefaultTaskEncoder
     from zoo.family import resolve
 
-    ref = getattr(family, "task_encoder", None) if family is not None else None
-    return resolve(ref, owner=f"family {family.name!r}")(run) if ref else DefaultTaskEncoder()
+    if family is None:  # (the API without a family: energon's default batches)
+        return DefaultTaskEncoder()
+    if family.task_encoder is None:
+        raise _no_task_encoder(family, run)
+    return resolve(family.task_encoder, owner=f"family {family.name!r}")(run)
+
+
+def check_reader(family: Any, run: Any) -> None:
+    """`zoo train` (dry runs too), before anything is written: a run on Energon data needs the
+    family's task encoder, without which its loss would meet energon's default batches (collated
+    samples) and fail on a missing key at the first step."""
+    d = run.data
+    energon = d.dataset == "energon" or (not d.dataset and bool(d.path) and path_kind(d.path) == "energon")
+    if energon and family.task_encoder is None:
+        raise _no_task_encoder(family, run)
+
+
+def _no_task_encoder(family: Any, run: Any) -> ConfigError:
+    where = "a Megatron .bin/.idx prefix (zoo prepare text)" if family.task == "causal_lm" else "its own data"
+    return ConfigError(f"data.path={run.data.path}: an Energon dataset, and family {family.name!r} declares no task "
+                       f"encoder (Family.task_encoder) to make its batches from Energon samples; give it {where}, "
+                       "or data.dataset=NAME (zoo list)")
 
 
 class _Batches:
@@ -174,4 +194,4 @@ def path_kind(path: Any) -> str:
     return "megatron"
 
 
-__all__ = ["DataPosition", "build", "build_cached", "path_kind", "prepared_once", "task_encoder_for"]
+__all__ = ["DataPosition", "build", "build_cached", "check_reader", "path_kind", "prepared_once", "task_encoder_for"]
