@@ -237,7 +237,6 @@ def cmd_preview(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def add_prepare_parsers(prep: Any) -> None:
     w = prep.add_parser("webdataset", help="index WebDataset tar shards as Energon does (.tar.idx, .nv-meta/)")
     w.add_argument("path")
