@@ -46,6 +46,14 @@ class Augment(TaskEncoder):
         return default_batch(samples)
 
 
+class SkipAll(Augment):
+    """Skips every sample (a loader must say so, not wait for a batch for ever)."""
+
+    @stateless
+    def encode_sample(self, s: CaptioningSample) -> dict[str, Any]:
+        raise SkipSample()
+
+
 class Plain(TaskEncoder):
     def encode_sample(self, s: CaptioningSample) -> dict[str, Any]:
         return {"key": s.__key__, "x": s.image}

@@ -188,6 +188,17 @@ def _loader(path, nw, state=None, *, rank=0, world=1, te=None, **kw):
     return ld
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_task_encoder_that_skips_every_sample_is_an_error_not_a_hang(digits, workers):
+    """A training stream repeats for ever: with every sample skipped no batch ever came and the
+    loader spun (a DiT packing into a train.seq_length no image fits)."""
+    from _energon_helpers import SkipAll
+
+    it = iter(_loader(digits, workers, te=SkipAll()))
+    with pytest.raises((DatasetError, LoaderError), match="skipped every sample of two epochs"):
+        next(it)
+
+
 @pytest.mark.parametrize("workers", [0, 1, 2])
 def test_restore_gives_the_identical_next_50_batches(digits, workers):
     at = random.Random(workers).randint(3, 15)

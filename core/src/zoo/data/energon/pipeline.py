@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from zoo.data.energon.dataset import WebDataset, make_sample
+from zoo.data.energon.dataset import DatasetError, WebDataset, make_sample
 from zoo.data.energon.reader import LeafReader, resolve_subset, rng_state, seeded_rng, set_rng_state, worker_range
 from zoo.data.energon.task_encoder import Reseeder, SkipSample, TaskEncoder, pure
 
@@ -224,8 +224,17 @@ class Pipeline:
         return [(("e", key, i), o) for i, o in enumerate(outs)]
 
     def _encoded(self) -> tuple[Key, Any]:
+        skipped = 0
         while not self.pending:
-            self.pending = self._encode(*self._shuffled())
+            key, sample = self._shuffled()
+            self.pending = self._encode(key, sample)
+            skipped += not self.pending
+            # A training stream repeats: if the task encoder skips every sample, no batch ever comes
+            # (a DiT packing images longer than train.seq_length spun here, deaf to SIGTERM's save).
+            if skipped > 2 * sum(r.n for r in self.readers) + (self.cfg.shuffle_buffer_size or 0):
+                raise DatasetError(f"{self.where.get(key, key)}: the task encoder skipped every sample of two "
+                                   f"epochs ({skipped:,} in a row, SkipSample), so no batch can be made: does any "
+                                   "sample fit (e.g. a DiT's image tokens within train.seq_length when packing)?")
         return self.pending.pop(0)
 
     def _pack(self, group: list[tuple[Key, Any]]) -> tuple[Key, Any]:
