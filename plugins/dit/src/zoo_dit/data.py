@@ -214,7 +214,6 @@ def _check_classes(run: Any) -> None:
 
     if not run.model.num_classes or run.data.path is None or not (Path(run.data.path) / META).is_dir():
         return
-
     kind = read_dataset_config(Storage(run.data.path)).sample_class
     if kind is not None and "label" not in getattr(kind, "__dataclass_fields__", {}):
         raise ConfigError(f"data.path={run.data.path}: its samples are {kind.__name__}, without a class; the "

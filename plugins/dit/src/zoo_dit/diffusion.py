@@ -207,10 +207,10 @@ def sample(model: DiT, cfg: DiTConfig, *, labels: list[int] | None = None, conte
     n = len(labels) if labels is not None else (len(context) if context is not None else (num_samples or 1))
     if cfg.num_classes and labels is None:
         raise ValueError("this DiT is class-conditional: give the classes to draw (labels)")
-    if cfg.num_classes and any(not 0 <= y < cfg.num_classes for y in labels):
-        # (the class embedder's last row, num_classes, is the null class guidance draws against)
-        bad = next(y for y in labels if not 0 <= y < cfg.num_classes)
-        raise ValueError(f"class {bad}: this DiT draws classes 0-{cfg.num_classes - 1}")
+    # (the class embedder's last row, num_classes, is the null class guidance draws against)
+    outside = [y for y in labels or () if not 0 <= y < cfg.num_classes] if cfg.num_classes else []
+    if outside:
+        raise ValueError(f"class {outside[0]}: this DiT draws classes 0-{cfg.num_classes - 1}")
     if cfg.text_dim and context is None:
         raise ValueError("this DiT is text-conditional: give text embeddings (context)")
     gen = generator or torch.Generator().manual_seed(seed)
