@@ -252,3 +252,89 @@ def test_the_compiled_cross_entropy_matches_float64_where_probabilities_underflo
     assert abs(loss.item() - ref.item()) <= tol * ref.item()
     assert _rel(h.grad, hd.grad) <= 10 * tol and _rel(w.grad, wd.grad) <= 10 * tol
     assert "cross_entropy_grad" not in fused._BROKEN
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_mamba_causal_convolution_with_silu_matches_float64(on, dtype, bias):
+    """`zoo.nn.ssm.causal_conv1d(silu=True)` through the compiled kernels (`zoo.nn.ssm_fused.ConvSiLU`)
+    against torch's grouped conv1d in float64, on a strided view of a wider projection as the mixers
+    pass it, forward and every gradient."""
+    from zoo.nn import ssm, ssm_fused
+
+    gen = torch.Generator().manual_seed(5)
+    proj = (torch.randn(2, 37, 40, generator=gen)).to(dtype).requires_grad_(True)
+    x = proj[..., 8:32]  # (B, T, C) with row stride 40
+    w = (0.5 * torch.randn(24, 1, 4, generator=gen)).to(dtype).requires_grad_(True)  # (bf16 parameters)
+    b = (0.1 * torch.randn(24, generator=gen)).to(dtype).requires_grad_(True) if bias else None
+    g = torch.randn(2, 37, 24, generator=gen).to(dtype)
+    calls = []
+    orig = ssm_fused.ConvSiLU.apply
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ssm_fused.ConvSiLU, "apply", lambda *a: calls.append(1) or orig(*a))
+        y, nxt = ssm.causal_conv1d(x, w, b, silu=True)
+    assert calls and y.dtype == dtype and y.shape == x.shape
+    y.backward(g)
+    xd = x.detach().double().requires_grad_(True)
+    wd, bd = w.detach().double().requires_grad_(True), None if b is None else b.detach().double().requires_grad_(True)
+    ref = torch.nn.functional.silu(torch.nn.functional.conv1d(
+        torch.nn.functional.pad(xd.transpose(1, 2), (3, 0)), wd, bd, groups=24)).transpose(1, 2)
+    ref.backward(g.double())
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert _rel(y, ref) <= tol and _rel(proj.grad[..., 8:32], xd.grad) <= 10 * tol
+    assert proj.grad[..., :8].abs().sum() == 0 and _rel(w.grad, wd.grad) <= 10 * tol
+    if bias:
+        assert _rel(b.grad, bd.grad) <= 10 * tol
+    assert torch.equal(nxt, x.detach()[:, -3:].transpose(1, 2))  # the decoding state: the last K-1 inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_mamba2_skip_gate_and_grouped_norm_match_float64(on, dtype, groups):
+    """`zoo.nn.ssm_fused.GatedRMSNorm`: ``weight * RMSNorm((y + D x) * silu(z))`` per group against
+    the formula in float64 through autograd, with x and z strided views as the mixer passes them."""
+    from zoo.nn.ssm_fused import GatedRMSNorm
+
+    gen = torch.Generator().manual_seed(6)
+    h, p = 4, 8
+    y = torch.randn(2, 29, h, p, generator=gen).requires_grad_(True)  # the scan's float32 output
+    proj = (2 * torch.randn(2, 29, 3 * h * p, generator=gen)).to(dtype).requires_grad_(True)
+    z, x = proj[..., :h * p], proj[..., h * p:2 * h * p].unflatten(-1, (h, p))
+    d = (1 + 0.3 * torch.randn(h, generator=gen)).requires_grad_(True)
+    w = (1 + 0.2 * torch.randn(h * p, generator=gen)).requires_grad_(True)
+    g = torch.randn(2, 29, h * p, generator=gen)
+    out = GatedRMSNorm.apply(y, x, d, z, w, groups, 1e-5)
+    assert out.dtype == torch.float32 and out.shape == (2, 29, h * p)
+    out.backward(g)
+    yd, pd, dd, wd = (t.detach().double().requires_grad_(True) for t in (y, proj, d, w))
+    v = ((yd + pd[..., h * p:2 * h * p].unflatten(-1, (h, p)) * dd[:, None]).flatten(-2)
+         * torch.nn.functional.silu(pd[..., :h * p])).unflatten(-1, (groups, -1))
+    ref = wd * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5)).flatten(-2)
+    ref.backward(g.double())
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert _rel(out, ref) <= tol
+    for got, want in ((y.grad, yd.grad), (proj.grad, pd.grad), (d.grad, dd.grad), (w.grad, wd.grad)):
+        assert got.shape == want.shape and _rel(got, want) <= 10 * tol
+
+
+def test_mamba2_mixer_with_the_compiled_kernels_follows_the_eager_one(on):
+    """The wiring: a Mamba-2 mixer (2 groups, bias on the convolution) computes the same outputs
+    and parameter gradients with `zoo.fused` on as with torch's eager kernels."""
+    from zoo.nn.ssm import Mamba2Mixer
+    from zoo.spec import SSMSpec
+
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(SSMSpec(kind="mamba2", gated_norm=True), hidden=32, heads=4, head_dim=16, groups=2, state=8,
+                        conv=4, chunk=16, eps=1e-5, dt_limit=(0.0, float("inf")), layer=0)
+    u = torch.randn(2, 40, 32)
+    runs = []
+    for enabled in (False, True):
+        fused._ENABLED = enabled
+        mixer.zero_grad()
+        out = mixer(u)
+        out.square().sum().backward()
+        runs.append((out.detach(), {n: q.grad.clone() for n, q in mixer.named_parameters()}))
+    assert fused._compiled.cache_info().currsize >= 4  # convolution and gate, both ways
+    assert _rel(runs[1][0], runs[0][0]) <= 1e-6
+    for name, grad in runs[0][1].items():
+        assert _rel(runs[1][1][name], grad) <= 1e-5, name

@@ -58,7 +58,7 @@ def wanted(x: torch.Tensor) -> bool:
             and x.numel() >= _MIN_ELEMENTS)
 
 
-def _run(name: str, fn: Callable[..., Any], eager: Callable[..., Any], *args: Any) -> Any:
+def run(name: str, fn: Callable[..., Any], eager: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` compiled; on a compiler failure, ``eager(*args)`` now and from then on (for this
     kernel only: a recomputation then takes the path its forward took, whatever fails meanwhile)."""
     if name in _BROKEN:
@@ -103,7 +103,7 @@ def _transpose(a: torch.Tensor) -> torch.Tensor:
 def transpose(a: torch.Tensor) -> torch.Tensor:
     """``a.t().contiguous()`` for a 2-D ``a``: inductor tiles it (3.5-4.4x torch's strided copy for a
     2048 x 512..3072 float32 matrix), where oneDNN's products want a weight gradient's operands."""
-    return _run("transpose", _transpose, _transpose, a)
+    return run("transpose", _transpose, _transpose, a)
 
 
 # ------------------------------------------------------------------------------ adaLN layer norm
@@ -128,7 +128,7 @@ def modulated_ln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(LN(x) * (1 + scale) + shift`` in x's dtype, the rows' float32 mean and 1/std)``, LN
     without affine weights, computed in float32."""
-    return _run("modulated_ln", _modulated_ln, _modulated_ln_eager, x, shift, scale, eps)
+    return run("modulated_ln", _modulated_ln, _modulated_ln_eager, x, shift, scale, eps)
 
 
 def _modulated_ln_backward(g: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor,
@@ -147,7 +147,7 @@ def modulated_ln_backward(g: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
                           rstd: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `modulated_ln` with respect to x, shift and scale (float32, summed over ``dims``,
     the dimensions shift and scale broadcast along)."""
-    return _run("modulated_ln_backward", _modulated_ln_backward, _modulated_ln_backward, g, x, scale, mean, rstd,
+    return run("modulated_ln_backward", _modulated_ln_backward, _modulated_ln_backward, g, x, scale, mean, rstd,
                 dims)
 
 
@@ -184,7 +184,7 @@ def cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor, scale: torch.
     copy, log-softmax, exp, the labels' subtraction, the scaling and the cast, a pass each)."""
     if not wanted(logits):
         return _cross_entropy_grad_eager(logits, labels, scale)
-    return _run("cross_entropy_grad", _cross_entropy_grad, _cross_entropy_grad_eager, logits, labels, scale)
+    return run("cross_entropy_grad", _cross_entropy_grad, _cross_entropy_grad_eager, logits, labels, scale)
 
 
 # ------------------------------------------------------------------------------------- RMS norm
@@ -198,7 +198,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weight * (x / rms(x)), 1 / rms(x))`` with HF's numerics (float32 statistics, the normalised
     x rounded to x's dtype before the weight)."""
-    return _run("rms_norm", _rms_norm, _rms_norm, x, weight, eps)
+    return run("rms_norm", _rms_norm, _rms_norm, x, weight, eps)
 
 
 def _rms_norm_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
@@ -214,7 +214,7 @@ def _rms_norm_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
 def rms_norm_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of `rms_norm` with respect to x and the weight."""
-    return _run("rms_norm_backward", _rms_norm_backward, _rms_norm_backward, g, x, weight, rstd)
+    return run("rms_norm_backward", _rms_norm_backward, _rms_norm_backward, g, x, weight, rstd)
 
 
 # --------------------------------------------------------------------------------------- SwiGLU
@@ -227,7 +227,7 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a fused ``[gate | up]`` tensor, in float32, rounded once."""
-    return _run("swiglu", _swiglu, _swiglu, gate_up)
+    return run("swiglu", _swiglu, _swiglu, gate_up)
 
 
 def _swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
@@ -257,7 +257,7 @@ def swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     torch's eager ops alone for a (4, 512, 2 x 1536) tensor on a 2-core Zen 4."""
     if not wanted(gate_up):
         return _swiglu_backward_eager(grad, gate_up)
-    return _run("swiglu_backward", _swiglu_backward, _swiglu_backward_eager, grad, gate_up)
+    return run("swiglu_backward", _swiglu_backward, _swiglu_backward_eager, grad, gate_up)
 
 
 # ----------------------------------------------------------------------------------------- GELU
@@ -281,4 +281,4 @@ def _gelu_tanh_backward_eager(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``d GELU_tanh(x) / dx * g`` (torch's ``gelu_backward(g, x, approximate="tanh")``)."""
-    return _run("gelu_tanh_backward", _gelu_tanh_backward, _gelu_tanh_backward_eager, g, x)
+    return run("gelu_tanh_backward", _gelu_tanh_backward, _gelu_tanh_backward_eager, g, x)

@@ -13,7 +13,8 @@ scalar per head, so each chunk is a masked "attention" with decays (``ssd_minima
 pass their states on one multiply-add per chunk (`_pass_states`), linear in T (the minimal code's
 dense chunk x chunk einsum is quadratic), and its backward is written out (`_SSD`). A one-token
 step (decoding) runs either recurrence itself. Both compute in float32, under autocast too.
-`mamba_ssm`/`causal_conv1d` kernels are used on CUDA when they import (`_kernel`), never required.
+`mamba_ssm`/`causal_conv1d` kernels are used on CUDA when they import (`_kernel`), never required;
+on a CPU the convolution with its SiLU and Mamba-2's gated norm run compiled (`zoo.nn.ssm_fused`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo import fused
+from zoo.nn import ssm_fused
 from zoo.spec import SSMSpec
 
 # The optional CUDA kernels (`zoo.backends`), each for one function here, used on CUDA tensors when
@@ -49,11 +52,9 @@ def _kernel(which: str, x: torch.Tensor) -> Any:
 
 class _CausalConv1d(torch.autograd.Function):
     """Depthwise causal convolution from a zero history as K shifted multiply-adds in the (B, T, C)
-    layout, with its own backward (the same K passes for the input, K products summed over B and T
-    for the weight). torch's grouped conv1d wants (B, C, T), and for a Mamba-2 layer's 2,048 x 640
-    convolution (K 4) it took 10.9 ms forward and backward with the layout copies, this 4.9 ms.
-    The input is neither padded nor copied (a shift starts at its own offset): backward keeps x,
-    which a Mamba layer keeps alive anyway (a view of in_proj's output)."""
+    layout, with its own backward (K passes for the input, K products summed for the weight):
+    torch's grouped conv1d wants (B, C, T), 10.9 ms against 4.9 for a 2,048 x 640 convolution with
+    the layout copies. x is neither padded nor copied; backward keeps it (a view of in_proj's output)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -84,27 +85,30 @@ class _CausalConv1d(torch.autograd.Function):
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  state: torch.Tensor | None = None, *, silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution: x (B, T, C), weight (C, 1, K), ``state`` the K-1 inputs before
-    x (B, C, K-1; zeros when None). Returns y (B, T, C) and the K-1 last inputs (the next state)."""
+    x (B, C, K-1; zeros when None), then SiLU if ``silu`` (both mixers'). Returns y (B, T, C) and
+    the K-1 last inputs (the next state)."""
     k = weight.shape[-1]
     dtype = torch.promote_types(x.dtype, weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x.dtype
     before = x.new_zeros(x.shape[0], k - 1, x.shape[2]) if state is None else state.transpose(1, 2).to(x.dtype)
     w, b = weight.view(weight.shape[0], k).to(dtype), None if bias is None else bias.to(dtype)
     # the next state: the K-1 last inputs (a copy, not a view that keeps the whole input alive)
     nxt = torch.cat([before, x[:, max(0, x.shape[1] - (k - 1)):]], dim=1)[:, -(k - 1):].transpose(1, 2).contiguous()
-    fused = _kernel("conv", x) if state is None else None
-    if fused is not None:  # (B, C, T) in and out, as every causal_conv1d release takes it
-        return fused(x.to(dtype).transpose(1, 2).contiguous(), w, b).transpose(1, 2), nxt
-    if x.device.type == "cpu":
-        if state is None:  # training, a prompt's first pass: no padded copy
-            return _CausalConv1d.apply(x.to(dtype), w, b), nxt
-        # a continued sequence (decoding): over the cached inputs and x, the cached ones' outputs
-        # dropped (torch's grouped conv1d took 2x this time for one token)
-        return _CausalConv1d.apply(torch.cat([before, x], dim=1).to(dtype), w, b)[:, k - 1:], nxt
-    # accelerators: torch's grouped convolution kernel over the padded input
-    xp = torch.cat([before, x], dim=1).to(dtype).transpose(1, 2)
-    return F.conv1d(xp, weight.to(dtype), b, groups=x.shape[2]).transpose(1, 2).contiguous(), nxt
+    kernel = _kernel("conv", x) if state is None else None
+    if silu and kernel is None and state is None and fused.wanted(x):  # one compiled pass each way
+        return ssm_fused.ConvSiLU.apply(x.to(dtype), w, b), nxt
+    if kernel is not None:  # (B, C, T) in and out, as every causal_conv1d release takes it
+        y = kernel(x.to(dtype).transpose(1, 2).contiguous(), w, b).transpose(1, 2)
+    elif x.device.type == "cpu" and state is None:  # training, a prompt's first pass: no padded copy
+        y = _CausalConv1d.apply(x.to(dtype), w, b)
+    elif x.device.type == "cpu":  # a continued sequence (decoding): over the cached inputs and x, the
+        # cached ones' outputs dropped (torch's grouped conv1d took 2x this time for one token)
+        y = _CausalConv1d.apply(torch.cat([before, x], dim=1).to(dtype), w, b)[:, k - 1:]
+    else:  # accelerators: torch's grouped convolution kernel over the padded input
+        xp = torch.cat([before, x], dim=1).to(dtype).transpose(1, 2)
+        y = F.conv1d(xp, weight.to(dtype), b, groups=x.shape[2]).transpose(1, 2).contiguous()
+    return F.silu(y) if silu else y, nxt
 
 
 class _SelectiveScan(torch.autograd.Function):
@@ -114,9 +118,7 @@ class _SelectiveScan(torch.autograd.Function):
     ``dt x b``, the outputs ``<h_t, c_t>``. Kept for backward: the inputs and the state entering
     each chunk (B, K, I, N), linear in T; backward recomputes a chunk's states, runs the gradient's
     recurrence in reverse (``g_t = c_t dy_t + exp(dt_{t+1} a) g_{t+1}``) and forms every input's
-    gradient from the two. (The log-depth scan it replaced, a Hillis-Steele scan in each chunk
-    recomputed under autograd in backward, made several whole-chunk passes per level: forward and
-    backward took 3-4.5x this one's time, e.g. 476 against 106 ms at T = 2,048, I = 512, N = 16.)
+    gradient from the two (3-4.5x faster than a log-depth scan recomputed under autograd).
 
     x, dt (B, T, I) float32, dt after softplus; a (I, N); b, c (B, T, N); h0 (B, I, N).
     Returns y (B, T, I) and the last state (B, I, N)."""
@@ -185,9 +187,9 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.
     x, dt (B, T, I) (dt after softplus); a (I, N) negative; b, c (B, T, N). Computed in fp32,
     ``chunk`` steps at a time (what the scan holds at once, and backward recomputes, is one chunk's
     (B, chunk, I, N) states). Returns y (B, T, I) fp32 and the last state (B, I, N)."""
-    fused = _kernel("selective_scan", x) if state is None and x.shape[1] > 1 else None
-    if fused is not None:  # mamba_ssm's kernel (its own backward) takes (B, I, T) and (B, N, T)
-        y, last = fused(x.transpose(1, 2), dt.transpose(1, 2), a, b.transpose(1, 2), c.transpose(1, 2),
+    kernel = _kernel("selective_scan", x) if state is None and x.shape[1] > 1 else None
+    if kernel is not None:  # mamba_ssm's kernel (its own backward) takes (B, I, T) and (B, N, T)
+        y, last = kernel(x.transpose(1, 2), dt.transpose(1, 2), a, b.transpose(1, 2), c.transpose(1, 2),
                         return_last_state=True)
         return y.transpose(1, 2).float(), last.float()
     x, dt, b, c, a = x.float(), dt.float(), b.float(), c.float(), a.float()
@@ -205,9 +207,8 @@ def _pass_states(states: torch.Tensor, log_decay: torch.Tensor, h0: torch.Tensor
 
     states (G, B*K, N, R*P) each chunk's own contribution, per group as `_SSD` computes it;
     log_decay (B, H, K) each chunk's whole decay; h0 (B, H, P, N). One multiply-add per chunk on
-    a (G, B, N, R*P) slice, in place and in this layout. (Products of a block's decay matrix with
-    the states, as before, needed the states per head, a copy each way: 1.5 ms a call at T = 2,048
-    against ~0.4.) Returns the entering states like ``states`` and the last one (B, H, P, N).
+    a (G, B, N, R*P) slice, in place and in this layout (a block decay matrix's products needed
+    per-head copies). Returns the entering states like ``states`` and the last one (B, H, P, N).
 
     ``reverse``: the same recurrence from the last chunk to the first, as backward needs it:
     ``d_k = states_k + exp(log_decay_k) d_{k+1}`` from ``d_K = h0``; returns ``d_{k+1}`` for each
@@ -253,8 +254,7 @@ class _SSD(torch.autograd.Function):
     decay matrices: a loop over heads reading X and dY as strided views into a contiguous output
     (a permuted copy of X, or a strided output, cost more than the product). What backward keeps
     grows linearly in T: the decay matrices (T x Q x H), the scores (T x Q x G), the entering states
-    and what they add to y (T x H x P each) and the inputs. (Recomputing the chunks under autograd,
-    as before, did the forward's products twice and its elementwise passes three times.)
+    and what they add to y (T x H x P each) and the inputs (no chunk is recomputed).
 
     Shapes, with BK = batch x chunks: x (BK, Q, H, P) already times dt; a (BK, Q, H) = dt A;
     b, c (BK, Q, G, N); h0 (B, H, P, N). Returns y (BK, Q, H, P) and the last state (B, H, P, N)."""
@@ -360,9 +360,9 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
         v = F.pad(v, (0, 0) * (v.dim() - 2) + (0, pad)) if pad else v
         return v.reshape(bsz, k, q, *v.shape[2:])
 
-    fused = _kernel("ssd", x) if state is None else None
-    if fused is not None:  # mamba_ssm's Triton kernels (its own backward), same inputs and outputs
-        y, last = fused(x, dt, a, b, c, chunk_size=chunk, return_final_states=True)
+    kernel = _kernel("ssd", x) if state is None else None
+    if kernel is not None:  # mamba_ssm's Triton kernels (its own backward), same inputs and outputs
+        y, last = kernel(x, dt, a, b, c, chunk_size=chunk, return_final_states=True)
         return y.float(), last.float()
     dt = dt.float()
     h0 = state.float() if state is not None else x.new_zeros(bsz, h, p, n, dtype=torch.float32)
@@ -434,8 +434,7 @@ class Mamba1Mixer(nn.Module):
         inner = self.in_proj.weight.shape[0] // 2  # this rank's channels under TP
         xs, z = self.in_proj(u).split([inner, inner], dim=-1)
         conv_state = cache.conv[self.layer] if cache is not None else None
-        xs, conv_state = causal_conv1d(xs, self.conv1d.weight, self.conv1d.bias, conv_state)
-        xs = F.silu(xs)
+        xs, conv_state = causal_conv1d(xs, self.conv1d.weight, self.conv1d.bias, conv_state, silu=True)
         dt, b, c = self.x_proj(xs).split([self.dt_rank, self.state, self.state], dim=-1)
         dt = F.softplus(self.dt_proj(dt).float())
         a = -torch.exp(self.A_log.float())
@@ -477,8 +476,8 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = self.in_proj(u).split([h * p, h * p + 2 * g * n, h], dim=-1)
         bsz, t, _ = z.shape  # (under sequence parallelism in_proj gathers the whole sequence)
         conv_state = cache.conv[self.layer] if cache is not None else None
-        xbc, conv_state = causal_conv1d(xbc, self.conv1d.weight, self.conv1d.bias, conv_state)
-        xs, b, c = F.silu(xbc).split([h * p, g * n, g * n], dim=-1)
+        xbc, conv_state = causal_conv1d(xbc, self.conv1d.weight, self.conv1d.bias, conv_state, silu=True)
+        xs, b, c = xbc.split([h * p, g * n, g * n], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)
         a = -torch.exp(self.A_log.float())
         xs = xs.reshape(bsz, t, h, p)
@@ -486,6 +485,9 @@ class Mamba2Mixer(nn.Module):
         y, last = ssd_scan(xs, dt, a, b.reshape(bsz, t, g, n), c.reshape(bsz, t, g, n), state=h0, chunk=self.chunk)
         if cache is not None:
             cache.conv[self.layer], cache.ssm[self.layer] = conv_state, last
-        y = y + xs.float() * self.D.float()[:, None]
-        y = self.norm(y.reshape(bsz, t, h * p), z)
+        if fused.wanted(z) and h * p % self.norm.group_size == 0:  # skip, gate and norm in one compiled pass
+            y = ssm_fused.GatedRMSNorm.apply(y, xs, self.D, z, self.norm.weight, h * p // self.norm.group_size,
+                                             self.norm.eps)
+        else:
+            y = self.norm((y + xs.float() * self.D.float()[:, None]).reshape(bsz, t, h * p), z)
         return self.out_proj(y.to(u.dtype))
