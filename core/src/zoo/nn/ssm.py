@@ -10,8 +10,8 @@ whole-chunk passes for the rest, with a hand-written backward that recomputes a 
 (`_SelectiveScan`): a layer keeps its inputs and one state per chunk, and its (B, chunk, I, N)
 tensors (HF's are (B, I, T, N)) exist for one chunk at a time. Mamba-2's decay is a
 scalar per head, so each chunk is a masked "attention" with decays (``ssd_minimal``), the chunks
-pass their states on one multiply-add per chunk (`_pass_states`), linear in T (the minimal code's
-dense chunk x chunk einsum is quadratic), and its backward is written out (`_SSD`). A one-token
+pass their states on one multiply-add per chunk, linear in T (the minimal code's dense chunk x
+chunk einsum is quadratic), and its backward is written out (`zoo.nn.ssd`). A one-token
 step (decoding) runs either recurrence itself. Both compute in float32, under autocast too.
 `mamba_ssm`/`causal_conv1d` kernels are used on CUDA when they import (`_kernel`), never required;
 on a CPU the convolution with its SiLU and Mamba-2's gated norm run compiled (`zoo.nn.ssm_fused`).
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo import fused
-from zoo.nn import ssm_fused
+from zoo.nn import ssd, ssm_fused
 from zoo.spec import SSMSpec
 
 # The optional CUDA kernels (`zoo.backends`), each for one function here, used on CUDA tensors when
@@ -201,138 +201,6 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.
         return _SelectiveScan.apply(x.contiguous(), dt.contiguous(), a, b.contiguous(), c.contiguous(), h, chunk)
 
 
-def _pass_states(states: torch.Tensor, log_decay: torch.Tensor, h0: torch.Tensor, *, reverse: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The state entering each chunk and the last one: ``h_{k+1} = exp(log_decay_k) h_k + states_k``.
-
-    states (G, B*K, N, R*P) each chunk's own contribution, per group as `_SSD` computes it;
-    log_decay (B, H, K) each chunk's whole decay; h0 (B, H, P, N). One multiply-add per chunk on
-    a (G, B, N, R*P) slice, in place and in this layout (a block decay matrix's products needed
-    per-head copies). Returns the entering states like ``states`` and the last one (B, H, P, N).
-
-    ``reverse``: the same recurrence from the last chunk to the first, as backward needs it:
-    ``d_k = states_k + exp(log_decay_k) d_{k+1}`` from ``d_K = h0``; returns ``d_{k+1}`` for each
-    chunk (the gradient of the state it leaves) and ``d_0``."""
-    g, _, n, rp = states.shape
-    bsz, h, k = log_decay.shape
-    r = h // g
-    src = states.view(g, bsz, k, n, r, rp // r)
-    decay = torch.exp(log_decay).view(bsz, g, r, k).permute(1, 0, 3, 2)[:, :, :, None, :, None]  # (G, B, K, 1, R, 1)
-    out = torch.empty_like(src)
-    order = range(k - 1, 0, -1) if reverse else range(k - 1)
-    first, step = (k - 1, -1) if reverse else (0, 1)
-    out[:, :, first] = h0.reshape(bsz, g, r, -1, n).permute(1, 0, 4, 2, 3)  # (G, B, N, R, P)
-    for i in order:
-        torch.addcmul(src[:, :, i], out[:, :, i], decay[:, :, i], out=out[:, :, i + step])
-    end = 0 if reverse else k - 1
-    last = torch.addcmul(src[:, :, end], out[:, :, end], decay[:, :, end])  # (G, B, N, R, P)
-    return out.view(states.shape), last.permute(1, 0, 3, 4, 2).reshape(bsz, h, -1, n)
-
-
-def _decays(acum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From each chunk's cumulative log decays acum (..., Q), float64: the within-chunk decay matrix
-    ``L[i, j] = exp(acum_i - acum_j)`` for j <= i (zero above), the decay from each position to its
-    chunk's end and from the chunk's start to each position, float32. The differences are taken in
-    float64: a chunk's cumulative sum reaches hundreds where dt A is large, and float32 differences
-    of such numbers lose digits next to the diagonal, where L is near 1."""
-    lmat = (acum[..., :, None] - acum[..., None, :]).float().exp_().tril_()  # exp(> 0) above, then zeroed
-    return lmat, torch.exp(acum[..., -1:] - acum).float(), torch.exp(acum).float()
-
-
-def _per_group(fn: Any, g: int, dim: int = 0) -> torch.Tensor:
-    return torch.stack([fn(i) for i in range(g)], dim) if g > 1 else fn(0).unsqueeze(dim)
-
-
-class _SSD(torch.autograd.Function):
-    """Mamba-2's SSD over whole chunks, with a hand-written backward. Within a chunk the output is
-    a masked "attention" with decays, ``y_in = (C B^T * L) X``, plus the state entering the chunk
-    seen through C, ``y_off = exp(acum) C S_k``; each chunk's own state ``B^T (w * X)`` passes on
-    in `_pass_states`, and backward runs the same recurrence in reverse for the states' gradients.
-
-    Products are of two kinds. Per group, where a group's R heads share B or C: one (Q x N) by
-    (N x R*P) product for all of them, X read in the sequence's own layout. Per head, with the
-    decay matrices: a loop over heads reading X and dY as strided views into a contiguous output
-    (a permuted copy of X, or a strided output, cost more than the product). What backward keeps
-    grows linearly in T: the decay matrices (T x Q x H), the scores (T x Q x G), the entering states
-    and what they add to y (T x H x P each) and the inputs (no chunk is recomputed).
-
-    Shapes, with BK = batch x chunks: x (BK, Q, H, P) already times dt; a (BK, Q, H) = dt A;
-    b, c (BK, Q, G, N); h0 (B, H, P, N). Returns y (BK, Q, H, P) and the last state (B, H, P, N)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h0: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        bk, q, h, p = x.shape
-        g, bsz = b.shape[2], h0.shape[0]
-        r = h // g
-        acum = a.transpose(1, 2).double().cumsum(-1)  # (BK, H, Q)
-        lmat, to_end, from_start = _decays(acum)
-        scores = _per_group(lambda i: torch.bmm(c[:, :, i], b[:, :, i].transpose(1, 2)), g, 1)  # (BK, G, Q, Q)
-        mixed = (lmat.view(bk, g, r, q, q) * scores[:, :, None]).view(bk, h, q, q)
-        y_in = x.new_empty(h, bk, q, p)
-        for i in range(h):
-            torch.bmm(mixed[:, i], x[:, :, i], out=y_in[i])
-        del mixed
-        xw = (x * to_end.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
-        states = _per_group(lambda i: b[:, :, i].transpose(1, 2) @ xw[:, :, i], g)  # (G, BK, N, R*P)
-        chunk_decay = acum[..., -1].float().view(bsz, -1, h).transpose(1, 2)  # (B, H, K)
-        start, last = _pass_states(states, chunk_decay, h0)  # the state entering each chunk (G, BK, N, R*P)
-        y_off = _per_group(lambda i: c[:, :, i] @ start[i], g)  # (G, BK, Q, R*P)
-        y = x.new_empty(bk, q, h, p)  # written in place: a product of the permuted operands would take their
-        torch.mul(y_off.view(g, bk, q, r, p).permute(1, 2, 0, 3, 4),  # layout, and the reshape then copy it
-                  from_start.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None], out=y.view(bk, q, g, r, p))
-        y.add_(y_in.permute(1, 2, 0, 3))
-        ctx.save_for_backward(x, b, c, lmat, scores, start, y_off, to_end, from_start, chunk_decay)
-        return y, last
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, dy: torch.Tensor, dlast: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with torch.autocast(dy.device.type, enabled=False):  # (when backward runs inside an autocast region)
-            x, b, c, lmat, scores, start, y_off, to_end, from_start, chunk_decay = ctx.saved_tensors
-            bk, q, h, p = x.shape
-            g = b.shape[2]
-            r = h // g
-            dy = dy.contiguous()
-            # the entering states' part: y_off = exp(acum) C S_k
-            dye = (dy * from_start.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
-            dstart = _per_group(lambda i: c[:, :, i].transpose(1, 2) @ dye[:, :, i], g)  # (G, BK, N, R*P)
-            dc = _per_group(lambda i: dye[:, :, i] @ start[i].transpose(1, 2), g, 2)  # (BK, Q, G, N)
-            dacum = (dye.view(bk, q, g, r, p) * y_off.view(g, bk, q, r, p).permute(1, 2, 0, 3, 4)).sum(-1)
-            dacum = dacum.view(bk, q, h).transpose(1, 2).contiguous()  # (BK, H, Q)
-            # the states' recurrence backwards: from the last chunk to the first, dlast entering
-            dstates, dh0 = _pass_states(dstart, chunk_decay, dlast, reverse=True)  # d(state after chunk k)
-            d_decay = (dstates.view(g, bk, -1, r, p) * start.view(g, bk, -1, r, p)).sum((2, 4))  # (G, BK, R)
-            dacum[..., -1] += d_decay.permute(1, 0, 2).reshape(bk, h) * from_start[..., -1]
-            # each chunk's own state: B^T (w * X), w = exp(acum_end - acum)
-            xw = (x * to_end.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
-            db = _per_group(lambda i: xw[:, :, i] @ dstates[i].transpose(1, 2), g, 2)  # (BK, Q, G, N)
-            dxw = _per_group(lambda i: b[:, :, i] @ dstates[i], g).view(g, bk, q, r, p).permute(1, 2, 0, 3, 4)
-            dx = torch.empty_like(x)
-            torch.mul(dxw, to_end.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None], out=dx.view(bk, q, g, r, p))
-            dw = (dxw * x.view(bk, q, g, r, p)).sum(-1).view(bk, q, h).transpose(1, 2) * to_end  # (BK, H, Q)
-            dacum.sub_(dw)
-            dacum[..., -1] += dw.sum(-1)
-            # within the chunk: y_in = (scores * L) X per head
-            dmix = x.new_empty(h, bk, q, q)
-            for i in range(h):
-                torch.bmm(dy[:, :, i], x[:, :, i].transpose(1, 2), out=dmix[i])
-            mixed = (lmat.view(bk, g, r, q, q) * scores[:, :, None]).view(bk, h, q, q)
-            dx_in = x.new_empty(h, bk, q, p)
-            for i in range(h):
-                torch.bmm(mixed[:, i].transpose(1, 2), dy[:, :, i], out=dx_in[i])
-            del mixed
-            dx.add_(dx_in.permute(1, 2, 0, 3))
-            dl = (lmat * dmix.permute(1, 0, 2, 3)).view(bk, g, r, q, q)  # d(scores * L) * L
-            dscores = dl.sum(2)  # (BK, G, Q, Q)
-            dl.mul_(scores[:, :, None])  # = d(L) * L: L's gradient through acum_i - acum_j
-            dacum.add_(dl.sum(-1).view(bk, h, q)).sub_(dl.sum(-2).view(bk, h, q))
-            dc += _per_group(lambda i: dscores[:, i] @ b[:, :, i], g, 2)
-            db += _per_group(lambda i: dscores[:, i].transpose(1, 2) @ c[:, :, i], g, 2)
-            da = dacum.flip(-1).cumsum(-1).flip(-1).transpose(1, 2)  # acum = cumsum(a)
-            return dx, da, db, dc, dh0
-
-
 # The chunk is an algorithmic choice, not part of the model: any chunk computes the same function
 # (to rounding). A chunk's quadratic part (the Q x Q decay matrices and products of every head)
 # grows with Q and the state passing between chunks shrinks with it; on a CPU 64 is the best
@@ -374,7 +242,7 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
             last = (torch.exp(dt[:, 0] * a.float())[..., None, None] * h0).view(bsz, g, h // g, p, n).add_(x1 * bh)
             y = last @ c.float().reshape(bsz, g, 1, n, 1)
             return y.view(bsz, 1, h, p), last.view(bsz, h, p, n)
-        y, last = _SSD.apply(chunked(x.float() * dt[..., None]).flatten(0, 1), chunked(dt * a.float()).flatten(0, 1),
+        y, last = ssd.chunk_scan(chunked(x.float() * dt[..., None]).flatten(0, 1), chunked(dt * a.float()).flatten(0, 1),
                              chunked(b.float()).flatten(0, 1), chunked(c.float()).flatten(0, 1), h0)
     return y.reshape(bsz, k * q, h, p)[:, :t], last
 
