@@ -210,23 +210,16 @@ def test_causal_conv_equals_torchs_padded_grouped_convolution(with_state, bias, 
         assert torch.allclose(got, want, atol=1e-12)
 
 
-def _record_calls(mp: pytest.MonkeyPatch, cls, used: list) -> None:
-    apply = cls.apply
-    mp.setattr(cls, "apply", lambda *v: used.append(cls.__name__) or apply(*v))
-
-
-@pytest.mark.parametrize("form", ["FactoredSSD", "DecayMatrixSSD"])
+@pytest.mark.parametrize("form", ["factored", "decay matrices"])
 @pytest.mark.parametrize("chunk,groups", [(4, 1), (16, 2), (64, 4)])
 def test_ssd_backward_equals_the_recurrences_gradients(chunk, groups, form, monkeypatch):
-    """Both forms of the SSD (`zoo.nn.ssd`) and their hand-written backward passes against autograd
-    through the step-by-step recurrence in float64: the gradients of x, dt, A, B, C and the entering
-    state, from both outputs (y and the last state), over a length no chunk size divides (the last
-    chunk padded)."""
+    """The SSD (`zoo.nn.ssd`) in both forms of its within-chunk part, factored and by decay
+    matrices, and its hand-written backward against autograd through the step-by-step recurrence in
+    float64: the gradients of x, dt, A, B, C and the entering state, from both outputs (y and the
+    last state), over a length no chunk size divides (the last chunk padded)."""
     from zoo.nn import ssd
 
-    monkeypatch.setattr(ssd, "MAX_SPAN", float("inf") if form == "FactoredSSD" else -1.0)
-    used = []
-    _record_calls(monkeypatch, getattr(ssd, form), used)
+    monkeypatch.setattr(ssd, "MAX_SPAN", float("inf") if form == "factored" else -1.0)
     g = torch.Generator().manual_seed(chunk)
     x = torch.randn(2, 37, 4, 3, generator=g, dtype=torch.float64, requires_grad=True)
     b, c = (torch.randn(2, 37, groups, 5, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
@@ -234,31 +227,30 @@ def test_ssd_backward_equals_the_recurrences_gradients(chunk, groups, form, monk
     a = (-torch.rand(4, generator=g, dtype=torch.float64) * 4).requires_grad_()
     h0 = torch.randn(2, 4, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
     _assert_gradients_match(ssd_scan, _recurrence_mamba2, (x, dt, a, b, c, h0), chunk, g)
-    assert used
 
 
-def test_a_chunk_that_forgets_too_much_takes_the_decay_matrices():
+def test_a_chunk_that_forgets_too_much_takes_the_decay_matrices(monkeypatch):
     """With dt A of -40 a step, a chunk of 16 spans e^-600: the factored form's scales e^(+-300)
-    leave float32's range (its output is not finite), so `chunk_scan` takes the decay matrices
-    there, and the scan still equals the recurrence. Ordinary decays take the factored form."""
+    leave float32's range (alone, its output is not finite there), so that chunk takes the decay
+    matrices while the next, with ordinary decays, stays factored; outputs and gradients still equal
+    the recurrence's."""
     from zoo.nn import ssd
 
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(1, 32, 2, 3, generator=g, dtype=torch.float64)
-    b, c = (torch.randn(1, 32, 1, 4, generator=g, dtype=torch.float64) for _ in range(2))
-    a, h0 = torch.tensor([-4.0, -0.5], dtype=torch.float64), torch.zeros(1, 2, 3, 4, dtype=torch.float64)
-    for dt, form in ((torch.full((1, 32, 2), 10.0, dtype=torch.float64), "DecayMatrixSSD"),
-                     (torch.rand(1, 32, 2, generator=g, dtype=torch.float64), "FactoredSSD")):
-        used = []
-        with pytest.MonkeyPatch.context() as mp:
-            for cls in (ssd.FactoredSSD, ssd.DecayMatrixSSD):
-                _record_calls(mp, cls, used)
-            y, h = ssd_scan(x, dt, a, b, c, state=h0, chunk=16)
-        assert used == [form]
-        ref_y, ref_h = _recurrence_mamba2(x, dt, a, b, c, h0)
-        assert (y - ref_y).abs().max() <= 1e-5 * ref_y.abs().max() and (h - ref_h).abs().max() <= 1e-5 * ref_h.abs().max()
-    chunks = [t.float().reshape(2, 16, *t.shape[2:]) for t in (x * 10.0, 10.0 * a.expand(1, 32, 2), b, c)]
-    assert not torch.isfinite(ssd.FactoredSSD.apply(*chunks, h0.float())[0]).all()
+    x = torch.randn(1, 32, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    b, c = (torch.randn(1, 32, 1, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    a = torch.tensor([-4.0, -0.5], dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(1, 2, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    dt = torch.rand(1, 32, 2, generator=g, dtype=torch.float64)
+    dt[:, :16] = 10.0  # the first chunk forgets
+    dt.requires_grad_()
+    wide = []
+    within = ssd._within_by_matrices
+    monkeypatch.setattr(ssd, "_within_by_matrices", lambda x, *v: wide.append(x.shape[0]) or within(x, *v))
+    _assert_gradients_match(ssd_scan, _recurrence_mamba2, (x, dt, a, b, c, h0), 16, g)
+    assert wide == [1, 1]  # one chunk by decay matrices, forward and backward
+    monkeypatch.setattr(ssd, "MAX_SPAN", float("inf"))
+    assert not torch.isfinite(ssd_scan(x, dt, a, b, c, state=h0, chunk=16)[0]).all()
 
 
 @pytest.mark.parametrize("flavor", ["mamba_tiny", "mamba2_tiny", "hybrid_moe_tiny"])

@@ -1,18 +1,14 @@
-"""Mamba-2's SSD over whole chunks (Dao & Gu 2024), with hand-written backward passes: within a
+"""Mamba-2's SSD over whole chunks (Dao & Gu 2024), with a hand-written backward (`SSD`): within a
 chunk the output is a masked "attention" with decays, ``y_in = (C B^T * L) X`` with ``L[i, j] =
 exp(acum_i - acum_j)`` (acum the chunk's cumulative ``dt A``), plus the state entering the chunk
-seen through C; each chunk's own state passes on in `pass_states`. `chunk_scan` picks one of two
-forms of the within-chunk part:
+seen through C; each chunk's own state passes on in `pass_states`.
 
-- `FactoredSSD`: ``L[i, j] = e_i / e_j`` with ``e = exp(acum - m)`` (m the chunk's midpoint in
-  log space), so all heads that share B and C take one product, ``y_in = e * (tril(C B^T) @ (X /
-  e))``, and no (Q x Q) decay matrix exists. Exact to rounding as long as the scales stay inside
-  float32's range: used where every chunk's decay span (``acum_0 - acum_{Q-1}``) is at most
-  `MAX_SPAN`. A 2-layer, state-128 Mamba-2 step at T = 2,048 took 4-6% less time than with:
-- `DecayMatrixSSD`: the decay matrices themselves, a product per head; any span.
-
-`zoo.nn.ssm.ssd_scan` chunks the sequence and calls `chunk_scan`; shapes as there, with BK =
-batch x chunks.
+The within-chunk part is factored, ``L[i, j] = e_i / e_j``: all heads that share B and C then take
+one product, and no (Q x Q) decay matrix exists; a chunk whose decays span more than float32's
+range allows (`MAX_SPAN`) takes the decay matrices, a product per head, as before. A 2-layer,
+state-128 Mamba-2 step at T = 2,048 took 4-6% less time factored than with decay matrices in
+every chunk (docs/benchmarks.md). `zoo.nn.ssm.ssd_scan` chunks the sequence; shapes as there, with
+BK = batch x chunks.
 """
 
 from __future__ import annotations
@@ -60,7 +56,7 @@ def _between_chunks(x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h0: torch
     (w = exp(acum_end - acum)) passed on in `pass_states`, the entering one seen through C,
     ``y_off = exp(acum) C S_k``. Returns y_off's contribution to y (BK, Q, H, P), written in place
     (a product of the permuted operands would take their layout, and the reshape then copy it),
-    the entering states, the last state, y_off and each chunk's whole decay (B, H, K)."""
+    the entering states, the last state and each chunk's whole decay (B, H, K)."""
     bk, q, h, p = x.shape
     g, bsz = b.shape[2], h0.shape[0]
     r = h // g
@@ -72,14 +68,14 @@ def _between_chunks(x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h0: torch
     y = x.new_empty(bk, q, h, p)
     torch.mul(y_off.view(g, bk, q, r, p).permute(1, 2, 0, 3, 4),
               from_start.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None], out=y.view(bk, q, g, r, p))
-    return y, start, last, y_off, chunk_decay
+    return y, start, last, chunk_decay
 
 
 def _between_chunks_backward(dy: torch.Tensor, dacum: torch.Tensor, dlast: torch.Tensor, x: torch.Tensor,
                              b: torch.Tensor, c: torch.Tensor, start: torch.Tensor, to_end: torch.Tensor,
                              from_start: torch.Tensor, chunk_decay: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`_between_chunks`' gradients, but for the ``exp(acum)`` factor of y_off (each form counts it
-    with its own part): of x, B, C and the entering state; acum's are added into ``dacum``."""
+    """`_between_chunks`' gradients but for the ``exp(acum)`` factor of y_off (`SSD` counts it with
+    y's others): of x, B, C and the entering state; acum's are added into ``dacum``."""
     bk, q, h, p = x.shape
     g = b.shape[2]
     r = h // g
@@ -109,16 +105,44 @@ def _cumulative(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return acum, torch.exp(acum[..., -1:] - acum).float(), torch.exp(acum).float()
 
 
-class DecayMatrixSSD(torch.autograd.Function):
-    """The SSD with the decay matrices L (float32, their exponents' differences taken in float64: a
-    chunk's cumulative sum reaches hundreds where dt A is large, and float32 differences of such
-    numbers lose digits next to the diagonal, where L is near 1). Products of two kinds: per group,
-    where a group's R heads share B or C, one (Q x N) by (N x R*P) product for all of them, X read
-    in the sequence's own layout; per head, with the decay matrices, a loop over heads reading X
-    and dY as strided views into a contiguous output (a permuted copy of X, or a strided output,
-    cost more than the product). Backward keeps, linear in T: the decay matrices (T x Q x H), the
-    scores (T x Q x G), the entering states and what they add to y (T x H x P each) and the inputs.
+# The factored form's scales reach exp(span / 2) and exp(-span / 2): at 120, e^60 ~ 1e26 leaves
+# float32 twelve decades for the products' sums, and e^-60 times an input stays a normal number.
+# (Measured against the float64 recurrence: 1e-7 up to a span of 150 with inputs x 100 and B, C
+# x 10; at 170 those inputs overflow.) A freshly built 2-layer Mamba-2 at T = 2,048 had spans up
+# to 97 and 123 in its two layers (one chunk of 64 over the bound).
+MAX_SPAN = 120.0
 
+
+def _within_by_matrices(x: torch.Tensor, scores: torch.Tensor, lmat: torch.Tensor) -> torch.Tensor:
+    """``(scores * L) X`` per head for some chunks: x (n, Q, H, P), scores (n, G, Q, Q), lmat (n, H,
+    Q, Q); a loop over heads reading x as strided views (a permuted copy cost more than the
+    product). Returns (n, Q, H, P)."""
+    n, q, h, p = x.shape
+    g = scores.shape[1]
+    mixed = (lmat.view(n, g, h // g, q, q) * scores[:, :, None]).view(n, h, q, q)
+    out = x.new_empty(h, n, q, p)
+    for i in range(h):
+        torch.bmm(mixed[:, i], x[:, :, i], out=out[i])
+    return out.permute(1, 2, 0, 3)
+
+
+class SSD(torch.autograd.Function):
+    """Mamba-2's SSD over whole chunks with a hand-written backward.
+
+    Within a chunk, ``L[i, j] = e_i / e_j`` with ``e = exp(acum - m)``, m midway between the chunk's
+    first and last cumulative decay (so |acum - m| <= span / 2): ``y_in = e * (tril(C B^T) @ (X /
+    e))``, one (Q x Q) by (Q x R*P) product per group for all its R heads, forward and for dX, and
+    one (Q x R*P) by (R*P x Q) for the scores' gradient; no (Q x Q) decay matrix exists. acum's
+    gradient from y_in's factors is ``sum_p dY y_in`` (the e_i) less ``sum_p X dX_in`` (the 1 / e_j);
+    with the ``exp(acum)`` factor of what the entering state adds, the first is ``sum_p dY y``.
+    Chunks whose span exceeds `MAX_SPAN` (a head that forgets within the chunk) take the decay
+    matrices ``L`` themselves instead, a product per head (`_within_by_matrices`), and their
+    exponents' differences in float64 (a chunk's cumulative sum reaches hundreds where dt A is
+    large, and float32 differences of such numbers lose digits next to the diagonal, where L is
+    near 1); their scales are set to 0 and 1, so the factored products add nothing there.
+
+    Keeps, linear in T: the inputs, the masked scores (T x Q x G), the entering states, y (kept by
+    the caller anyway), the scales (T x H each) and the decay matrices of the chunks that need them.
     x (BK, Q, H, P) already times dt; a (BK, Q, H) = dt A; b, c (BK, Q, G, N); h0 (B, H, P, N).
     Returns y (BK, Q, H, P) and the last state (B, H, P, N)."""
 
@@ -129,84 +153,30 @@ class DecayMatrixSSD(torch.autograd.Function):
         g = b.shape[2]
         r = h // g
         acum, to_end, from_start = _cumulative(a)
-        lmat = (acum[..., :, None] - acum[..., None, :]).float().exp_().tril_()  # exp(> 0) above, then zeroed
-        scores = _per_group(lambda i: torch.bmm(c[:, :, i], b[:, :, i].transpose(1, 2)), g, 1)  # (BK, G, Q, Q)
-        mixed = (lmat.view(bk, g, r, q, q) * scores[:, :, None]).view(bk, h, q, q)
-        y_in = x.new_empty(h, bk, q, p)
-        for i in range(h):
-            torch.bmm(mixed[:, i], x[:, :, i], out=y_in[i])
-        del mixed
-        y, start, last, y_off, chunk_decay = _between_chunks(x, b, c, h0, acum, to_end, from_start)
-        y.add_(y_in.permute(1, 2, 0, 3))
-        ctx.save_for_backward(x, b, c, lmat, scores, start, y_off, to_end, from_start, chunk_decay)
-        return y, last
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, dy: torch.Tensor, dlast: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with torch.autocast(dy.device.type, enabled=False):  # (when backward runs inside an autocast region)
-            x, b, c, lmat, scores, start, y_off, to_end, from_start, chunk_decay = ctx.saved_tensors
-            bk, q, h, p = x.shape
-            g = b.shape[2]
-            r = h // g
-            dy = dy.contiguous()
-            # y_off's exp(acum) factor
-            dye = (dy * from_start.transpose(1, 2)[..., None]).view(bk, q, g, r, p)
-            dacum = (dye * y_off.view(g, bk, q, r, p).permute(1, 2, 0, 3, 4)).sum(-1)
-            dacum = dacum.view(bk, q, h).transpose(1, 2).contiguous()  # (BK, H, Q)
-            dx, db, dc, dh0 = _between_chunks_backward(dy, dacum, dlast, x, b, c, start, to_end, from_start,
-                                                       chunk_decay)
-            # within the chunk: y_in = (scores * L) X per head
-            dmix = x.new_empty(h, bk, q, q)
-            for i in range(h):
-                torch.bmm(dy[:, :, i], x[:, :, i].transpose(1, 2), out=dmix[i])
-            mixed = (lmat.view(bk, g, r, q, q) * scores[:, :, None]).view(bk, h, q, q)
-            dx_in = x.new_empty(h, bk, q, p)
-            for i in range(h):
-                torch.bmm(mixed[:, i].transpose(1, 2), dy[:, :, i], out=dx_in[i])
-            del mixed
-            dx.add_(dx_in.permute(1, 2, 0, 3))
-            dl = (lmat * dmix.permute(1, 0, 2, 3)).view(bk, g, r, q, q)  # d(scores * L) * L
-            dscores = dl.sum(2)  # (BK, G, Q, Q)
-            dl.mul_(scores[:, :, None])  # = d(L) * L: L's gradient through acum_i - acum_j
-            dacum.add_(dl.sum(-1).view(bk, h, q)).sub_(dl.sum(-2).view(bk, h, q))
-            dc += _per_group(lambda i: dscores[:, i] @ b[:, :, i], g, 2)
-            db += _per_group(lambda i: dscores[:, i].transpose(1, 2) @ c[:, :, i], g, 2)
-            da = dacum.flip(-1).cumsum(-1).flip(-1).transpose(1, 2)  # acum = cumsum(a)
-            return dx, da, db, dc, dh0
-
-
-class FactoredSSD(torch.autograd.Function):
-    """The SSD with ``L[i, j] = e_i / e_j``, ``e = exp(acum - m)``, m midway between the chunk's
-    first and last cumulative decay (so |acum - m| <= span / 2): ``y_in = e * (tril(C B^T) @ (X /
-    e))``, one (Q x Q) by (Q x R*P) product per group for all its heads, forward and for dX, and
-    one (Q x R*P) by (R*P x Q) for dC B^T. acum's gradient from y_in's factors is ``sum_p dY y_in``
-    (e_i) less ``sum_p X dX_in`` (1 / e_j); with y_off's exp(acum) factor the first is ``sum_p dY y``.
-    Keeps the inputs, the masked scores (T x Q x G), the entering states, y (the caller's output,
-    kept anyway) and the scales (T x H each). Same arguments and results as `DecayMatrixSSD`."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h0: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        bk, q, h, p = x.shape
-        g = b.shape[2]
-        r = h // g
-        acum, to_end, from_start = _cumulative(a)
+        wide = (acum[..., 0] - acum[..., -1]).amax(-1) > MAX_SPAN  # (BK,): chunks for the decay matrices
+        idx = wide.nonzero().flatten()
         mid = (acum[..., :1] + acum[..., -1:]) / 2
-        e, inv = torch.exp(acum - mid).float(), torch.exp(mid - acum).float()  # (BK, H, Q)
+        e = torch.exp(acum - mid).float().masked_fill_(wide[:, None, None], 0.0)  # (BK, H, Q)
+        inv = torch.exp(mid - acum).float().masked_fill_(wide[:, None, None], 1.0)
         scores = _per_group(lambda i: torch.bmm(c[:, :, i], b[:, :, i].transpose(1, 2)), g, 1).tril_()
-        xs = (x * inv.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
-        inner = _per_group(lambda i: torch.bmm(scores[:, i], xs[:, :, i]), g, 2)  # (BK, Q, G, R*P)
-        y, start, last, _, chunk_decay = _between_chunks(x, b, c, h0, acum, to_end, from_start)
-        y.view(bk, q, g, r, p).addcmul_(inner.view(bk, q, g, r, p), e.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None])
-        ctx.save_for_backward(x, b, c, scores, start, y, to_end, from_start, chunk_decay, e, inv)
+        y, start, last, chunk_decay = _between_chunks(x, b, c, h0, acum, to_end, from_start)
+        if len(idx) < bk:
+            xs = (x * inv.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
+            inner = _per_group(lambda i: torch.bmm(scores[:, i], xs[:, :, i]), g, 2)  # (BK, Q, G, R*P)
+            y.view(bk, q, g, r, p).addcmul_(inner.view(bk, q, g, r, p),
+                                            e.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None])
+        sub = acum[idx]
+        lmat = (sub[..., :, None] - sub[..., None, :]).float().exp_().tril_()  # exp(> 0) above, then zeroed
+        if len(idx):
+            y.index_add_(0, idx, _within_by_matrices(x[idx], scores[idx], lmat))
+        ctx.save_for_backward(x, b, c, scores, start, y, to_end, from_start, chunk_decay, e, inv, idx, lmat)
         return y, last
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dy: torch.Tensor, dlast: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with torch.autocast(dy.device.type, enabled=False):  # (when backward runs inside an autocast region)
-            x, b, c, scores, start, y, to_end, from_start, chunk_decay, e, inv = ctx.saved_tensors
+            x, b, c, scores, start, y, to_end, from_start, chunk_decay, e, inv, idx, lmat = ctx.saved_tensors
             bk, q, h, p = x.shape
             g = b.shape[2]
             r = h // g
@@ -214,32 +184,28 @@ class FactoredSSD(torch.autograd.Function):
             dacum = (dy * y).sum(-1).transpose(1, 2).contiguous()  # (BK, H, Q): y_i's exp(acum_i) factors
             dx, db, dc, dh0 = _between_chunks_backward(dy, dacum, dlast, x, b, c, start, to_end, from_start,
                                                        chunk_decay)
-            # within the chunk: y_in = e * (scores @ (x / e))
-            dye = (dy * e.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
-            xs = (x * inv.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
-            dxs = _per_group(lambda i: torch.bmm(scores[:, i].transpose(1, 2), dye[:, :, i]), g, 2)
-            dx_in = dxs.view(bk, q, h, p) * inv.transpose(1, 2)[..., None]
-            dx.add_(dx_in)
-            dacum.sub_((dx_in * x).sum(-1).transpose(1, 2))  # the 1 / e_j factors
-            dscores = _per_group(lambda i: torch.bmm(dye[:, :, i], xs[:, :, i].transpose(1, 2)), g, 1).tril_()
+            if len(idx) < bk:  # within the chunk: y_in = e * (scores @ (x / e))
+                dye = (dy * e.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
+                xs = (x * inv.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
+                dxs = _per_group(lambda i: torch.bmm(scores[:, i].transpose(1, 2), dye[:, :, i]), g, 2)
+                dx_in = dxs.view(bk, q, h, p) * inv.transpose(1, 2)[..., None]
+                dx.add_(dx_in)
+                dacum.sub_((dx_in * x).sum(-1).transpose(1, 2))  # the 1 / e_j factors
+                dscores = _per_group(lambda i: torch.bmm(dye[:, :, i], xs[:, :, i].transpose(1, 2)), g, 1).tril_()
+            else:
+                dscores = torch.zeros_like(scores)
+            if len(idx):  # the decay matrices' chunks: y_in = (scores * L) X per head
+                xw, dyw, n = x[idx], dy[idx], len(idx)
+                dmix = x.new_empty(h, n, q, q)
+                for i in range(h):
+                    torch.bmm(dyw[:, :, i], xw[:, :, i].transpose(1, 2), out=dmix[i])
+                dx.index_add_(0, idx, _within_by_matrices(dyw, scores[idx].transpose(-1, -2),
+                                                          lmat.transpose(-1, -2)))
+                dl = (lmat * dmix.permute(1, 0, 2, 3)).view(n, g, r, q, q)  # d(scores * L) * L
+                dscores.index_add_(0, idx, dl.sum(2))
+                dl.mul_(scores[idx][:, :, None])  # = d(L) * L: L's gradient through acum_i - acum_j
+                dacum.index_add_(0, idx, dl.sum(-2).view(n, h, q), alpha=-1)  # (row sums: in sum_p dY y)
             dc += _per_group(lambda i: dscores[:, i] @ b[:, :, i], g, 2)
             db += _per_group(lambda i: dscores[:, i].transpose(1, 2) @ c[:, :, i], g, 2)
             da = dacum.flip(-1).cumsum(-1).flip(-1).transpose(1, 2)  # acum = cumsum(a)
             return dx, da, db, dc, dh0
-
-
-# The factored form's scales reach exp(span / 2) and exp(-span / 2): at 120, e^60 ~ 1e26 leaves
-# float32 twelve decades for the products' sums, and e^-60 times an input stays a normal number.
-# (Measured against the float64 recurrence: 1e-7 up to a span of 150 with inputs x 100 and B, C
-# x 10; at 170 those inputs overflow.) A freshly built 2-layer Mamba-2 at T = 2,048 had spans up
-# to 97 and 123 in its two layers; trained models' heads that forget fast exceed it.
-MAX_SPAN = 120.0
-
-
-def chunk_scan(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h0: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The SSD over whole chunks (arguments as `DecayMatrixSSD`'s): `FactoredSSD` where every
-    chunk's decay span ``-sum(a[1:])`` is at most `MAX_SPAN`, `DecayMatrixSSD` otherwise (a step
-    with a large dt A: a head that forgets within the chunk)."""
-    span = float(-a.detach()[:, 1:].sum(1).min()) if a.shape[1] > 1 else 0.0  # (a <= 0: the largest span)
-    return (FactoredSSD if span <= MAX_SPAN else DecayMatrixSSD).apply(x, a, b, c, h0)
