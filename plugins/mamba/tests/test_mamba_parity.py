@@ -142,7 +142,7 @@ def test_chunked_scans_equal_the_sequential_recurrence(length):
 
 
 def test_ssd_state_passing_over_many_chunks_equals_the_recurrence():
-    """19 chunks (the last one padded) pass their states on one after another (`_pass_states`),
+    """19 chunks (the last one padded) pass their states on one after another (`zoo.nn.ssd.pass_states`),
     forward and in reverse for backward: the recurrence's outputs, last state and gradients."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 75, 4, 3, generator=g, dtype=torch.float64, requires_grad=True)
