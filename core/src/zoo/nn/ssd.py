@@ -22,7 +22,7 @@ def pass_states(states: torch.Tensor, log_decay: torch.Tensor, h0: torch.Tensor,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The state entering each chunk and the last one: ``h_{k+1} = exp(log_decay_k) h_k + states_k``.
 
-    states (G, B*K, N, R*P) each chunk's own contribution, per group as the SSDs compute them;
+    states (G, B*K, N, R*P) each chunk's own contribution, per group as `SSD` computes them;
     log_decay (B, H, K) each chunk's whole decay; h0 (B, H, P, N). One multiply-add per chunk on
     a (G, B, N, R*P) slice, in place and in this layout (a block decay matrix's products needed
     per-head copies). Returns the entering states like ``states`` and the last one (B, H, P, N).
@@ -52,7 +52,7 @@ def _per_group(fn: Any, g: int, dim: int = 0) -> torch.Tensor:
 
 def _between_chunks(x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h0: torch.Tensor, acum: torch.Tensor,
                     to_end: torch.Tensor, from_start: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Both forms' part that passes states between chunks: each chunk's own state ``B^T (w * X)``
+    """The part that passes states between chunks: each chunk's own state ``B^T (w * X)``
     (w = exp(acum_end - acum)) passed on in `pass_states`, the entering one seen through C,
     ``y_off = exp(acum) C S_k``. Returns y_off's contribution to y (BK, Q, H, P), written in place
     (a product of the permuted operands would take their layout, and the reshape then copy it),

@@ -190,7 +190,7 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.
     kernel = _kernel("selective_scan", x) if state is None and x.shape[1] > 1 else None
     if kernel is not None:  # mamba_ssm's kernel (its own backward) takes (B, I, T) and (B, N, T)
         y, last = kernel(x.transpose(1, 2), dt.transpose(1, 2), a, b.transpose(1, 2), c.transpose(1, 2),
-                        return_last_state=True)
+                         return_last_state=True)
         return y.transpose(1, 2).float(), last.float()
     x, dt, b, c, a = x.float(), dt.float(), b.float(), c.float(), a.float()
     h = state.float() if state is not None else x.new_zeros(x.shape[0], x.shape[2], a.shape[1])
