@@ -10,6 +10,8 @@ faster alone on a 2-core AMD EPYC (bf16, 8 x 256 x 384 and 2048 x 1536), ~4% of 
 backward) and the LM loss's softmax gradient are compiled the same way, and so is the transposed
 copy of a float32 weight gradient's operands that oneDNN's inner product wants (tiled: ~3.5x
 torch's strided copy; ~6% of a float32 LLaMA step).
+The Mamba mixers' convolution + SiLU and Mamba-2's gated norm live in `zoo.nn.ssm_fused`, through
+`run` here.
 
 Used for CPU tensors of at least `_MIN_ELEMENTS` elements (a compile costs ~2.5 s per process,
 once; tiny tensors gain nothing from it) when `configure` turned it on (``train.cpu_fused``).
@@ -49,7 +51,8 @@ def configure(mode: Mode = "auto") -> str:
     if _BROKEN:
         return "fused CPU elementwise kernels: eager for " + "; ".join(f"{k} ({v})" for k, v in _BROKEN.items())
     return (f"fused CPU elementwise kernels: torch inductor's, compiled at first use on tensors of >= "
-            f"{_MIN_ELEMENTS} elements (adaLN and RMS norms, SwiGLU, GELU derivative, LM-loss softmax, transposes)")
+            f"{_MIN_ELEMENTS} elements (adaLN and RMS norms, SwiGLU, GELU derivative, LM-loss softmax, transposes, "
+            f"Mamba's convolution and gated norm)")
 
 
 def wanted(x: torch.Tensor) -> bool:
