@@ -195,11 +195,11 @@ class SSD(torch.autograd.Function):
             else:
                 dscores = torch.zeros_like(scores)
             if len(idx):  # the decay matrices' chunks: y_in = (scores * L) X per head
-                xw, dyw, n = x[idx], dy[idx], len(idx)
+                xi, dyi, n = x[idx], dy[idx], len(idx)
                 dmix = x.new_empty(h, n, q, q)
                 for i in range(h):
-                    torch.bmm(dyw[:, :, i], xw[:, :, i].transpose(1, 2), out=dmix[i])
-                dx.index_add_(0, idx, _within_by_matrices(dyw, scores[idx].transpose(-1, -2),
+                    torch.bmm(dyi[:, :, i], xi[:, :, i].transpose(1, 2), out=dmix[i])
+                dx.index_add_(0, idx, _within_by_matrices(dyi, scores[idx].transpose(-1, -2),
                                                           lmat.transpose(-1, -2)))
                 dl = (lmat * dmix.permute(1, 0, 2, 3)).view(n, g, r, q, q)  # d(scores * L) * L
                 dscores.index_add_(0, idx, dl.sum(2))
