@@ -291,9 +291,9 @@ def test_mamba_causal_convolution_with_silu_matches_float64(on, dtype, bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groups", [1, 2])
 def test_mamba2_skip_gate_and_grouped_norm_match_float64(on, dtype, groups):
-    """`zoo.nn.ssm_fused.GatedRMSNorm`: ``weight * RMSNorm((y + D x) * silu(z))`` per group against
+    """`zoo.nn.ssm_fused.SkipGatedRMSNorm`: ``weight * RMSNorm((y + D x) * silu(z))`` per group against
     the formula in float64 through autograd, with x and z strided views as the mixer passes them."""
-    from zoo.nn.ssm_fused import GatedRMSNorm
+    from zoo.nn.ssm_fused import SkipGatedRMSNorm
 
     gen = torch.Generator().manual_seed(6)
     h, p = 4, 8
@@ -303,7 +303,7 @@ def test_mamba2_skip_gate_and_grouped_norm_match_float64(on, dtype, groups):
     d = (1 + 0.3 * torch.randn(h, generator=gen)).requires_grad_(True)
     w = (1 + 0.2 * torch.randn(h * p, generator=gen)).requires_grad_(True)
     g = torch.randn(2, 29, h * p, generator=gen)
-    out = GatedRMSNorm.apply(y, x, d, z, w, groups, 1e-5)
+    out = SkipGatedRMSNorm.apply(y, x, d, z, w, groups, 1e-5)
     assert out.dtype == torch.float32 and out.shape == (2, 29, h * p)
     out.backward(g)
     yd, pd, dd, wd = (t.detach().double().requires_grad_(True) for t in (y, proj, d, w))

@@ -5,6 +5,8 @@ layouts fail with one clear line."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from zoo import gemm
@@ -53,6 +55,7 @@ def test_mamba_layouts_equal_one_process(world, layout, family, zero, flavor):
 @pytest.mark.parametrize(("family", "world", "parallel", "message"), [
     ("mamba2", 2, {"cp": 2}, "family 'mamba2' does not support context parallelism"),
     ("mamba2", 4, {"tp": 4}, r"tp=4 does not divide model.ssm_groups=2"),
+    ("mamba2_whole_norm", 2, {"tp": 2}, r"tp=2 does not divide model.ssm_norm_groups=1"),
     ("mamba", 4, {"tp": 4}, None),  # Mamba-1 splits channels, 256 of them: fine
     ("hybrid", 3, {"pp": 3}, r"model.pattern cuts 2 pipeline stages \('\|'\), parallel.pp\*vpp = 3\*1 = 3"),
 ])
@@ -61,9 +64,13 @@ def test_bad_layouts_fail_with_one_clear_line(family, world, parallel, message):
     from zoo.registry import get_registry
     from zoo.testing import layout_for
 
+    model = None
+    if family == "mamba2_whole_norm":  # (the gated norm over the whole inner width: no rank holds it whole)
+        family, model = "mamba2", dataclasses.replace(get_registry().get("mamba2").family.flavors["tiny"](),
+                                                      layer_spec="mamba2_whole_norm")
     fam = get_registry().get(family).family
     if message is None:
-        assert layout_for(fam, world, **parallel).tp == parallel["tp"]
+        assert layout_for(fam, world, model=model, **parallel).tp == parallel["tp"]
         return
     with pytest.raises(ConfigError, match=message):
-        layout_for(fam, world, **parallel)
+        layout_for(fam, world, model=model, **parallel)

@@ -353,8 +353,8 @@ class Mamba2Mixer(nn.Module):
         y, last = ssd_scan(xs, dt, a, b.reshape(bsz, t, g, n), c.reshape(bsz, t, g, n), state=h0, chunk=self.chunk)
         if cache is not None:
             cache.conv[self.layer], cache.ssm[self.layer] = conv_state, last
-        if fused.wanted(z) and h * p % self.norm.group_size == 0:  # skip, gate and norm in one compiled pass
-            y = ssm_fused.GatedRMSNorm.apply(y, xs, self.D, z, self.norm.weight, h * p // self.norm.group_size,
+        if fused.wanted(z):  # the skip, gate and norm in one compiled pass each way
+            y = ssm_fused.SkipGatedRMSNorm.apply(y, xs, self.D, z, self.norm.weight, h * p // self.norm.group_size,
                                              self.norm.eps)
         else:
             y = self.norm((y + xs.float() * self.D.float()[:, None]).reshape(bsz, t, h * p), z)

@@ -109,7 +109,7 @@ def _gate_backward(g: torch.Tensor, y: torch.Tensor, x: torch.Tensor, d: torch.T
     return du, (du * d).to(x.dtype), (du * xf).sum(0), dz.to(z.dtype), (gf * vhat).sum(0)
 
 
-class GatedRMSNorm(torch.autograd.Function):
+class SkipGatedRMSNorm(torch.autograd.Function):
     """``weight * RMSNorm((y + d x) * silu(z))`` in float32, the norm over each of ``groups``
     groups of channels (mamba-ssm's RMSNormGated, norm_before_gate=False, after Mamba-2's skip).
     y, x (B, T, H, P) (y the scan's float32 output, x its input); d (H,); z (B, T, H*P);

@@ -123,8 +123,14 @@ class MambaConfig:
         if "M" in self.symbols and self.layer_spec == "mamba1":
             out["ssm_inner"] = self.ssm_inner
         elif "M" in self.symbols:
-            out |= {"ssm_heads": self.ssm_heads, "ssm_groups": self.ssm_groups}
+            out |= {"ssm_heads": self.ssm_heads, "ssm_groups": self.ssm_groups, "ssm_norm_groups": self.ssm_norm_groups}
         return out
+
+    @property
+    def ssm_norm_groups(self) -> int:
+        """The groups Mamba-2's gated norm normalises over: B/C's, or one over the whole inner width
+        (``mamba2_whole_norm``, which a rank holding part of the width cannot compute alone)."""
+        return 1 if self.layer_spec == "mamba2_whole_norm" else self.ssm_groups
 
     @property
     def pipeline_stages(self) -> tuple[int, ...] | None:
