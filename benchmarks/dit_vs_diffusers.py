@@ -126,10 +126,9 @@ def main() -> None:
     def f_theirs(x, cn):
         return theirs(x, timestep=cn, class_labels=labels).sample
 
-    def f_ours(x, cn):
-        toks = torch.stack([patchify(img[:, None], 1, 2, 2)[0] for img in x])
-        out = ours(toks, positions=pos, noise_level=cn[:, None], labels=labels[:, None])
-        return torch.stack([unpatchify(o, (1, 16, 16), 1, 2, 2)[:, 0] for o in out])
+    def f_ours(x, cn):  # (the batch's patches in one copy each way, as diffusers' patch conv takes them)
+        out = ours(patchify(x[:, :, None], 1, 2, 2)[0], positions=pos, noise_level=cn[:, None], labels=labels[:, None])
+        return unpatchify(out, (1, 16, 16), 1, 2, 2)[:, :, 0]
 
     # The matrix products of a training step any implementation needs (forward and backward: 6 FLOPs
     # a weight per token): each block's q, k, v, out and MLP weights and the final projection per
@@ -153,7 +152,7 @@ def main() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-            def step(fwd=fwd, opt=opt, zoo=zoo, dtype=dtype) -> float:
+            def step(fwd=fwd, opt=opt, zoo=zoo, dtype=dtype, host=None) -> float:
                 sync()
                 t0 = time.perf_counter()
                 with recompute.scope("elementwise" if zoo else "none"):
@@ -161,22 +160,29 @@ def main() -> None:
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+                if host is not None:  # the host has queued the step's work (a GPU's may still run)
+                    host.append(time.perf_counter() - t0)
                 sync()
                 return time.perf_counter() - t0
 
             step()  # a second warm-up (zoo's first compiles its fused CPU kernels, zoo.fused)
-            sides.append((name, step, peak, []))
+            sides.append((name, step, peak, [], []))
         # The two sides' steps alternate, so a drift of the machine's speed (a shared VM's is
         # 10-15% over minutes) falls on both alike; each side's median step is reported.
         for i in range(args.steps):
-            for _name, step, _, times in (sides if i % 2 else sides[::-1]):
-                times.append(step())
-        for name, _, peak, times in sides:
-            results[(name, dtype)] = {"img_s": b / sorted(times)[len(times) // 2], "saved_mb": peak / 2**20}
+            for _name, step, _, times, host in (sides if i % 2 else sides[::-1]):
+                times.append(step(host=host))
+        for name, _, peak, times, host in sides:
+            results[(name, dtype)] = {"img_s": b / sorted(times)[len(times) // 2], "saved_mb": peak / 2**20,
+                                      "step_ms": sorted(times)[len(times) // 2] * 1e3,
+                                      "host_ms": sorted(host)[len(host) // 2] * 1e3}
         z, d = results[("zoo", dtype)], results[("diffusers", dtype)]
         print(f"train {dtype}: images/s zoo {z['img_s']:7.2f}  diffusers {d['img_s']:7.2f}  -> "
               f"{z['img_s'] / d['img_s']:.2f}x | saved for backward zoo {z['saved_mb']:7.1f} MiB  diffusers "
               f"{d['saved_mb']:7.1f} MiB -> {z['saved_mb'] / d['saved_mb']:.2f}x")
+        if cuda:  # host ~ step: bound by the host queuing kernels, not by the GPU's work
+            print(f"  step (host queuing) zoo {z['step_ms']:.1f} ({z['host_ms']:.1f}) ms, diffusers "
+                  f"{d['step_ms']:.1f} ({d['host_ms']:.1f}) ms")
         print(f"  {dtype} images/s {ceiling(gemm_flops, peaks[dtype], b / d['img_s'])}")
 
     # Sampling: 18 Heun steps (35 evaluations), cond + uncond in one forward, same noise, same weights
@@ -204,9 +210,9 @@ def main() -> None:
         return theirs(x, timestep=cn, class_labels=y).sample
 
     def s_ours(x, cn, y):
-        toks = torch.stack([patchify(img[:, None], 1, 2, 2)[0] for img in x])
-        out = ours(toks, positions=pos[:1].expand(len(x), -1, -1), noise_level=cn[:, None], labels=y[:, None])
-        return torch.stack([unpatchify(o, (1, 16, 16), 1, 2, 2)[:, 0] for o in out])
+        out = ours(patchify(x[:, :, None], 1, 2, 2)[0], positions=pos[:1].expand(len(x), -1, -1),
+                   noise_level=cn[:, None], labels=y[:, None])
+        return unpatchify(out, (1, 16, 16), 1, 2, 2)[:, :, 0]
 
     times = {}
     samples = {}

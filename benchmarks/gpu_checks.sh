@@ -5,10 +5,10 @@
 #
 #   bash benchmarks/gpu_checks.sh bench [--rows bf16:hf,bf16:zoo]   # LLaMA 1B vs HF on the GPU (llama_vs_hf.py)
 #   bash benchmarks/gpu_checks.sh checks     # CUDA tests, NCCL probe, `zoo train` of every family
-#   bash benchmarks/gpu_checks.sh issues     # issues 14 and 16's benchmarks on the GPU (DiT vs diffusers,
+#   bash benchmarks/gpu_checks.sh issues [--batch 64]   # issues 14 and 16's benchmarks on the GPU (DiT vs diffusers,
 #                                            # Mamba vs HF), ~3-5 min
 #
-# The wheels, here: `pip wheel --no-deps --no-build-isolation -w .whl/zoo ./core ./plugins/*` (then delete
+# The wheels, here: `pip wheel --no-deps --no-build-isolation -w .whl/zoo ./core ./plugins/*/` (then delete
 # core/build and plugins/*/build, which pip leaves behind) and `pip download --no-deps -d .whl
 # importlib-metadata crc32c braceexpand diffusers` (diffusers for `issues`; pure Python); .whl/ is git-ignored
 # and travels with the device tool's `carry: [".whl"]`.
@@ -63,9 +63,10 @@ EOF
 issues() {
     python3 benchmarks/dit_vs_diffusers.py --device cuda "$@" 2>&1 | tee "$OUT/dit_vs_diffusers.log"
     # Mamba-2 first (issue 16's 3x is on it); HF's Mamba-1 without kernels is a Python loop over tokens
+    # (--quick: 512 and 2,048 only, each process limited to 90 s)
     python3 benchmarks/mamba_vs_hf.py --device cuda --kinds mamba2 2>&1 | grep -v '^\[transformers\]' \
         | tee "$OUT/mamba_vs_hf.log"
-    python3 benchmarks/mamba_vs_hf.py --device cuda --kinds mamba --limit 60 2>&1 | grep -v '^\[transformers\]' \
+    python3 benchmarks/mamba_vs_hf.py --device cuda --kinds mamba --quick 2>&1 | grep -v '^\[transformers\]' \
         | tee -a "$OUT/mamba_vs_hf.log"
 }
 

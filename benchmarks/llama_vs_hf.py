@@ -146,21 +146,25 @@ def time_training(model, loss_of, args: argparse.Namespace, *, bf16_params: bool
         else:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        queued.append(time.perf_counter())  # (on a GPU: the host has queued the step's work)
         return loss.item()
 
+    queued: list[float] = []
     for _ in range(args.warmup):
         step()
-    times = []
+    times, host = [], []
     for _ in range(args.steps):
         t = time.perf_counter()
         loss = step()
         times.append(time.perf_counter() - t)
+        host.append(queued[-1] - t)
     times.sort()
     median = times[len(times) // 2]
     if cuda:  # loss.item() synchronised every step; memory is the CUDA allocator's, not the process's
         peak = torch.cuda.max_memory_allocated() / 2**20
+        # host_s ~ step_s: the step is bound by the host queuing kernels, not by the GPU's work
         return {"tokens_per_s": args.batch * args.seq / median, "step_s": median, "loss": loss,
-                "peak_rss_mb": peak, "rss_over_model_mb": peak - base_mem / 2**20}
+                "host_s": sorted(host)[len(host) // 2], "peak_rss_mb": peak, "rss_over_model_mb": peak - base_mem / 2**20}
     return {"tokens_per_s": args.batch * args.seq / median, "step_s": median, "loss": loss,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "rss_over_model_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_rss}

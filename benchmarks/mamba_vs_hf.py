@@ -175,6 +175,9 @@ def main() -> None:
                 line += f"; HF at chunk {CPU_CHUNK} " + (f"{hq['tokens_per_s']:,.0f} tok/s -> "
                                                          f"{z['tokens_per_s'] / hq['tokens_per_s']:.2f}x"
                                                          if isinstance(hq, dict) else hq)
+            if a.device == "cuda" and isinstance(z, dict) and isinstance(h, dict):
+                line += (f"; step (host queuing) zoo {z['step_s'] * 1e3:.1f} ({z['host_s'] * 1e3:.1f}) ms, HF "
+                         f"{h['step_s'] * 1e3:.1f} ({h['host_s'] * 1e3:.1f}) ms")
             print(line, flush=True)
         gen = {impl: run_child(a, kind=kind, impl=impl, generate=True) for impl in ("hf", "zoo")}
         z, h = gen["zoo"], gen["hf"]

@@ -116,3 +116,26 @@ def test_declared_flops_match_torchs_flop_counter_per_sample_and_add_up_when_pac
         alone.append(flops(batch))
     packed = collate([samples, samples[::-1]], cfg, multiple_of=64)
     assert flops(packed) == pytest.approx(2 * sum(alone))
+
+
+def test_patchify_places_each_value_by_the_documented_order_for_a_batch_and_back():
+    """patchify over a batch of video latents against its definition, value by value: token
+    ``(t, h, w)`` in raster order, features ``(pt, ph, pw, C)``; unpatchify inverts it."""
+    from zoo_dit.model import unpatchify
+
+    lat = torch.randn(2, 3, 4, 6, 4, generator=torch.Generator().manual_seed(0))  # (N, C, T, H, W)
+    pt, ph, pw = 2, 3, 2
+    toks, pos = patchify(lat, pt, ph, pw)
+    gt, gh, gw = 2, 2, 2
+    assert toks.shape == (2, gt * gh * gw, pt * ph * pw * 3)
+    for n in range(2):
+        for tok, (ti, hi, wi) in enumerate(pos.tolist()):
+            assert tok == (ti * gh + hi) * gw + wi
+            for a in range(pt):
+                for b in range(ph):
+                    for c in range(pw):
+                        for ch in range(3):
+                            feat = ((a * ph + b) * pw + c) * 3 + ch
+                            assert toks[n, tok, feat] == lat[n, ch, ti * pt + a, hi * ph + b, wi * pw + c]
+    assert torch.equal(unpatchify(toks, (gt, gh, gw), pt, ph, pw), lat)
+    assert torch.equal(patchify(lat[1], pt, ph, pw)[0], toks[1])  # one sample as before

@@ -210,16 +210,21 @@ def test_causal_conv_equals_torchs_padded_grouped_convolution(with_state, bias, 
         assert torch.allclose(got, want, atol=1e-12)
 
 
-@pytest.mark.parametrize("form", ["factored", "decay matrices"])
+@pytest.mark.parametrize("form", ["factored", "decay matrices", "accelerator"])
 @pytest.mark.parametrize("chunk,groups", [(4, 1), (16, 2), (64, 4)])
 def test_ssd_backward_equals_the_recurrences_gradients(chunk, groups, form, monkeypatch):
-    """The SSD (`zoo.nn.ssd`) in both forms of its within-chunk part, factored and by decay
-    matrices, and its hand-written backward against autograd through the step-by-step recurrence in
-    float64: the gradients of x, dt, A, B, C and the entering state, from both outputs (y and the
-    last state), over a length no chunk size divides (the last chunk padded)."""
+    """The SSD (`zoo.nn.ssd`) in each form of its within-chunk part, factored, by decay matrices
+    (per-head products) and as on an accelerator (every chunk by decay matrices, chosen without
+    reading the spans, heads in one batched product), and its hand-written backward against
+    autograd through the step-by-step recurrence in float64: the gradients of x, dt, A, B, C and
+    the entering state, from both outputs (y and the last state), over a length no chunk size
+    divides (the last chunk padded)."""
     from zoo.nn import ssd
 
     monkeypatch.setattr(ssd, "MAX_SPAN", float("inf") if form == "factored" else -1.0)
+    if form == "accelerator":
+        monkeypatch.setattr(ssd, "MAX_SPAN", float("inf"))  # (which it must not consult)
+        monkeypatch.setattr(ssd, "_launch_bound", lambda x: True)
     g = torch.Generator().manual_seed(chunk)
     x = torch.randn(2, 37, 4, 3, generator=g, dtype=torch.float64, requires_grad=True)
     b, c = (torch.randn(2, 37, groups, 5, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))

@@ -113,6 +113,15 @@ def _cumulative(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 MAX_SPAN = 120.0
 
 
+def _launch_bound(x: torch.Tensor) -> bool:
+    """Whether x lives where a step is bound by kernel launches rather than by the work (an
+    accelerator): there every chunk takes the decay matrices (choosing per chunk reads the spans on
+    the host, a synchronisation per layer that idles the device while the host queues the next
+    kernels) and heads share one batched product instead of a loop of per-head ones, which on a
+    CPU run from strided views faster than a permuted copy. (Tests patch it to run that path here.)"""
+    return x.device.type != "cpu"
+
+
 def _within_by_matrices(x: torch.Tensor, scores: torch.Tensor, lmat: torch.Tensor) -> torch.Tensor:
     """``(scores * L) X`` per head for some chunks: x (n, Q, H, P), scores (n, G, Q, Q), lmat (n, H,
     Q, Q); a loop over heads reading x as strided views (a permuted copy cost more than the
@@ -120,10 +129,23 @@ def _within_by_matrices(x: torch.Tensor, scores: torch.Tensor, lmat: torch.Tenso
     n, q, h, p = x.shape
     g = scores.shape[1]
     mixed = (lmat.view(n, g, h // g, q, q) * scores[:, :, None]).view(n, h, q, q)
+    if _launch_bound(x):  # one batched product
+        return torch.matmul(mixed, x.transpose(1, 2)).transpose(1, 2)
     out = x.new_empty(h, n, q, p)
     for i in range(h):
         torch.bmm(mixed[:, i], x[:, :, i], out=out[i])
     return out.permute(1, 2, 0, 3)
+
+
+def _mix_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``dY X^T`` per head: dy, x (n, Q, H, P) -> (n, H, Q, Q)."""
+    n, q, h, _ = x.shape
+    if _launch_bound(x):
+        return torch.matmul(dy.transpose(1, 2), x.permute(0, 2, 3, 1))
+    out = x.new_empty(h, n, q, q)
+    for i in range(h):
+        torch.bmm(dy[:, :, i], x[:, :, i].transpose(1, 2), out=out[i])
+    return out.permute(1, 0, 2, 3)
 
 
 class SSD(torch.autograd.Function):
@@ -139,7 +161,8 @@ class SSD(torch.autograd.Function):
     matrices ``L`` themselves instead, a product per head (`_within_by_matrices`), and their
     exponents' differences in float64 (a chunk's cumulative sum reaches hundreds where dt A is
     large, and float32 differences of such numbers lose digits next to the diagonal, where L is
-    near 1); their scales are set to 0 and 1, so the factored products add nothing there.
+    near 1); their scales are set to 0 and 1, so the factored products add nothing there. On an
+    accelerator every chunk takes the decay matrices (`_launch_bound`).
 
     Keeps, linear in T: the inputs, the masked scores (T x Q x G), the entering states, y (kept by
     the caller anyway), the scales (T x H each) and the decay matrices of the chunks that need them.
@@ -153,22 +176,29 @@ class SSD(torch.autograd.Function):
         g = b.shape[2]
         r = h // g
         acum, to_end, from_start = _cumulative(a)
-        wide = (acum[..., 0] - acum[..., -1]).amax(-1) > MAX_SPAN  # (BK,): chunks for the decay matrices
-        idx = wide.nonzero().flatten()
-        mid = (acum[..., :1] + acum[..., -1:]) / 2
-        e = torch.exp(acum - mid).float().masked_fill_(wide[:, None, None], 0.0)  # (BK, H, Q)
-        inv = torch.exp(mid - acum).float().masked_fill_(wide[:, None, None], 1.0)
         scores = _per_group(lambda i: torch.bmm(c[:, :, i], b[:, :, i].transpose(1, 2)), g, 1).tril_()
         y, start, last, chunk_decay = _between_chunks(x, b, c, h0, acum, to_end, from_start)
-        if len(idx) < bk:
-            xs = (x * inv.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
-            inner = _per_group(lambda i: torch.bmm(scores[:, i], xs[:, :, i]), g, 2)  # (BK, Q, G, R*P)
-            y.view(bk, q, g, r, p).addcmul_(inner.view(bk, q, g, r, p),
-                                            e.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None])
-        sub = acum[idx]
+        e = inv = idx = None
+        if not _launch_bound(x):
+            wide = (acum[..., 0] - acum[..., -1]).amax(-1) > MAX_SPAN  # (BK,): chunks for the decay matrices
+            idx = wide.nonzero().flatten()
+            if len(idx) < bk:
+                mid = (acum[..., :1] + acum[..., -1:]) / 2
+                e = torch.exp(acum - mid).float().masked_fill_(wide[:, None, None], 0.0)  # (BK, H, Q)
+                inv = torch.exp(mid - acum).float().masked_fill_(wide[:, None, None], 1.0)
+                xs = (x * inv.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
+                inner = _per_group(lambda i: torch.bmm(scores[:, i], xs[:, :, i]), g, 2)  # (BK, Q, G, R*P)
+                y.view(bk, q, g, r, p).addcmul_(inner.view(bk, q, g, r, p),
+                                                e.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None])
+            if len(idx) == bk:
+                idx = None
+        sub = acum if idx is None else acum[idx]
         lmat = (sub[..., :, None] - sub[..., None, :]).float().exp_().tril_()  # exp(> 0) above, then zeroed
-        if len(idx):
+        if idx is None:
+            y.add_(_within_by_matrices(x, scores, lmat))
+        elif len(idx):
             y.index_add_(0, idx, _within_by_matrices(x[idx], scores[idx], lmat))
+        ctx.factored = e is not None
         ctx.save_for_backward(x, b, c, scores, start, y, to_end, from_start, chunk_decay, e, inv, idx, lmat)
         return y, last
 
@@ -184,7 +214,7 @@ class SSD(torch.autograd.Function):
             dacum = (dy * y).sum(-1).transpose(1, 2).contiguous()  # (BK, H, Q): y_i's exp(acum_i) factors
             dx, db, dc, dh0 = _between_chunks_backward(dy, dacum, dlast, x, b, c, start, to_end, from_start,
                                                        chunk_decay)
-            if len(idx) < bk:  # within the chunk: y_in = e * (scores @ (x / e))
+            if ctx.factored:  # within the chunk: y_in = e * (scores @ (x / e))
                 dye = (dy * e.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
                 xs = (x * inv.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
                 dxs = _per_group(lambda i: torch.bmm(scores[:, i].transpose(1, 2), dye[:, :, i]), g, 2)
@@ -194,17 +224,21 @@ class SSD(torch.autograd.Function):
                 dscores = _per_group(lambda i: torch.bmm(dye[:, :, i], xs[:, :, i].transpose(1, 2)), g, 1).tril_()
             else:
                 dscores = torch.zeros_like(scores)
-            if len(idx):  # the decay matrices' chunks: y_in = (scores * L) X per head
-                xi, dyi, n = x[idx], dy[idx], len(idx)
-                dmix = x.new_empty(h, n, q, q)
-                for i in range(h):
-                    torch.bmm(dyi[:, :, i], xi[:, :, i].transpose(1, 2), out=dmix[i])
-                dx.index_add_(0, idx, _within_by_matrices(dyi, scores[idx].transpose(-1, -2),
-                                                          lmat.transpose(-1, -2)))
-                dl = (lmat * dmix.permute(1, 0, 2, 3)).view(n, g, r, q, q)  # d(scores * L) * L
-                dscores.index_add_(0, idx, dl.sum(2))
-                dl.mul_(scores[idx][:, :, None])  # = d(L) * L: L's gradient through acum_i - acum_j
-                dacum.index_add_(0, idx, dl.sum(-2).view(n, h, q), alpha=-1)  # (row sums: in sum_p dY y)
+            if idx is None or len(idx):  # the decay matrices' chunks: y_in = (scores * L) X per head
+                def rows(v: torch.Tensor) -> torch.Tensor:
+                    return v if idx is None else v[idx]
+
+                def add_rows(dst: torch.Tensor, v: torch.Tensor, alpha: float = 1) -> None:
+                    dst.add_(v, alpha=alpha) if idx is None else dst.index_add_(0, idx, v, alpha=alpha)
+
+                xi, dyi, si = rows(x), rows(dy), rows(scores)
+                n = len(xi)
+                dmix = _mix_grad(dyi, xi)  # (n, H, Q, Q)
+                add_rows(dx, _within_by_matrices(dyi, si.transpose(-1, -2), lmat.transpose(-1, -2)))
+                dl = (lmat * dmix).view(n, g, r, q, q)  # d(scores * L) * L
+                add_rows(dscores, dl.sum(2))
+                dl.mul_(si[:, :, None])  # = d(L) * L: L's gradient through acum_i - acum_j
+                add_rows(dacum, dl.sum(-2).view(n, h, q), alpha=-1)  # (row sums: in sum_p dY y)
             dc += _per_group(lambda i: dscores[:, i] @ b[:, :, i], g, 2)
             db += _per_group(lambda i: dscores[:, i].transpose(1, 2) @ c[:, :, i], g, 2)
             da = dacum.flip(-1).cumsum(-1).flip(-1).transpose(1, 2)  # acum = cumsum(a)

@@ -249,7 +249,7 @@ def sample(model: DiT, cfg: DiTConfig, *, labels: list[int] | None = None, conte
         tokens = edm.sample(denoise, noise, sigmas, solver=solver, churn=churn, generator=gen)  # type: ignore[arg-type]
     finally:
         model.train(was)
-    return torch.stack([unpatchify(tok.cpu(), grid, cfg.patch_t, p, p) for tok in tokens])
+    return unpatchify(tokens.cpu(), grid, cfg.patch_t, p, p)
 
 
 def _vae(cfg: DiTConfig) -> Any:

@@ -246,11 +246,14 @@ def build(cfg: DiTConfig, spec: ModelSpec) -> DiT:
 
 
 def patchify(latent: torch.Tensor, pt: int, ph: int, pw: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(C, T, H, W) -> tokens (T/pt * H/ph * W/pw, pt*ph*pw*C) in (T, H, W) raster order, features
-    ``(pt, ph, pw, C)``; and their ``(t, h, w)`` grid positions."""
-    c, t, h, w = latent.shape
-    x = latent.reshape(c, t // pt, pt, h // ph, ph, w // pw, pw)
-    x = x.permute(1, 3, 5, 2, 4, 6, 0).reshape((t // pt) * (h // ph) * (w // pw), pt * ph * pw * c)
+    """(..., C, T, H, W) -> tokens (..., T/pt * H/ph * W/pw, pt*ph*pw*C) in (T, H, W) raster order,
+    features ``(pt, ph, pw, C)``; and their ``(t, h, w)`` grid positions. Leading dims (a batch of
+    equal-sized latents) take one copy, not one per sample."""
+    *lead, c, t, h, w = latent.shape
+    n = len(lead)
+    x = latent.reshape(*lead, c, t // pt, pt, h // ph, ph, w // pw, pw)
+    x = x.permute(*range(n), n + 1, n + 3, n + 5, n + 2, n + 4, n + 6, n)
+    x = x.reshape(*lead, (t // pt) * (h // ph) * (w // pw), pt * ph * pw * c)
     return x, _grid_positions(t // pt, h // ph, w // pw).clone()
 
 
@@ -262,11 +265,13 @@ def _grid_positions(gt: int, gh: int, gw: int) -> torch.Tensor:
 
 
 def unpatchify(tokens: torch.Tensor, grid: tuple[int, int, int], pt: int, ph: int, pw: int) -> torch.Tensor:
-    """Inverse of `patchify`: (gt*gh*gw, pt*ph*pw*C) -> (C, gt*pt, gh*ph, gw*pw)."""
+    """Inverse of `patchify`: (..., gt*gh*gw, pt*ph*pw*C) -> (..., C, gt*pt, gh*ph, gw*pw)."""
     gt, gh, gw = grid
-    c = tokens.shape[-1] // (pt * ph * pw)
-    x = tokens.reshape(gt, gh, gw, pt, ph, pw, c).permute(6, 0, 3, 1, 4, 2, 5)
-    return x.reshape(c, gt * pt, gh * ph, gw * pw)
+    *lead, _, f = tokens.shape
+    n, c = len(lead), f // (pt * ph * pw)
+    x = tokens.reshape(*lead, gt, gh, gw, pt, ph, pw, c)
+    x = x.permute(*range(n), n + 6, n, n + 3, n + 1, n + 4, n + 2, n + 5)
+    return x.reshape(*lead, c, gt * pt, gh * ph, gw * pw)
 
 
 __all__ = ["DiT", "build", "patchify", "position_embedding", "sincos", "timestep_embedding", "unpatchify"]
