@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
+import types
 
 import torch
 
@@ -60,24 +61,11 @@ def diffusers_config(args: argparse.Namespace) -> dict:
             "num_embeds_ada_norm": 1000, "norm_eps": 1e-6}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    add_size_args(ap)
-    ap.add_argument("--steps", type=int, default=9)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--bf16", action="store_true", help="run bf16 on a CPU without bf16 instructions too")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    from llama_vs_hf import bf16_skipped, ceiling, measured_gemm_peaks, zoo_process_settings
-
-    dev = torch.device(args.device)
-    cuda = dev.type == "cuda"
-    if not cuda:
-        zoo_process_settings()
-    # a step's time is its GPU work's: wait for it before reading the clock
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-
+def build_pair(args: argparse.Namespace, dev: torch.device) -> types.SimpleNamespace:
+    """diffusers' model and zoo's with the same weights on ``dev``, one fixed batch (args.batch
+    images, noise levels, noise, labels) and, for each side, the forward `edm_loss` takes:
+    ``theirs, ours, initial`` (diffusers' initial state), ``cfg, pos, edm_loss(forward, dtype),
+    f_theirs, f_ours``. (`benchmarks/step_profile.py` builds the same pair.)"""
     from diffusers import DiTTransformer2DModel
     from zoo_dit import edm
     from zoo_dit.convert import config_from_diffusers, from_diffusers
@@ -85,7 +73,6 @@ def main() -> None:
     from zoo_dit.plugin import DIT
 
     from zoo import gemm
-    from zoo.nn import recompute
 
     dconf = diffusers_config(args)
     torch.manual_seed(0)
@@ -100,11 +87,6 @@ def main() -> None:
     ours.load_state_dict(from_diffusers(theirs.state_dict(), cfg))
     theirs.to(dev)
     ours.to(dev)
-    n_params = sum(p.numel() for p in ours.parameters())
-    where = torch.cuda.get_device_name() if cuda else f"{args.threads} threads"
-    print(f"DiT {args.layers} layers x {args.hidden} ({n_params / 1e6:.1f}M parameters), 4x32x32 latents, patch 2 "
-          f"(256 tokens), batch {args.batch}, {where}, torch {torch.__version__}")
-
     gen = torch.Generator().manual_seed(1)
     b = args.batch
     x0 = torch.randn(b, 4, 32, 32, generator=gen) * 0.5
@@ -130,6 +112,43 @@ def main() -> None:
         out = ours(patchify(x[:, :, None], 1, 2, 2)[0], positions=pos, noise_level=cn[:, None], labels=labels[:, None])
         return unpatchify(out, (1, 16, 16), 1, 2, 2)[:, :, 0]
 
+    return types.SimpleNamespace(theirs=theirs, ours=ours, initial=initial, cfg=cfg, pos=pos, edm_loss=edm_loss,
+                                 f_theirs=f_theirs, f_ours=f_ours)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_size_args(ap)
+    ap.add_argument("--steps", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bf16", action="store_true", help="run bf16 on a CPU without bf16 instructions too")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from llama_vs_hf import bf16_skipped, ceiling, measured_gemm_peaks, zoo_process_settings
+
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    if not cuda:
+        zoo_process_settings()
+    # a step's time is its GPU work's: wait for it before reading the clock
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    from zoo_dit import edm
+    from zoo_dit.convert import from_diffusers
+    from zoo_dit.model import patchify, unpatchify
+
+    from zoo.nn import recompute
+
+    pair = build_pair(args, dev)
+    theirs, ours, initial, cfg, pos = pair.theirs, pair.ours, pair.initial, pair.cfg, pair.pos
+    edm_loss, f_theirs, f_ours = pair.edm_loss, pair.f_theirs, pair.f_ours
+    n_params = sum(p.numel() for p in ours.parameters())
+    where = torch.cuda.get_device_name() if cuda else f"{args.threads} threads"
+    print(f"DiT {args.layers} layers x {args.hidden} ({n_params / 1e6:.1f}M parameters), 4x32x32 latents, patch 2 "
+          f"(256 tokens), batch {args.batch}, {where}, torch {torch.__version__}")
+
+    b = args.batch
     # The matrix products of a training step any implementation needs (forward and backward: 6 FLOPs
     # a weight per token): each block's q, k, v, out and MLP weights and the final projection per
     # token, attention's scores (non-causal); the per-image adaLN and embedders are left out.

@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_checks.sh checks     # CUDA tests, NCCL probe, `zoo train` of every family
 #   bash benchmarks/gpu_checks.sh issues [--batch 64]   # issues 14 and 16's benchmarks on the GPU (DiT vs diffusers,
 #                                            # Mamba vs HF), ~3-5 min
+#   bash benchmarks/gpu_checks.sh profile    # where their steps go on the GPU (step_profile.py: host
+#                                            # queuing vs device time, top ops by each), ~1 min
 #
 # The wheels, here: `pip wheel --no-deps --no-build-isolation -w .whl/zoo ./core ./plugins/*/` (then delete
 # core/build and plugins/*/build, which pip leaves behind) and `pip download --no-deps -d .whl
@@ -68,6 +70,13 @@ issues() {
         | tee "$OUT/mamba_vs_hf.log"
     python3 benchmarks/mamba_vs_hf.py --device cuda --kinds mamba --quick 2>&1 | grep -v '^\[transformers\]' \
         | tee -a "$OUT/mamba_vs_hf.log"
+}
+
+profile() {
+    python3 benchmarks/step_profile.py --device cuda --model mamba2 --seq 2048 "$@" 2>&1 \
+        | grep -v '^\[transformers\]' | tee "$OUT/profile_mamba2.log"
+    python3 benchmarks/step_profile.py --device cuda --model dit --batch 64 --dtype bf16 "$@" 2>&1 \
+        | tee "$OUT/profile_dit.log"
 }
 
 cmd=${1:-checks}
