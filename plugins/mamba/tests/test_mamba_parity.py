@@ -221,9 +221,11 @@ def test_ssd_backward_equals_the_recurrences_gradients(chunk, groups, form, monk
     divides (the last chunk padded)."""
     from zoo.nn import ssd
 
-    monkeypatch.setattr(ssd, "MAX_SPAN", float("inf") if form == "factored" else -1.0)
-    if form == "accelerator":
-        monkeypatch.setattr(ssd, "MAX_SPAN", float("inf"))  # (which it must not consult)
+    monkeypatch.setattr(ssd, "MAX_SPAN", float("inf") if form != "decay matrices" else -1.0)
+    rows = []
+    if form == "accelerator":  # every chunk by decay matrices although no span exceeds MAX_SPAN
+        within = ssd._within_by_matrices
+        monkeypatch.setattr(ssd, "_within_by_matrices", lambda x, *v: rows.append(x.shape[0]) or within(x, *v))
         monkeypatch.setattr(ssd, "_launch_bound", lambda x: True)
     g = torch.Generator().manual_seed(chunk)
     x = torch.randn(2, 37, 4, 3, generator=g, dtype=torch.float64, requires_grad=True)
@@ -232,6 +234,8 @@ def test_ssd_backward_equals_the_recurrences_gradients(chunk, groups, form, monk
     a = (-torch.rand(4, generator=g, dtype=torch.float64) * 4).requires_grad_()
     h0 = torch.randn(2, 4, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
     _assert_gradients_match(ssd_scan, _recurrence_mamba2, (x, dt, a, b, c, h0), chunk, g)
+    if form == "accelerator":
+        assert rows == [2 * -(-37 // min(chunk, 37))] * 2  # all of the batch's chunks, forward and backward
 
 
 def test_a_chunk_that_forgets_too_much_takes_the_decay_matrices(monkeypatch):

@@ -229,7 +229,10 @@ class SSD(torch.autograd.Function):
                     return v if idx is None else v[idx]
 
                 def add_rows(dst: torch.Tensor, v: torch.Tensor, alpha: float = 1) -> None:
-                    dst.add_(v, alpha=alpha) if idx is None else dst.index_add_(0, idx, v, alpha=alpha)
+                    if idx is None:
+                        dst.add_(v, alpha=alpha)
+                    else:
+                        dst.index_add_(0, idx, v, alpha=alpha)
 
                 xi, dyi, si = rows(x), rows(dy), rows(scores)
                 n = len(xi)
