@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import time
 import types
+from collections.abc import Callable
 
 import torch
 
@@ -116,6 +117,34 @@ def build_pair(args: argparse.Namespace, dev: torch.device) -> types.SimpleNames
                                  f_theirs=f_theirs, f_ours=f_ours)
 
 
+def graphed_step_s(model: torch.nn.Module, loss: Callable[[], torch.Tensor], steps: int) -> float:
+    """Median step of ``model`` trained as `zoo train` does with train.cuda_graph=true: forward and
+    backward (under elementwise recomputation) replayed from a CUDA graph, AdamW eager."""
+    from zoo.nn import recompute
+    from zoo.parallel.cuda_graphs import WARMUP, GraphedMicroBatches
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    graphs = GraphedMicroBatches(list(model.parameters()))
+
+    def forward_backward(batch: dict, weight: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        with recompute.scope("elementwise"):
+            out = loss()
+        out.backward()
+        return out.detach(), {}
+
+    one, times = torch.ones((), device="cuda"), []
+    for _ in range(WARMUP + 1 + steps):  # (its eager warm-ups and the capture first, untimed)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graphs(forward_backward, {}, one)
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # (the graph accumulates into the same tensors)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    assert graphs.replays == steps + 1 and graphs.off is None, graphs.off  # (the capture replays once)
+    return sorted(times[WARMUP + 1:])[steps // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_size_args(ap)
@@ -168,6 +197,7 @@ def main() -> None:
             params = {p.untyped_storage().data_ptr() for p in model.parameters()}
             loss, peak = saved_bytes(lambda f=fwd, d=dtype: edm_loss(f, d), zoo, params)  # warm-up step, measures saved bytes
             loss.backward()
+            del loss  # (its autograd graph, kept alive, would hold the gradient nodes made on this stream)
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -202,6 +232,10 @@ def main() -> None:
         if cuda:  # host ~ step: bound by the host queuing kernels, not by the GPU's work
             print(f"  step (host queuing) zoo {z['step_ms']:.1f} ({z['host_ms']:.1f}) ms, diffusers "
                   f"{d['step_ms']:.1f} ({d['host_ms']:.1f}) ms")
+        if cuda:  # zoo's train.cuda_graph=true step: its host work out of the way
+            step_s = graphed_step_s(ours, lambda d=dtype: edm_loss(f_ours, d), args.steps)
+            print(f"  zoo with train.cuda_graph: images/s {b / step_s:7.2f}, step {step_s * 1e3:.1f} ms -> "
+                  f"{b / step_s / d['img_s']:.2f}x diffusers")
         print(f"  {dtype} images/s {ceiling(gemm_flops, peaks[dtype], b / d['img_s'])}")
 
     # Sampling: 18 Heun steps (35 evaluations), cond + uncond in one forward, same noise, same weights

@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_checks.sh checks     # CUDA tests, NCCL probe, `zoo train` of every family
 #   bash benchmarks/gpu_checks.sh issues [--batch 64]   # issues 14 and 16's benchmarks on the GPU (DiT vs diffusers,
 #                                            # Mamba vs HF), ~3-5 min
+#   bash benchmarks/gpu_checks.sh tests [-k cuda_graph]   # tests/test_cuda.py (or some of it) alone
 #   bash benchmarks/gpu_checks.sh profile    # where their steps go on the GPU (step_profile.py: host
 #                                            # queuing vs device time, top ops by each), ~1 min
 #
@@ -73,10 +74,14 @@ issues() {
 }
 
 profile() {
-    python3 benchmarks/step_profile.py --device cuda --model mamba2 --seq 2048 "$@" 2>&1 \
+    python3 benchmarks/step_profile.py --device cuda --model mamba2 --seq 2048 --python "$@" 2>&1 \
         | grep -v '^\[transformers\]' | tee "$OUT/profile_mamba2.log"
-    python3 benchmarks/step_profile.py --device cuda --model dit --batch 64 --dtype bf16 "$@" 2>&1 \
+    python3 benchmarks/step_profile.py --device cuda --model dit --batch 64 --dtype bf16 --python "$@" 2>&1 \
         | tee "$OUT/profile_dit.log"
+}
+
+tests() {  # tests/test_cuda.py alone, e.g. `tests -k cuda_graph`
+    python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py "$@" 2>&1 | tee "$OUT/pytest_cuda.log" | tail -25
 }
 
 cmd=${1:-checks}

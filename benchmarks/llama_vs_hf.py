@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -103,12 +104,15 @@ def worker(args: argparse.Namespace) -> None:
     print(json.dumps(time_training(model, loss_of, args, bf16_params=args.impl == "zoo-bf16p")))
 
 
-def time_training(model, loss_of, args: argparse.Namespace, *, bf16_params: bool = False) -> dict:
+def time_training(model, loss_of, args: argparse.Namespace, *, bf16_params: bool = False,
+                  cuda_graph: bool = False) -> dict:
     """Median step time of AdamW training on one fixed batch (``args``: vocab, batch, seq, precision,
     warmup, steps): tokens/s, the last loss and peak RSS. Also used by benchmarks/moe_vs_hf.py.
     ``bf16_params``: zoo's `train.param_dtype=bf16` path: bf16 parameters and gradients (autocast
     then re-casts nothing), fp32 master weights and Adam state in zoo's distributed optimizer, which
-    on one rank shards nothing (`zoo.parallel.zero`, over `zoo.parallel.data_parallel.GradBuckets`)."""
+    on one rank shards nothing (`zoo.parallel.zero`, over `zoo.parallel.data_parallel.GradBuckets`).
+    ``cuda_graph``: zoo's `train.cuda_graph=true` path: forward and backward replayed from a CUDA graph
+    (`zoo.parallel.cuda_graphs`, driven as the trainer drives it), the optimizer step eager."""
     import torch
 
     model.train()
@@ -135,22 +139,33 @@ def time_training(model, loss_of, args: argparse.Namespace, *, bf16_params: bool
         base_mem = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
 
-    def step() -> float:
+    def forward_backward(batch: dict, weight: torch.Tensor) -> tuple[torch.Tensor, dict]:
         with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
-            loss = loss_of(model, inputs, labels)
-        loss.backward()
+            loss = loss_of(model, batch["inputs"], batch["labels"])
+        loss.backward()  # (weight: 1, one micro-batch a step)
+        return loss.detach(), {}
+
+    graphs, one, extra_warmup = None, torch.ones((), device=device), 0
+    if cuda_graph:
+        from zoo.parallel.cuda_graphs import WARMUP, GraphedMicroBatches
+
+        graphs = functools.partial(GraphedMicroBatches(list(model.parameters())), forward_backward)
+        extra_warmup = WARMUP + 1  # its eager warm-up steps and the capture's, untimed
+
+    def step() -> float:
+        loss, _ = (graphs or forward_backward)({"inputs": inputs, "labels": labels}, one)
         if buckets is not None:
             buckets.finish()
             opt.step()
             buckets.zero_grad()
         else:
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=graphs is None)  # (a graph accumulates into the same tensors)
         queued.append(time.perf_counter())  # (on a GPU: the host has queued the step's work)
         return loss.item()
 
     queued: list[float] = []
-    for _ in range(args.warmup):
+    for _ in range(args.warmup + extra_warmup):
         step()
     times, host = [], []
     for _ in range(args.steps):

@@ -101,7 +101,9 @@ def worker(a: argparse.Namespace) -> None:
     # The products with weight matrices (projections, head) a token needs forward and backward:
     # the part of the step any implementation must do; the scan's own work comes on top.
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    print(json.dumps({**time_training(model, loss_of, a), "gemm_flops_per_token": 6.0 * linear}))
+    # zoo-graph: zoo's train.cuda_graph=true step (forward and backward replayed from a CUDA graph)
+    print(json.dumps({**time_training(model, loss_of, a, cuda_graph=a.impl == "zoo-graph"),
+                      "gemm_flops_per_token": 6.0 * linear}))
 
 
 def run_child(a: argparse.Namespace, **over: object) -> dict | str:
@@ -178,6 +180,10 @@ def main() -> None:
             if a.device == "cuda" and isinstance(z, dict) and isinstance(h, dict):
                 line += (f"; step (host queuing) zoo {z['step_s'] * 1e3:.1f} ({z['host_s'] * 1e3:.1f}) ms, HF "
                          f"{h['step_s'] * 1e3:.1f} ({h['host_s'] * 1e3:.1f}) ms")
+                g = run_child(a, kind=kind, impl="zoo-graph", seq=seq)  # the host out of the step
+                line += ("\n  zoo with train.cuda_graph: " + (
+                    f"{g['tokens_per_s']:,.0f} tok/s, {g['peak_rss_mb']:,.0f} MB, step {g['step_s'] * 1e3:.2f} ms -> "
+                    f"{g['tokens_per_s'] / h['tokens_per_s']:.2f}x HF's tokens/s" if isinstance(g, dict) else g))
             print(line, flush=True)
         gen = {impl: run_child(a, kind=kind, impl=impl, generate=True) for impl in ("hf", "zoo")}
         z, h = gen["zoo"], gen["hf"]

@@ -85,6 +85,15 @@ def profile_side(name: str, model: torch.nn.Module, loss_of: Callable[[], torch.
     print(events.table(sort_by="self_cpu_time_total", row_limit=a.rows, max_name_column_width=60))
     if cuda:
         print(events.table(sort_by="self_device_time_total", row_limit=a.rows, max_name_column_width=60))
+    if a.python:  # the host's time by Python function (what the op table cannot show: time between ops)
+        import cProfile
+        import pstats
+
+        with cProfile.Profile() as pyprof:
+            for _ in range(2):
+                step()
+            sync()
+        pstats.Stats(pyprof).sort_stats("tottime").print_stats(a.rows)
 
 
 def main() -> None:
@@ -94,6 +103,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--rows", type=int, default=15, help="ops listed per table")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--python", action="store_true", help="also the host's time by Python function (cProfile)")
     p.add_argument("--layers", type=int, help="default: 2 (Mamba-2), 6 (DiT), as their benchmarks")
     p.add_argument("--hidden", type=int, help="default: 256 (Mamba-2), 384 (DiT)")
     # Mamba-2: mamba_vs_hf.py's sizes

@@ -7,6 +7,7 @@ autocast on a GPU stays near float32, and that the trainer's curve on a GPU is t
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -126,3 +127,68 @@ def test_the_phase_timers_charge_gpu_work_to_the_phase_that_launched_it(tmp_path
     float(a.sum())  # the optimizer's first read of a device value
     inst.lap("optimizer")
     assert inst.sums["forward_backward"] > 5 * inst.sums["optimizer"], inst.sums
+
+
+def _curve(run_dir):
+    import json
+
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _same_curve(graphed, eager, what):
+    assert [r["step"] for r in graphed] == [r["step"] for r in eager]
+    for a, b in zip(graphed, eager):
+        for key in ("loss", "aux_l2", "grad_norm", "val_loss"):
+            if key in b:
+                assert abs(a[key] - b[key]) <= 1e-6 * abs(b[key]) + 1e-7, (what, key, a["step"], a[key], b[key])
+
+
+def test_cuda_graphs_replay_the_trainers_eager_steps(tmp_path):
+    """train.cuda_graph=true on the trainer's own family (four micro-batches a step accumulated into
+    the same gradients, frozen parameters, a learning-rate multiplier, EMA, validation, checkpoints):
+    the micro-batches after the warm-up are replayed from one graph, and the curve is the eager run's."""
+    from _trainer_family import DATASET, FAMILY, CondConfig
+    from test_trainer import COMMON
+
+    from zoo.config import resolve
+    from zoo.parallel.cuda_graphs import WARMUP
+    from zoo.parallel.layout import plan
+    from zoo.training.trainer import Trainer
+
+    curves, graphs = {}, None
+    for graph in ("false", "true"):
+        run = resolve(family="cond", flavor="tiny", model_cls=CondConfig, model_defaults=FAMILY.flavors["tiny"](),
+                      recipe=[("recipe of cond", FAMILY.recipe)],
+                      overrides=[*COMMON, "train.device=cuda", f"train.cuda_graph={graph}"])
+        trainer = Trainer(FAMILY, run, plan(run, world_size=1, family=FAMILY), run_dir=tmp_path / graph, dataset=DATASET)
+        trainer.fit()
+        curves[graph], graphs = _curve(tmp_path / graph), trainer.par.graphs
+    assert graphs.off is None and graphs.captures == 1, (graphs.off, graphs.captures)
+    assert graphs.replays == 6 * 4 - WARMUP  # 6 steps of 4 micro-batches: all but the warm-ups replayed
+    _same_curve(curves["true"], curves["false"], "cond")
+
+
+@pytest.mark.parametrize("model", ["llama", "mamba2", "dit"])
+def test_cuda_graphs_train_a_familys_eager_curve_under_zoo_train(capsys, tmp_path, model):
+    """`zoo train --model M train.cuda_graph=true` captures the family's step (no fallback to eager)
+    and trains the eager run's curve."""
+    from zoo.parallel.cuda_graphs import WARMUP
+    from zoo.testing import run_zoo
+
+    curves = {}
+    for graph in ("false", "true"):
+        out = run_zoo(capsys, "train", "--model", model, "--run-dir", str(tmp_path / graph), "train.steps=6",
+                      "train.device=cuda", f"train.cuda_graph={graph}", "train.eval_interval=0", "logging.interval=1",
+                      "logging.progress=false", "checkpoint.interval=0")
+        assert out.returncode == 0, out.stderr[-3000:]
+        said = [x for x in (out.stdout + out.stderr).splitlines() if x.startswith("train.cuda_graph:")]
+        if graph == "true":  # replayed (after the warm-ups), never eager for good, no shape left eager
+            assert len(said) == 1, out.stdout[-3000:]
+            m = re.fullmatch(r"train.cuda_graph: (\d+) of (\d+) micro-batches replayed from (\d+) graph\(s\)", said[0])
+            assert m, said
+            replays, calls, graphs = map(int, m.groups())
+            assert graphs >= 1 and replays == calls - WARMUP * graphs > 0, said
+        else:
+            assert not said, said
+        curves[graph] = _curve(tmp_path / graph)
+    _same_curve(curves["true"], curves["false"], model)

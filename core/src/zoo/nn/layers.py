@@ -123,7 +123,9 @@ def run_layers(layers: Iterable[nn.Module], x: torch.Tensor, *args: Any, keep: t
 def kept_positions(loss_mask: torch.Tensor | None, *, at_most: float = 0.75) -> torch.Tensor | None:
     """The positions (B, K) a loss reads -- every column some row of ``loss_mask`` (B, T) keeps --
     or None when that is more than ``at_most`` of them (selecting would not pay)."""
-    if loss_mask is None:
+    from zoo.parallel.cuda_graphs import capturing
+
+    if loss_mask is None or capturing(loss_mask):  # (a CUDA graph cannot count them: all positions)
         return None
     cols = loss_mask.bool().any(0).nonzero().flatten()
     if cols.numel() > at_most * loss_mask.shape[1]:

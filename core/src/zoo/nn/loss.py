@@ -100,11 +100,12 @@ def linear_cross_entropy(hidden: torch.Tensor, head: nn.Module | torch.Tensor, l
     parallelism made the head a vocabulary-parallel `ColumnParallelLinear`, the logits stay split
     over its group and the loss is computed vocab-parallel.
     """
+    from zoo.parallel.cuda_graphs import capturing
     from zoo.parallel.tensor_parallel import ColumnParallelLinear
 
     if loss_mask is None:
         loss_mask = torch.ones_like(labels, dtype=torch.bool)
-    else:
+    elif not capturing(loss_mask):  # (a CUDA graph cannot count the kept rows: it runs them all, masked)
         # Rows the mask drops carry neither loss nor gradient, so the head runs on the kept rows
         # only: a LLaVA row is mostly image and prompt positions, an SFT row mostly prompt.
         kept = loss_mask.nonzero().flatten()

@@ -15,6 +15,7 @@ the tests use exactly this path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -53,6 +54,7 @@ class Parallel:
     def __init__(self, model: nn.Module, family: Family, layout: Layout, *, rank: int = 0, seed: int = 1234,
                  init: InitRecord | None = None, device: Any = "cpu") -> None:
         self.family, self.layout = family, layout
+        self.graphs: Any = None  # a GraphedMicroBatches under train.cuda_graph (zoo.parallel.cuda_graphs)
         refs = tensor_refs(model) if init is not None else {}
         lay = layout
         self.tp, self.cp, self.pp, self.dp, self.vpp = lay.tp, lay.cp, lay.pp, lay.dp, lay.vpp
@@ -347,14 +349,18 @@ class Parallel:
         buckets = self.buckets
         results: list[tuple[torch.Tensor, Any]] = []
         if self.pp == 1:
+            def micro_batch(batch: dict[str, Any], weight: torch.Tensor) -> tuple[torch.Tensor, Any]:
+                loss, metrics = objective(self.model, batch)
+                scale(loss * weight / m).backward()  # (m: fixed for a run, so a graph may keep it)
+                return loss.detach(), metrics
+
             for i, batch in enumerate(prepared):
                 sync = buckets.no_sync() if (buckets is not None and i < m - 1) else contextlib.nullcontext()
                 if self.fsdp_roots:  # reduce-scatter on the last micro-batch only
                     self._gradient_sync(self.fsdp_roots, i == m - 1)
-                with sync:
-                    loss, metrics = objective(self.model, batch)
-                    scale(loss * weights[i] / m).backward()
-                results.append((loss.detach(), metrics))
+                with sync:  # (train.cuda_graph: replayed from a graph of this batch shape)
+                    run = micro_batch if self.graphs is None else functools.partial(self.graphs, micro_batch)
+                    results.append(run(batch, weights[i]))
         else:
             def scale_last(loss: torch.Tensor, mb: int) -> torch.Tensor:
                 return scale(loss * weights[mb] / m)

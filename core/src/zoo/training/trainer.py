@@ -16,6 +16,7 @@ Checkpoints hold the single-process model's names and shapes, so a run resumes u
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from collections.abc import Iterator, Mapping
@@ -32,6 +33,7 @@ from zoo.data.energon.training import path_kind
 from zoo.errors import ConfigError
 from zoo.family import DatasetSpec, Family, resolve
 from zoo.io import atomic_write_text
+from zoo.parallel import cuda_graphs
 from zoo.parallel.engine import Parallel, StepOutput
 from zoo.parallel.layout import Layout
 from zoo.training import cpu, optim
@@ -128,6 +130,7 @@ class Trainer:
         self.dev_type = "cuda" if env.device.startswith("cuda") else "cpu"
         if self.dev_type == "cpu":
             cpu.configure(run.train, announce=env.is_main)  # allocator, float32 products, fused kernels
+        cuda_graphs.check(enabled=run.train.cuda_graph, device=env.device, layout=self.layout, precision=run.train.precision)
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.train.precision)
         full, record = self._model_on_meta()
         self.n_params = sum(p.numel() for p in full.parameters())
@@ -188,6 +191,8 @@ class Trainer:
         else:
             self.scaler = torch.amp.GradScaler(self.dev_type, enabled=run.train.precision == "fp16")
         self.ema = EMA(self.model, par.placements, run.train.ema) if run.train.ema > 0 else None
+        if run.train.cuda_graph:  # (after the buckets: gradients that are their views stay so)
+            par.graphs = cuda_graphs.GraphedMicroBatches(list(self.model.parameters()), note=lambda m: print(m, flush=True))
 
     def stateful(self) -> list[Stateful]:
         """Everything a checkpoint saves besides the loop position and the RNG states."""
@@ -268,7 +273,7 @@ class Trainer:
         if self.buckets is not None:
             self.buckets.zero_grad()  # gradients are views into the buckets: zero, never free
         else:
-            self.opt.zero_grad(set_to_none=True)
+            self.opt.zero_grad(set_to_none=self.par.graphs is None)  # (a graph accumulates into the same tensors)
         if self.ema is not None and updated:
             self.ema.update()
         self.state.step += 1
@@ -284,13 +289,7 @@ class Trainer:
     def evaluate(self) -> StepOutput | None:
         """Validation loss and metrics (every rank: parallel forwards are collective), then the
         family's preview of the first validation micro-batch. None when the split is empty."""
-        it = self.data("valid", 0)
-        batches = []
-        for _ in range(self.run.train.eval_steps):
-            try:
-                batches.append(next(it))
-            except StopIteration:
-                break
+        batches = list(itertools.islice(self.data("valid", 0), self.run.train.eval_steps))
         if not batches:  # (a loss over no batch would be logged as NaN)
             if self.env.is_main and not getattr(self, "_no_val_note", False):
                 print("validation skipped: the validation split holds no batch", flush=True)
@@ -408,8 +407,7 @@ class Trainer:
         metrics = {k: float(v) for k, v in out.metrics.items()}
         record: dict[str, Any] = {"step": self.state.step, "loss": metrics.pop("loss"), "lr": lr,
                                   "grad_norm": float(grad_norm), "skipped_steps": self.guard.skipped,
-                                  f"{unit}_per_s": rate,
-                                  "flops_per_s": achieved, "mfu": achieved / self.peak, **metrics}
+                                  f"{unit}_per_s": rate, "flops_per_s": achieved, "mfu": achieved / self.peak, **metrics}
         if val is not None:
             record["val_loss"] = float(val.metrics["loss"])
             record.update({f"val_{k}": float(v) for k, v in val.metrics.items() if k != "loss"})
@@ -486,6 +484,8 @@ class Trainer:
         run = self.run
         print(f"trained {run.family} ({run.flavor}, {self.n_params:,} parameters) for {self.state.step} steps; "
               f"final loss {loss:.4f}; run directory {self.run_dir}", flush=True)
+        if self.par.graphs is not None:
+            print(self.par.graphs.summary(), flush=True)
         if self.log is not None and self.log.tb_dir is not None:
             print(f"TensorBoard event files in {self.log.tb_dir} (tensorboard --logdir {self.log.tb_dir})", flush=True)
 
