@@ -143,29 +143,47 @@ def _same_curve(graphed, eager, what):
                 assert abs(a[key] - b[key]) <= 1e-6 * abs(b[key]) + 1e-7, (what, key, a["step"], a[key], b[key])
 
 
-def test_cuda_graphs_replay_the_trainers_eager_steps(tmp_path):
+def test_cuda_graphs_replay_the_trainers_eager_steps_and_resume_exactly(tmp_path):
     """train.cuda_graph=true on the trainer's own family (four micro-batches a step accumulated into
     the same gradients, frozen parameters, a learning-rate multiplier, EMA, validation, checkpoints):
-    the micro-batches after the warm-up are replayed from one graph, and the curve is the eager run's."""
+    the micro-batches after the warm-up are replayed from one graph, the curve is the eager run's, and
+    a graphed run resumed from the step-3 checkpoint continues the uninterrupted one (weights and EMA)."""
+    import shutil
+
     from _trainer_family import DATASET, FAMILY, CondConfig
-    from test_trainer import COMMON
+    from test_trainer import COMMON, _tensors
 
     from zoo.config import resolve
     from zoo.parallel.cuda_graphs import WARMUP
     from zoo.parallel.layout import plan
     from zoo.training.trainer import Trainer
 
-    curves, graphs = {}, None
-    for graph in ("false", "true"):
+    def fit(graph: str, run_dir):
         run = resolve(family="cond", flavor="tiny", model_cls=CondConfig, model_defaults=FAMILY.flavors["tiny"](),
                       recipe=[("recipe of cond", FAMILY.recipe)],
                       overrides=[*COMMON, "train.device=cuda", f"train.cuda_graph={graph}"])
-        trainer = Trainer(FAMILY, run, plan(run, world_size=1, family=FAMILY), run_dir=tmp_path / graph, dataset=DATASET)
+        trainer = Trainer(FAMILY, run, plan(run, world_size=1, family=FAMILY), run_dir=run_dir, dataset=DATASET)
         trainer.fit()
-        curves[graph], graphs = _curve(tmp_path / graph), trainer.par.graphs
+        return _curve(run_dir), trainer.par.graphs
+
+    eager, _ = fit("false", tmp_path / "eager")
+    graphed, graphs = fit("true", tmp_path / "graphed")
     assert graphs.off is None and graphs.captures == 1, (graphs.off, graphs.captures)
     assert graphs.replays == 6 * 4 - WARMUP  # 6 steps of 4 micro-batches: all but the warm-ups replayed
-    _same_curve(curves["true"], curves["false"], "cond")
+    _same_curve(graphed, eager, "cond")
+
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "graphed" / "checkpoints" / "step_00000003", resumed / "checkpoints" / "step_00000003")
+    again, graphs = fit("true", resumed)
+    assert graphs.off is None and graphs.replays == 3 * 4 - WARMUP, (graphs.off, graphs.replays)
+    _same_curve(again, graphed[3:], "cond resumed")
+    final, ref = _tensors(resumed / "checkpoints" / "step_00000006"), _tensors(tmp_path / "graphed" / "checkpoints" /
+                                                                             "step_00000006")
+    assert final.keys() == ref.keys()
+    for k, v in ref.items():
+        same = torch.allclose(final[k], v, rtol=1e-5, atol=1e-7) if v.is_floating_point() else torch.equal(final[k], v)
+        assert same, k
 
 
 @pytest.mark.parametrize("model", ["llama", "mamba2", "dit"])
