@@ -12,6 +12,9 @@ fp32 and bf16 autocast. Both sides run in this one process, under `zoo train`'s 
 
     python benchmarks/dit_vs_diffusers.py [--layers 6] [--batch 8] [--steps 9] [--threads 2] [--bf16]
     python benchmarks/dit_vs_diffusers.py --device cuda --batch 64   # on a GPU (CUDA autocast, SDPA on both sides)
+
+On a GPU zoo's step is also timed as `train.cuda_graph=true` runs it (forward and backward replayed
+from a CUDA graph, `zoo.parallel.cuda_graphs`; after the alternating steps, on the same weights).
 """
 
 from __future__ import annotations

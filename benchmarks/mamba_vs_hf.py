@@ -18,6 +18,10 @@ sides ~5x.)
     python benchmarks/mamba_vs_hf.py --kinds mamba2 --state 64 --chunk 64   # earlier sessions' config
     python benchmarks/mamba_vs_hf.py --kinds mamba2 --device cuda   # on a GPU (both sides' PyTorch paths; zoo
                                                                     # takes mamba_ssm's kernels where installed)
+
+On a GPU each length also reports zoo's step as `train.cuda_graph=true` runs it (forward and backward
+replayed from a CUDA graph, `zoo.parallel.cuda_graphs`): zoo's eager step there is bound by the host
+queuing its kernels, the graphed one by the GPU.
 """
 
 from __future__ import annotations
