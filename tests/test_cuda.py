@@ -186,10 +186,13 @@ def test_cuda_graphs_replay_the_trainers_eager_steps_and_resume_exactly(tmp_path
         assert same, k
 
 
-@pytest.mark.parametrize("model", ["llama", "mamba2", "dit"])
-def test_cuda_graphs_train_a_familys_eager_curve_under_zoo_train(capsys, tmp_path, model):
+@pytest.mark.parametrize("model, extra", [("llama", ()), ("mamba2", ()), ("dit", ()),
+                                          ("llama", ("train.precision=bf16", "train.param_dtype=bf16"))],
+                         ids=["llama", "mamba2", "dit", "llama-bf16-params"])
+def test_cuda_graphs_train_a_familys_eager_curve_under_zoo_train(capsys, tmp_path, model, extra):
     """`zoo train --model M train.cuda_graph=true` captures the family's step (no fallback to eager)
-    and trains the eager run's curve."""
+    and trains the eager run's curve; with bf16 parameters the gradients are views into the
+    distributed optimizer's buckets, which the graph accumulates into."""
     from zoo.parallel.cuda_graphs import WARMUP
     from zoo.testing import run_zoo
 
@@ -197,7 +200,7 @@ def test_cuda_graphs_train_a_familys_eager_curve_under_zoo_train(capsys, tmp_pat
     for graph in ("false", "true"):
         out = run_zoo(capsys, "train", "--model", model, "--run-dir", str(tmp_path / graph), "train.steps=6",
                       "train.device=cuda", f"train.cuda_graph={graph}", "train.eval_interval=0", "logging.interval=1",
-                      "logging.progress=false", "checkpoint.interval=0")
+                      "logging.progress=false", "checkpoint.interval=0", *extra)
         assert out.returncode == 0, out.stderr[-3000:]
         said = [x for x in (out.stdout + out.stderr).splitlines() if x.startswith("train.cuda_graph:")]
         if graph == "true":  # replayed (after the warm-ups), never eager for good, no shape left eager
