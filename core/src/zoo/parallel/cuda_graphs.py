@@ -77,8 +77,8 @@ class GraphedMicroBatches:
         self.seen: dict[Any, int] = {}
         self.off: str | None = None  # why the run went eager for good
         self.grads: list[torch.Tensor | None] = []
-        self.side: torch.cuda.Stream | None = None
-        self.calls = self.captures = self.replays = 0
+        self.side = torch.cuda.Stream()  # warm-ups, captures and extra shapes (the module's docstring says why)
+        self.calls = self.replays = 0
 
     def __call__(self, fn: MicroBatch, batch: dict[str, Any], weight: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         self.calls += 1
@@ -112,21 +112,12 @@ class GraphedMicroBatches:
         return (f"train.cuda_graph: {self.replays} of {self.calls} micro-batches replayed from {len(self.graphs)} "
                 f"graph(s)" + (f"; eager from then on: {self.off}" if self.off else ""))
 
-    def _stream(self) -> torch.cuda.Stream:
-        # Warm-ups and captures on one side stream: autograd's gradient-accumulation nodes live
-        # as long as any graph that reaches them, and one made on another stream than the
-        # capture's would make the capture synchronise with that stream, which it cannot.
-        if self.side is None:
-            self.side = torch.cuda.Stream()
-        return self.side
-
     def _on_side_stream(self, fn: MicroBatch, batch: dict[str, Any], weight: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """An eager micro-batch on the side stream, as torch asks of the iterations before a capture."""
-        side = self._stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
             out = fn(batch, weight)
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(self.side)
         return out
 
     def _give_up(self, why: str) -> None:
@@ -144,14 +135,13 @@ class GraphedMicroBatches:
         # behind but its outputs (kept apart) is read by another.
         pool = next(iter(self.graphs.values())).graph.pool() if self.graphs else None
         try:
-            with torch.cuda.graph(graph, pool=pool, stream=self._stream()):
+            with torch.cuda.graph(graph, pool=pool, stream=self.side):
                 loss, metrics = fn(inputs, w)
         except Exception as e:  # noqa: BLE001 (whatever the capture met: said, then eager)
             torch.cuda.synchronize()  # a capture error leaves the device usable; anything else raises here
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             self._give_up(f"capture failed ({type(e).__name__}: {first[:200]})")
             return None
-        self.captures += 1
         self.graphs[key] = _Graph(graph, inputs, w, loss, metrics)
         return self.graphs[key]
 
