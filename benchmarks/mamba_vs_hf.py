@@ -15,6 +15,7 @@ sides ~5x.)
 
     python benchmarks/mamba_vs_hf.py            # 512, 2048, 8192
     python benchmarks/mamba_vs_hf.py --quick    # 512 and 2048, fewer steps
+    python benchmarks/mamba_vs_hf.py --kinds mamba2 --pairs 5   # each side's median of 5 fresh processes
     python benchmarks/mamba_vs_hf.py --kinds mamba2 --state 64 --chunk 64   # earlier sessions' config
     python benchmarks/mamba_vs_hf.py --kinds mamba2 --device cuda   # on a GPU (both sides' PyTorch paths; zoo
                                                                     # takes mamba_ssm's kernels where installed)
@@ -126,6 +127,19 @@ def run_child(a: argparse.Namespace, **over: object) -> dict | str:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def median_run(results: list[dict | str]) -> dict | str:
+    """The run of median tokens/s among ``results`` (a failure's message if any failed), with the
+    largest peak RSS of them and, for more than one, the spread of tokens/s."""
+    bad = [r for r in results if not isinstance(r, dict)]
+    if bad:
+        return bad[0]
+    ranked = sorted(results, key=lambda r: r["tokens_per_s"])
+    mid = dict(ranked[len(ranked) // 2], peak_rss_mb=max(r["peak_rss_mb"] for r in results))
+    if len(results) > 1:
+        mid["spread"] = (ranked[0]["tokens_per_s"], ranked[-1]["tokens_per_s"])
+    return mid
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=2)
@@ -142,6 +156,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--quick", action="store_true")
+    # a 2-core VM's speed drifts 10-15% between processes: more pairs, each side's median
+    p.add_argument("--pairs", type=int, default=1, help="fresh-process (HF, zoo) pairs per length; medians")
     p.add_argument("--kinds", default="mamba,mamba2", help="which of mamba, mamba2 to measure")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--generate", action="store_true", help=argparse.SUPPRESS)
@@ -165,8 +181,9 @@ def main() -> None:
     print(f"# GEMM peak (best 2048^3 product; 8192^3 on a GPU) fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s")
     for kind in a.kinds.split(","):
         for seq in lengths:
-            res = {impl: run_child(a, kind=kind, impl=impl, seq=seq) for impl in ("hf", "zoo")}
-            z, h = res["zoo"], res["hf"]
+            runs = [{impl: run_child(a, kind=kind, impl=impl, seq=seq) for impl in ("hf", "zoo")[::1 - 2 * (i % 2)]}
+                    for i in range(a.pairs)]  # (the order alternates pair by pair)
+            z, h = (median_run([r[impl] for r in runs]) for impl in ("zoo", "hf"))
             line = f"{kind} T={seq}: zoo " + (f"{z['tokens_per_s']:,.0f} tok/s, {z['peak_rss_mb']:,.0f} MB"
                                               if isinstance(z, dict) else z)
             line += "; HF " + (f"{h['tokens_per_s']:,.0f} tok/s, {h['peak_rss_mb']:,.0f} MB" if isinstance(h, dict) else h)
@@ -188,6 +205,9 @@ def main() -> None:
                 line += ("\n  zoo with train.cuda_graph: " + (
                     f"{g['tokens_per_s']:,.0f} tok/s, {g['peak_rss_mb']:,.0f} MB, step {g['step_s'] * 1e3:.2f} ms -> "
                     f"{g['tokens_per_s'] / h['tokens_per_s']:.2f}x HF's tokens/s" if isinstance(g, dict) else g))
+            if a.pairs > 1 and isinstance(z, dict) and isinstance(h, dict):
+                line += (f"\n  medians of {a.pairs} process pairs; tok/s ranges zoo {z['spread'][0]:,.0f}-"
+                         f"{z['spread'][1]:,.0f}, HF {h['spread'][0]:,.0f}-{h['spread'][1]:,.0f}")
             print(line, flush=True)
         gen = {impl: run_child(a, kind=kind, impl=impl, generate=True) for impl in ("hf", "zoo")}
         z, h = gen["zoo"], gen["hf"]

@@ -7,6 +7,7 @@ time (torch.profiler over two steps). The models, batches and losses are those o
 
     python benchmarks/step_profile.py --model mamba2 --seq 2048 [--device cuda]
     python benchmarks/step_profile.py --model dit --batch 64 --dtype bf16 --device cuda
+    python benchmarks/step_profile.py --model dit --dtype bf16 --shapes --rows 40   # ops by input shapes
 """
 
 from __future__ import annotations
@@ -70,11 +71,11 @@ def profile_side(name: str, model: torch.nn.Module, loss_of: Callable[[], torch.
         sync()
         steps.append(time.perf_counter() - t0)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=a.shapes) as prof:
         for _ in range(2):
             step()
         sync()
-    events = prof.key_averages()
+    events = prof.key_averages(group_by_input_shape=a.shapes)
     line = (f"== {name}: step {sorted(steps)[len(steps) // 2] * 1e3:.1f} ms, host queuing "
             f"{sorted(host)[len(host) // 2] * 1e3:.1f} ms")
     if cuda:
@@ -104,6 +105,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=15, help="ops listed per table")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--python", action="store_true", help="also the host's time by Python function (cProfile)")
+    p.add_argument("--shapes", action="store_true", help="ops apart by their inputs' shapes (which product, which copy)")
     p.add_argument("--layers", type=int, help="default: 2 (Mamba-2), 6 (DiT), as their benchmarks")
     p.add_argument("--hidden", type=int, help="default: 256 (Mamba-2), 384 (DiT)")
     # Mamba-2: mamba_vs_hf.py's sizes
