@@ -85,7 +85,10 @@ def run(name: str, fn: Callable[..., Any], eager: Callable[..., Any], *args: Any
         return out
 
 
+@functools.cache
 def _no_duck_shapes() -> Any:
+    """One context manager for every call (torch's patch objects are re-entrant and thread-safe:
+    each keeps its prior values on a context-local stack); building one per call defined a class."""
     from torch.fx.experimental import _config
 
     return _config.patch(use_duck_shape=False)
