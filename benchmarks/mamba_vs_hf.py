@@ -181,8 +181,9 @@ def main() -> None:
     print(f"# GEMM peak (best 2048^3 product; 8192^3 on a GPU) fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s")
     for kind in a.kinds.split(","):
         for seq in lengths:
-            runs = [{impl: run_child(a, kind=kind, impl=impl, seq=seq) for impl in ("hf", "zoo")[::1 - 2 * (i % 2)]}
-                    for i in range(a.pairs)]  # (the order alternates pair by pair)
+            runs = [{impl: run_child(a, kind=kind, impl=impl, seq=seq)
+                     for impl in (("hf", "zoo") if i % 2 == 0 else ("zoo", "hf"))}  # each pair in turn
+                    for i in range(a.pairs)]
             z, h = (median_run([r[impl] for r in runs]) for impl in ("zoo", "hf"))
             line = f"{kind} T={seq}: zoo " + (f"{z['tokens_per_s']:,.0f} tok/s, {z['peak_rss_mb']:,.0f} MB"
                                               if isinstance(z, dict) else z)
