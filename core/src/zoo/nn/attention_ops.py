@@ -37,8 +37,8 @@ import torch.nn.functional as F
 # the GEMMs to run near the peak, few enough elements that the block's scores stay in cache for the
 # elementwise passes over them (masking, softmax, its backward). bf16/fp16 over long keys takes
 # blocks of twice the rows and four times the elements: at 2,048 positions of 64-wide heads forward
-# and backward were 10-20% faster so on a 2-core Zen 4 (three runs), where at 256-512 positions they
-# were 0-6% slower and float32's causal 15% slower.
+# and backward took 4-13% less time so on a 2-core Zen 4 (alternating with the smaller blocks in one
+# process), where at 256-512 positions they took 0-6% more, and float32 causal 15% more.
 _BLOCK_ROWS = 256
 _BLOCK_ELEMENTS = 1 << 20
 _LONG_KEYS = 2048
