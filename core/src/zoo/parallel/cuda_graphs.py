@@ -29,11 +29,12 @@ A replay runs the kernels the capture recorded, on the memory the capture used, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 from zoo.errors import ConfigError
 from zoo.parallel.layout import Layout
@@ -170,9 +171,9 @@ def _key(value: Any) -> Any:
         if value.device.type != "cuda":  # the capture would bake its values in (or copy it mid-capture)
             raise _Unsupported(f"a {value.device.type} tensor")
         return ("tensor", tuple(value.shape), value.dtype, value.device)
-    if isinstance(value, Mapping):
+    if isinstance(value, dict):  # (the containers torch's pytree walks, as `_copy` and `_fill` do)
         return ("map", tuple((k, _key(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
+    if type(value) in (list, tuple):
         return (type(value).__name__, tuple(_key(v) for v in value))
     if value is None or isinstance(value, (bool, int, float, str)):
         return ("value", value)
@@ -180,24 +181,13 @@ def _key(value: Any) -> Any:
 
 
 def _copy(value: Any) -> Any:
-    if torch.is_tensor(value):
-        return value.clone()
-    if isinstance(value, Mapping):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copy(v) for v in value)
-    return value
+    return tree_map(lambda v: v.clone() if torch.is_tensor(v) else v, value)
 
 
 def _fill(static: Any, value: Any) -> None:
-    if torch.is_tensor(static):
-        static.copy_(value)
-    elif isinstance(static, Mapping):
-        for k, v in static.items():
-            _fill(v, value[k])
-    elif isinstance(static, (list, tuple)):
-        for s, v in zip(static, value):
-            _fill(s, v)
+    for s, v in zip(tree_leaves(static), tree_leaves(value)):  # (the same structure: it keys the graph)
+        if torch.is_tensor(s):
+            s.copy_(v)
 
 
 __all__ = ["MAX_GRAPHS", "WARMUP", "GraphedMicroBatches", "capturing", "check"]
