@@ -27,13 +27,16 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize("bias,shape,frozen", [(True, (3, 5, 24), False), (False, (7, 24), False), (True, (6, 24), True)])
-def test_linear_and_its_gradients_are_float32_products(onednn, bias, shape, frozen):
+@pytest.mark.parametrize("bias,shape,frozen,out", [(True, (3, 5, 24), False, 40), (False, (7, 24), False, 40),
+                                                  (True, (6, 24), True, 40), (True, (96, 24), False, 40),
+                                                  (True, (96, 24), False, 16)])
+def test_linear_and_its_gradients_are_float32_products(onednn, bias, shape, frozen, out):
     """Output and every gradient within float32 rounding of the float64 product (as close as torch's
-    own kernel is), the weight frozen or not; the module keeps nn.Linear's type and state dict."""
+    own kernel is), the weight frozen or not, wider or narrower than its input (the weight gradient
+    copies the smaller operand); the module keeps nn.Linear's type and state dict."""
     torch.manual_seed(0)
-    lin = torch.nn.Linear(24, 40, bias=bias)
-    ref_lin = torch.nn.Linear(24, 40, bias=bias).double()
+    lin = torch.nn.Linear(24, out, bias=bias)
+    ref_lin = torch.nn.Linear(24, out, bias=bias).double()
     ref_lin.load_state_dict(lin.state_dict())
     keys = list(lin.state_dict())
     assert gemm.adopt(torch.nn.Sequential(lin)) == 1
@@ -41,7 +44,7 @@ def test_linear_and_its_gradients_are_float32_products(onednn, bias, shape, froz
     lin.weight.requires_grad_(not frozen)
     x = torch.randn(*shape, requires_grad=True)
     xd = x.detach().double().requires_grad_(True)
-    g = torch.randn(*shape[:-1], 40)
+    g = torch.randn(*shape[:-1], out)
     y, yd = lin(x), ref_lin(xd)
     assert type(y.grad_fn).__name__ == "_LinearBackward"
     y.backward(g)
@@ -55,6 +58,27 @@ def test_linear_and_its_gradients_are_float32_products(onednn, bias, shape, froz
         assert _rel(lin.weight.grad, ref_lin.weight.grad) < 1e-6
     if bias:
         assert _rel(lin.bias.grad, ref_lin.bias.grad) < 1e-6
+
+
+@pytest.mark.parametrize("a_layout", ["dense", "transposed", "column slice"])
+@pytest.mark.parametrize("b_layout", ["dense", "transposed", "column slice"])
+@pytest.mark.parametrize("m,k,n", [(48, 300, 20), (20, 300, 48)])  # a weight gradient's shapes, either side smaller
+def test_mm_of_every_operand_layout_is_the_float64_product(onednn, a_layout, b_layout, m, k, n):
+    """Whichever operand `_product` copies into a dense one (or neither), the values are the
+    float64 product's to float32 rounding and the result is a dense matrix."""
+    torch.manual_seed(0)
+
+    def laid_out(rows: int, cols: int, layout: str) -> torch.Tensor:
+        if layout == "transposed":
+            return torch.randn(cols, rows).t()
+        if layout == "column slice":  # neither dense nor the transpose of a dense matrix
+            return torch.randn(rows, cols + 3)[:, 2:cols + 2]
+        return torch.randn(rows, cols)
+
+    a, b = laid_out(m, k, a_layout), laid_out(k, n, b_layout)
+    got = gemm.mm(a, b)
+    assert got.shape == (m, n) and got.is_contiguous()
+    assert _rel(got, a.double() @ b.double()) < 1e-6
 
 
 def test_mm_writes_into_out_and_reads_transposed_operands(onednn):
