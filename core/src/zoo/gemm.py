@@ -11,7 +11,9 @@ training step's transposed ones: a DiT step's products took 447 ms through oneDN
 MKL. Both are float32 products (IEEE float32 multiply-adds; only the summation order differs, as
 between any two BLAS builds); autocast, other dtypes and accelerators are untouched.
 `zoo train` applies it to every ``nn.Linear`` of the model (`adopt`), the tensor-parallel linears,
-the experts' products and the LM loss: `train.cpu_gemm`; `zoo version` says what it chose.
+the experts' products and the LM loss: `train.cpu_gemm`; `zoo version` says what it chose. oneDNN
+takes a product's input dense and reads its weight through its strides, so a product with
+transposed operands (a weight gradient ``g.T @ x``) copies at most one of them (`_product`).
 
 The same oneDNN call also gives zoo its tanh-GELU (`gelu_tanh`) on a CPU: torch's kernel evaluates
 tanh with SLEEF at ~1.5 G elements/s on 2 cores, a tenth of an elementwise pass, and a DiT or GPT-2
