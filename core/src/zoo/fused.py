@@ -8,8 +8,8 @@ derivative takes its tanh from an exponential (``(1 + tanh u) / 2 = sigmoid(2u)`
 faster alone on a 2-core AMD EPYC (bf16, 8 x 256 x 384 and 2048 x 1536), ~4% of a bf16 DiT-S step
 (inside a step their inputs come from memory, not cache). LLaMA's RMS norm, SwiGLU (forward and
 backward) and the LM loss's softmax gradient are compiled the same way, and so is the transposed
-copy of a float32 weight gradient's operands that oneDNN's inner product wants (tiled: ~3.5x
-torch's strided copy; ~6% of a float32 LLaMA step).
+copy of a float32 weight gradient's operand that oneDNN's inner product wants dense (tiled: ~3.5x
+torch's strided copy; `zoo.gemm._product` copies the smaller of the two).
 The Mamba mixers' convolution + SiLU and Mamba-2's gated norm live in `zoo.nn.ssm_fused`, through
 `run` here.
 
