@@ -199,10 +199,12 @@ def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     def copied(inp: torch.Tensor, w: torch.Tensor) -> int:
         return (0 if inp.is_contiguous() else inp.numel()) + (0 if _readable(w) else w.numel())
 
-    if copied(a, b.t()) <= copied(b.t(), a) + a.shape[0] * b.shape[1]:
-        w = b.t()
-        return _onednn_linear(_dense(a), w if _readable(w) else w.contiguous())
-    return _onednn_linear(_dense(b.t()), a if _readable(a) else a.contiguous()).t()
+    flip = copied(b.t(), a) + a.shape[0] * b.shape[1] < copied(a, b.t())
+    if flip:  # (b.T @ a.T).T: the same product of the transposed operands, swapped
+        a, b = b.t(), a.t()
+    w = b.t()
+    y = _onednn_linear(_dense(a), w if _readable(w) else w.contiguous())
+    return y.t() if flip else y
 
 
 class _Linear(torch.autograd.Function):
