@@ -319,7 +319,8 @@ def test_mamba2_skip_gate_and_grouped_norm_match_float64(on, dtype, groups):
 
 def test_mamba2_mixer_with_the_compiled_kernels_follows_the_eager_one(on, monkeypatch):
     """The wiring: a Mamba-2 mixer (2 groups, bias on the convolution) computes the same outputs
-    and parameter gradients with `zoo.fused` on as with torch's eager kernels."""
+    and parameter gradients with `zoo.fused` on (its convolution, gate and SSD's elementwise passes
+    compiled) as with torch's eager kernels."""
     from zoo.nn.ssm import Mamba2Mixer
     from zoo.spec import SSMSpec
 
@@ -336,7 +337,8 @@ def test_mamba2_mixer_with_the_compiled_kernels_follows_the_eager_one(on, monkey
         out = mixer(u)
         out.square().sum().backward()
         runs.append((out.detach(), {n: q.grad.clone() for n, q in mixer.named_parameters()}))
-    assert set(names) == {"conv_silu", "conv_silu_grad", "conv_backward", "gated_rms_norm", "gated_rms_norm_backward"}
+    assert set(names) == {"conv_silu", "conv_silu_grad", "conv_backward", "gated_rms_norm", "gated_rms_norm_backward",
+                          "ssd_inputs", "ssd_output", "ssd_output_grads", "ssd_input_grads"}
     assert _rel(runs[1][0], runs[0][0]) <= 1e-6
     for name, grad in runs[0][1].items():
         assert _rel(runs[1][1][name], grad) <= 1e-5, name

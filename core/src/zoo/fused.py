@@ -96,7 +96,12 @@ def _no_duck_shapes() -> Any:
 
 @functools.cache
 def _compiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+    # Sizes as constants first (dynamo's "automatic dynamic"): a training run calls each kernel
+    # with one set of sizes, and a kernel compiled for them takes no divisions or symbolic strides
+    # in its index arithmetic (Mamba-2's step at T = 2,048: 1.5-1.8% faster than compiled for any
+    # size from the start). A second set of sizes (sampling, another batch) compiles the kernel
+    # once more, for any size, and every later shape takes that one.
+    return torch.compile(fn, dynamic=None, fullgraph=True)
 
 
 # -------------------------------------------------------------------------------- transposition

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from zoo import fused
+
 
 def pass_states(states: torch.Tensor, log_decay: torch.Tensor, h0: torch.Tensor, *, reverse: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,10 +41,12 @@ def pass_states(states: torch.Tensor, log_decay: torch.Tensor, h0: torch.Tensor,
     order = range(k - 1, 0, -1) if reverse else range(k - 1)
     first, step = (k - 1, -1) if reverse else (0, 1)
     out[:, :, first] = h0.reshape(bsz, g, r, -1, n).permute(1, 0, 4, 2, 3)  # (G, B, N, R, P)
+    # each chunk's views made in one call (indexing them in the loop cost a quarter of its time)
+    s, o, d = src.unbind(2), out.unbind(2), decay.unbind(2)
     for i in order:
-        torch.addcmul(src[:, :, i], out[:, :, i], decay[:, :, i], out=out[:, :, i + step])
+        torch.addcmul(s[i], o[i], d[i], out=o[i + step])
     end = 0 if reverse else k - 1
-    last = torch.addcmul(src[:, :, end], out[:, :, end], decay[:, :, end])  # (G, B, N, R, P)
+    last = torch.addcmul(s[end], o[end], d[end])  # (G, B, N, R, P)
     return out.view(states.shape), last.permute(1, 0, 3, 4, 2).reshape(bsz, h, -1, n)
 
 
@@ -50,52 +54,82 @@ def _per_group(fn: Any, g: int, dim: int = 0) -> torch.Tensor:
     return torch.stack([fn(i) for i in range(g)], dim) if g > 1 else fn(0).unsqueeze(dim)
 
 
-def _between_chunks(x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h0: torch.Tensor, acum: torch.Tensor,
-                    to_end: torch.Tensor, from_start: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _rows(s: torch.Tensor, g: int) -> torch.Tensor:
+    """A per-position, per-head scale (BK, H, Q) as a view that multiplies (BK, Q, G, R, P)."""
+    bk, h, q = s.shape
+    return s.view(bk, g, h // g, q).permute(0, 3, 1, 2)[..., None]
+
+
+def _compiled(name: str, fn: Any, *args: torch.Tensor) -> Any:
+    """``fn(*args)``, one pass over memory as a compiled CPU kernel where `zoo.fused` wants one
+    (else eagerly: the same formulas)."""
+    return fused.run(name, fn, fn, *args) if fused.wanted(args[0]) else fn(*args)
+
+
+# The elementwise work around the factored form's products, each a function of (BK, Q, G, R, P)
+# views and (BK, Q, G, R, 1) scales, run as one compiled pass (`_compiled`): as torch's separate
+# operations they were ~14 passes over T x H x P floats a layer (0.3-0.5 ms each at T = 2,048),
+# among them the gradient's five multiplications and two sums in `_input_grads`, 3.4 ms eager
+# against 0.8 compiled (docs/benchmarks.md).
+def _inputs(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The products' operands from the scan's input x (before dt): ``w * X`` (u = dt w) and ``X / e``
+    (v = dt / e)."""
+    return x * u, x * v
+
+
+def _output(y_off: torch.Tensor, from_start: torch.Tensor, inner: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """y: what the entering state adds, ``exp(acum) C S``, and the chunk's own, ``e (scores @ (X / e))``."""
+    return y_off * from_start + inner * e
+
+
+def _output_grads(dy: torch.Tensor, y: torch.Tensor, from_start: torch.Tensor, e: torch.Tensor
+                  ) -> tuple[torch.Tensor, ...]:
+    """``sum_p dY y`` (acum's gradient through y's exp(acum_i) factors) and dY scaled for the two
+    parts' products."""
+    return (dy * y).sum(-1), dy * from_start, dy * e
+
+
+def _input_grads(dxw: torch.Tensor, dxs: torch.Tensor, xw: torch.Tensor, xs: torch.Tensor, x: torch.Tensor,
+                 to_end: torch.Tensor, inv: torch.Tensor, dt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """From the gradients of ``w X`` and ``X / e`` (X = x dt): x's, dt's, and acum's through w
+    (``sum_p dXw X w``) and through 1 / e (``sum_p dXs X / e``)."""
+    dxdt = dxw * to_end + dxs * inv
+    return dxdt * dt, (dxdt * x).sum(-1), (dxw * xw).sum(-1), (dxs * xs).sum(-1)
+
+
+def _between_chunks(xw: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h0: torch.Tensor,
+                    chunk_decay: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The part that passes states between chunks: each chunk's own state ``B^T (w * X)``
-    (w = exp(acum_end - acum)) passed on in `pass_states`, the entering one seen through C,
-    ``y_off = exp(acum) C S_k``. Returns y_off's contribution to y (BK, Q, H, P), written in place
-    (a product of the permuted operands would take their layout, and the reshape then copy it),
-    the entering states, the last state and each chunk's whole decay (B, H, K)."""
-    bk, q, h, p = x.shape
-    g, bsz = b.shape[2], h0.shape[0]
-    r = h // g
-    xw = (x * to_end.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
+    (w = exp(acum_end - acum); xw (BK, Q, G, R*P)) passed on in `pass_states`, the entering one
+    seen through C. Returns ``C S_k`` (BK, Q, G, R, P), a permuted view of the products (y_off but
+    for its exp(acum) factor), the entering states and the last state."""
+    bk, q, g, rp = xw.shape
     states = _per_group(lambda i: b[:, :, i].transpose(1, 2) @ xw[:, :, i], g)  # (G, BK, N, R*P)
-    chunk_decay = acum[..., -1].float().view(bsz, -1, h).transpose(1, 2)  # (B, H, K)
     start, last = pass_states(states, chunk_decay, h0)  # the state entering each chunk (G, BK, N, R*P)
     y_off = _per_group(lambda i: c[:, :, i] @ start[i], g)  # (G, BK, Q, R*P)
-    y = x.new_empty(bk, q, h, p)
-    torch.mul(y_off.view(g, bk, q, r, p).permute(1, 2, 0, 3, 4),
-              from_start.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None], out=y.view(bk, q, g, r, p))
-    return y, start, last, chunk_decay
+    r = chunk_decay.shape[1] // g
+    return y_off.view(g, bk, q, r, rp // r).permute(1, 2, 0, 3, 4), start, last
 
 
-def _between_chunks_backward(dy: torch.Tensor, dacum: torch.Tensor, dlast: torch.Tensor, x: torch.Tensor,
-                             b: torch.Tensor, c: torch.Tensor, start: torch.Tensor, to_end: torch.Tensor,
-                             from_start: torch.Tensor, chunk_decay: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`_between_chunks`' gradients but for the ``exp(acum)`` factor of y_off (`SSD` counts it with
-    y's others): of x, B, C and the entering state; acum's are added into ``dacum``."""
-    bk, q, h, p = x.shape
-    g = b.shape[2]
+def _between_chunks_backward(dye: torch.Tensor, dacum: torch.Tensor, dlast: torch.Tensor, xw: torch.Tensor,
+                             b: torch.Tensor, c: torch.Tensor, start: torch.Tensor, from_start: torch.Tensor,
+                             chunk_decay: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`_between_chunks`' gradients from ``dye`` = dY exp(acum) (BK, Q, G, R*P): of ``w * X`` (as
+    a (BK, Q, G, R, P) view), B, C and the entering state; the chunks' whole decays' are added
+    into ``dacum``."""
+    bk, q, g, rp = dye.shape
+    h = chunk_decay.shape[1]
     r = h // g
-    dye = (dy * from_start.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
     dstart = _per_group(lambda i: c[:, :, i].transpose(1, 2) @ dye[:, :, i], g)  # (G, BK, N, R*P)
     dc = _per_group(lambda i: dye[:, :, i] @ start[i].transpose(1, 2), g, 2)  # (BK, Q, G, N)
     # the states' recurrence backwards: from the last chunk to the first, dlast entering
     dstates, dh0 = pass_states(dstart, chunk_decay, dlast, reverse=True)  # d(state after chunk k)
-    d_decay = (dstates.view(g, bk, -1, r, p) * start.view(g, bk, -1, r, p)).sum((2, 4))  # (G, BK, R)
+    d_decay = (dstates.view(g, bk, -1, r, rp // r) * start.view(g, bk, -1, r, rp // r)).sum((2, 4))  # (G, BK, R)
     dacum[..., -1] += d_decay.permute(1, 0, 2).reshape(bk, h) * from_start[..., -1]
-    # each chunk's own state: B^T (w * X), w = exp(acum_end - acum)
-    xw = (x * to_end.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
+    # each chunk's own state: B^T (w * X)
     db = _per_group(lambda i: xw[:, :, i] @ dstates[i].transpose(1, 2), g, 2)  # (BK, Q, G, N)
-    dxw = _per_group(lambda i: b[:, :, i] @ dstates[i], g).view(g, bk, q, r, p).permute(1, 2, 0, 3, 4)
-    dx = torch.empty_like(x)
-    torch.mul(dxw, to_end.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None], out=dx.view(bk, q, g, r, p))
-    dw = (dxw * x.view(bk, q, g, r, p)).sum(-1).view(bk, q, h).transpose(1, 2) * to_end  # (BK, H, Q)
-    dacum.sub_(dw)
-    dacum[..., -1] += dw.sum(-1)
-    return dx, db, dc, dh0
+    dxw = _per_group(lambda i: b[:, :, i] @ dstates[i], g).view(g, bk, q, r, rp // r).permute(1, 2, 0, 3, 4)
+    return dxw, db, dc, dh0
 
 
 def _cumulative(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -164,20 +198,24 @@ class SSD(torch.autograd.Function):
     near 1); their scales are set to 0 and 1, so the factored products add nothing there. On an
     accelerator every chunk takes the decay matrices (`_launch_bound`).
 
-    Keeps, linear in T: the inputs, the masked scores (T x Q x G), the entering states, y (kept by
-    the caller anyway), the scales (T x H each) and the decay matrices of the chunks that need them.
-    x (BK, Q, H, P) already times dt; a (BK, Q, H) = dt A; b, c (BK, Q, G, N); h0 (B, H, P, N).
+    Keeps, linear in T: the inputs, the products' operands ``w * X`` and ``X / e`` (recomputing
+    them cost more), the masked scores (T x Q x G), the entering states, y (kept by the caller
+    anyway), the scales (T x H each) and the decay matrices of the chunks that need them. The
+    elementwise work around the products runs as four compiled passes on a CPU (`_inputs`,
+    `_output`, `_output_grads`, `_input_grads`).
+    x (BK, Q, H, P) the scan's input before dt (any strides: a view of the convolution's output);
+    dt (BK, Q, H); a (BK, Q, H) = dt A; b, c (BK, Q, G, N); h0 (B, H, P, N).
     Returns y (BK, Q, H, P) and the last state (B, H, P, N)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h0: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx: Any, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bk, q, h, p = x.shape
-        g = b.shape[2]
+        g, bsz = b.shape[2], h0.shape[0]
         r = h // g
         acum, to_end, from_start = _cumulative(a)
         scores = _per_group(lambda i: torch.bmm(c[:, :, i], b[:, :, i].transpose(1, 2)), g, 1).tril_()
-        y, start, last, chunk_decay = _between_chunks(x, b, c, h0, acum, to_end, from_start)
+        chunk_decay = acum[..., -1].float().view(bsz, -1, h).transpose(1, 2)  # (B, H, K)
         e = inv = idx = None
         if not _launch_bound(x):
             wide = (acum[..., 0] - acum[..., -1]).amax(-1) > MAX_SPAN  # (BK,): chunks for the decay matrices
@@ -186,44 +224,68 @@ class SSD(torch.autograd.Function):
                 mid = (acum[..., :1] + acum[..., -1:]) / 2
                 e = torch.exp(acum - mid).float().masked_fill_(wide[:, None, None], 0.0)  # (BK, H, Q)
                 inv = torch.exp(mid - acum).float().masked_fill_(wide[:, None, None], 1.0)
-                xs = (x * inv.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
-                inner = _per_group(lambda i: torch.bmm(scores[:, i], xs[:, :, i]), g, 2)  # (BK, Q, G, R*P)
-                y.view(bk, q, g, r, p).addcmul_(inner.view(bk, q, g, r, p),
-                                                e.view(bk, g, r, q).permute(0, 3, 1, 2)[..., None])
             if len(idx) == bk:
                 idx = None
+        x5, dtq = x.view(bk, q, g, r, p), dt.transpose(1, 2)  # (dt as the scales' (BK, H, Q))
+        if e is not None:
+            xw, xs = _compiled("ssd_inputs", _inputs, x5, _rows(dtq * to_end, g), _rows(dtq * inv, g))
+        else:
+            xw, xs = x5 * _rows(dtq * to_end, g), None
+        xw = xw.reshape(bk, q, g, r * p)
+        y_off, start, last = _between_chunks(xw, b, c, h0, chunk_decay)
+        if e is not None:  # within the chunk: e * (scores @ (X / e)), all of a group's heads at once
+            xs = xs.reshape(bk, q, g, r * p)
+            inner = _per_group(lambda i: torch.bmm(scores[:, i], xs[:, :, i]), g, 2)  # (BK, Q, G, R*P)
+            y = _compiled("ssd_output", _output, y_off, _rows(from_start, g), inner.view(bk, q, g, r, p), _rows(e, g))
+            y = y.reshape(bk, q, h, p)
+        else:
+            y = x.new_empty(bk, q, h, p)
+            torch.mul(y_off, _rows(from_start, g), out=y.view(bk, q, g, r, p))
         sub = acum if idx is None else acum[idx]
         lmat = (sub[..., :, None] - sub[..., None, :]).float().exp_().tril_()  # exp(> 0) above, then zeroed
         if idx is None:
-            y.add_(_within_by_matrices(x, scores, lmat))
+            y.add_(_within_by_matrices(x * dt[..., None], scores, lmat))
         elif len(idx):
-            y.index_add_(0, idx, _within_by_matrices(x[idx], scores[idx], lmat))
+            y.index_add_(0, idx, _within_by_matrices(x[idx] * dt[idx, ..., None], scores[idx], lmat))
         ctx.factored = e is not None
-        ctx.save_for_backward(x, b, c, scores, start, y, to_end, from_start, chunk_decay, e, inv, idx, lmat)
+        ctx.save_for_backward(x, dt, xw, xs, b, c, scores, start, y, to_end, from_start, chunk_decay, e, inv, idx,
+                              lmat)
         return y, last
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dy: torch.Tensor, dlast: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with torch.autocast(dy.device.type, enabled=False):  # (when backward runs inside an autocast region)
-            x, b, c, scores, start, y, to_end, from_start, chunk_decay, e, inv, idx, lmat = ctx.saved_tensors
+            x, dt, xw, xs, b, c, scores, start, y, to_end, from_start, chunk_decay, e, inv, idx, lmat = \
+                ctx.saved_tensors
             bk, q, h, p = x.shape
             g = b.shape[2]
             r = h // g
-            dy = dy.contiguous()
-            dacum = (dy * y).sum(-1).transpose(1, 2).contiguous()  # (BK, H, Q): y_i's exp(acum_i) factors
-            dx, db, dc, dh0 = _between_chunks_backward(dy, dacum, dlast, x, b, c, start, to_end, from_start,
-                                                       chunk_decay)
-            if ctx.factored:  # within the chunk: y_in = e * (scores @ (x / e))
-                dye = (dy * e.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
-                xs = (x * inv.transpose(1, 2)[..., None]).view(bk, q, g, r * p)
-                dxs = _per_group(lambda i: torch.bmm(scores[:, i].transpose(1, 2), dye[:, :, i]), g, 2)
-                dx_in = dxs.view(bk, q, h, p) * inv.transpose(1, 2)[..., None]
-                dx.add_(dx_in)
-                dacum.sub_((dx_in * x).sum(-1).transpose(1, 2))  # the 1 / e_j factors
-                dscores = _per_group(lambda i: torch.bmm(dye[:, :, i], xs[:, :, i].transpose(1, 2)), g, 1).tril_()
+            dy5, y5, x5 = dy.contiguous().view(bk, q, g, r, p), y.view(bk, q, g, r, p), x.view(bk, q, g, r, p)
+            if ctx.factored:
+                dacum, dye, dye_in = _compiled("ssd_output_grads", _output_grads, dy5, y5, _rows(from_start, g),
+                                               _rows(e, g))
             else:
+                dacum, dye = (dy5 * y5).sum(-1), dy5 * _rows(from_start, g)
+            dacum = dacum.reshape(bk, q, h).transpose(1, 2).contiguous()  # (BK, H, Q): y_i's exp(acum_i) factors
+            dxw, db, dc, dh0 = _between_chunks_backward(dye.reshape(bk, q, g, r * p), dacum, dlast, xw, b, c, start,
+                                                        from_start, chunk_decay)
+            dtq = dt[..., None]
+            if ctx.factored:  # within the chunk: y_in = e * (scores @ (x / e))
+                dye_in = dye_in.reshape(bk, q, g, r * p)
+                dxs = _per_group(lambda i: torch.bmm(scores[:, i].transpose(1, 2), dye_in[:, :, i]), g, 2)
+                dscores = _per_group(lambda i: torch.bmm(dye_in[:, :, i], xs[:, :, i].transpose(1, 2)), g, 1).tril_()
+                dx, ddt, dw, dw_in = _compiled("ssd_input_grads", _input_grads, dxw, dxs.view(bk, q, g, r, p),
+                                               xw.view(bk, q, g, r, p), xs.view(bk, q, g, r, p), x5,
+                                               _rows(to_end, g), _rows(inv, g), dtq.view(bk, q, g, r, 1))
+                dacum.sub_(dw_in.reshape(bk, q, h).transpose(1, 2))  # the 1 / e_j factors: sum_p dX_in X
+            else:
+                dxdt = dxw * _rows(to_end, g)
+                dx, ddt, dw = dxdt * dtq.view(bk, q, g, r, 1), (dxdt * x5).sum(-1), (dxw * xw.view(dxw.shape)).sum(-1)
                 dscores = torch.zeros_like(scores)
+            dx, ddt, dw = dx.reshape(bk, q, h, p), ddt.reshape(bk, q, h), dw.reshape(bk, q, h).transpose(1, 2)
+            dacum.sub_(dw)  # w = exp(acum_end - acum)
+            dacum[..., -1] += dw.sum(-1)
             if idx is None or len(idx):  # the decay matrices' chunks: y_in = (scores * L) X per head
                 def rows(v: torch.Tensor) -> torch.Tensor:
                     return v if idx is None else v[idx]
@@ -234,10 +296,12 @@ class SSD(torch.autograd.Function):
                     else:
                         dst.index_add_(0, idx, v, alpha=alpha)
 
-                xi, dyi, si = rows(x), rows(dy), rows(scores)
+                xi, dti, dyi, si = rows(x), rows(dtq), rows(dy5.view(bk, q, h, p)), rows(scores)
                 n = len(xi)
-                dmix = _mix_grad(dyi, xi)  # (n, H, Q, Q)
-                add_rows(dx, _within_by_matrices(dyi, si.transpose(-1, -2), lmat.transpose(-1, -2)))
+                dmix = _mix_grad(dyi, xi * dti)  # (n, H, Q, Q)
+                dxdt = _within_by_matrices(dyi, si.transpose(-1, -2), lmat.transpose(-1, -2))
+                add_rows(dx, dxdt * dti)
+                add_rows(ddt, (dxdt * xi).sum(-1))
                 dl = (lmat * dmix).view(n, g, r, q, q)  # d(scores * L) * L
                 add_rows(dscores, dl.sum(2))
                 dl.mul_(si[:, :, None])  # = d(L) * L: L's gradient through acum_i - acum_j
@@ -245,4 +309,4 @@ class SSD(torch.autograd.Function):
             dc += _per_group(lambda i: dscores[:, i] @ b[:, :, i], g, 2)
             db += _per_group(lambda i: dscores[:, i].transpose(1, 2) @ c[:, :, i], g, 2)
             da = dacum.flip(-1).cumsum(-1).flip(-1).transpose(1, 2)  # acum = cumsum(a)
-            return dx, da, db, dc, dh0
+            return dx, ddt, da, db, dc, dh0

@@ -242,8 +242,9 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
             last = (torch.exp(dt[:, 0] * a.float())[..., None, None] * h0).view(bsz, g, h // g, p, n).add_(x1 * bh)
             y = last @ c.float().reshape(bsz, g, 1, n, 1)
             return y.view(bsz, 1, h, p), last.view(bsz, h, p, n)
-        y, last = ssd.SSD.apply(chunked(x.float() * dt[..., None]).flatten(0, 1), chunked(dt * a.float()).flatten(0, 1),
-                                chunked(b.float()).flatten(0, 1), chunked(c.float()).flatten(0, 1), h0)
+        y, last = ssd.SSD.apply(chunked(x.float()).flatten(0, 1), chunked(dt).flatten(0, 1),
+                                chunked(dt * a.float()).flatten(0, 1), chunked(b.float()).flatten(0, 1),
+                                chunked(c.float()).flatten(0, 1), h0)
     return y.reshape(bsz, k * q, h, p)[:, :t], last
 
 
