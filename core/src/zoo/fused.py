@@ -14,7 +14,8 @@ The Mamba mixers' convolution + SiLU and Mamba-2's gated norm live in `zoo.nn.ss
 `run` here.
 
 Used for CPU tensors of at least `_MIN_ELEMENTS` elements (a compile costs ~2.5 s per process,
-once; tiny tensors gain nothing from it) when `configure` turned it on (``train.cpu_fused``).
+once for the first sizes a kernel sees and once more for any others; tiny tensors gain nothing
+from it) when `configure` turned it on (``train.cpu_fused``).
 Each kernel is deterministic (a fixed order of every reduction), so a recomputed output equals
 the forward's bit for bit; where inductor cannot build a kernel (no C++ compiler, an unsupported
 platform) the first failure is reported once and the eager path runs from then on, in forward and

@@ -7,7 +7,9 @@ The within-chunk part is factored, ``L[i, j] = e_i / e_j``: all heads that share
 one product, and no (Q x Q) decay matrix exists; a chunk whose decays span more than float32's
 range allows (`MAX_SPAN`) takes the decay matrices, a product per head, as before. A 2-layer,
 state-128 Mamba-2 step at T = 2,048 took 4-6% less time factored than with decay matrices in
-every chunk (docs/benchmarks.md). `zoo.nn.ssm.ssd_scan` chunks the sequence; shapes as there, with
+every chunk (docs/benchmarks.md). On a CPU the elementwise work around its products runs as four
+compiled passes (`_compiled`), and x enters before dt: ``x dt`` is never materialised, and dt's
+gradient through it comes from the pass that forms x's. `zoo.nn.ssm.ssd_scan` chunks the sequence; shapes as there, with
 BK = batch x chunks.
 """
 

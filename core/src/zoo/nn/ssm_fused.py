@@ -6,10 +6,12 @@ In eager PyTorch the convolution is K shifted multiply-adds and the SiLU another
 the gate is ~8 passes forward and ~15 backward, with autograd's buffers. Every pass over a
 (T, inner) float32 tensor reads it from memory inside a training step (0.3-0.6 ms each at
 T = 2,048 on a 2-core AMD EPYC). Here the convolution and SiLU are one pass forward and two
-backward (the SiLU's gradient, then the input's and the weight's), the gate one forward and one
-backward, each keeping only its inputs (and the gate's per-row 1/rms): a 2-layer, state-128
-Mamba-2 step at T = 2,048 took 4% less time (7.4 of ~185 ms; docs/benchmarks.md). Used where
-`fused.wanted` says so (CPU, large tensors, inductor on); the mixers' eager code runs otherwise.
+backward (the SiLU's gradient, from the sigmoid the forward kept for float32, then the input's
+and the weight's), the gate one forward and one backward, keeping its inputs and the rows' 1/rms:
+a 2-layer, state-128 Mamba-2 step at T = 2,048 took 4% less time (7.4 of ~185 ms), and 1.5% less
+again with the kept sigmoid (docs/benchmarks.md). The SSD's own elementwise passes are compiled
+in `zoo.nn.ssd`. Used where `fused.wanted` says so (CPU, large tensors, inductor on); the mixers'
+eager code runs otherwise.
 
 Inputs are passed to the compiled functions in the layouts they compute in (the gate's (rows,
 groups, group size) views, the convolution's (K, channels) weight): a reshape inside a graph
