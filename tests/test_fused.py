@@ -338,7 +338,8 @@ def test_mamba2_mixer_with_the_compiled_kernels_follows_the_eager_one(on, monkey
         out.square().sum().backward()
         runs.append((out.detach(), {n: q.grad.clone() for n, q in mixer.named_parameters()}))
     assert set(names) == {"conv_silu_keep", "conv_silu_grad_kept", "conv_backward", "gated_rms_norm",
-                          "gated_rms_norm_backward", "ssd_inputs", "ssd_output", "ssd_output_grads", "ssd_input_grads"}
+                          "gated_rms_norm_backward", "ssd_inputs", "ssd_output", "ssd_output_grads", "ssd_input_grads",
+                          "ssd_decay_grad"}
     assert _rel(runs[1][0], runs[0][0]) <= 1e-6
     for name, grad in runs[0][1].items():
         assert _rel(runs[1][1][name], grad) <= 1e-5, name
@@ -379,7 +380,7 @@ def test_mamba2_scan_with_the_compiled_passes_matches_the_float64_recurrence(on,
     wy, wh = (torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (ref_y, ref_h))
     got = torch.autograd.grad((y * wy).sum() + (h * wh).sum(), inputs)
     want = torch.autograd.grad((ref_y * wy).sum() + (ref_h * wh).sum(), inputs)
-    assert set(names) == {"ssd_inputs", "ssd_output", "ssd_output_grads", "ssd_input_grads"}
+    assert set(names) == {"ssd_inputs", "ssd_output", "ssd_output_grads", "ssd_input_grads", "ssd_decay_grad"}
     # A's gradient sums dt-weighted terms of every position, which cancel: in float32 it is good to
     # ~5e-5 here with torch's eager kernels too (the compiled passes change the rounding, not that)
     for name, gv, wv in zip(["x", "dt", "A", "B", "C", "h0"], got, want):

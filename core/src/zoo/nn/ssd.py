@@ -7,7 +7,7 @@ The within-chunk part is factored, ``L[i, j] = e_i / e_j``: all heads that share
 one product, and no (Q x Q) decay matrix exists; a chunk whose decays span more than float32's
 range allows (`MAX_SPAN`) takes the decay matrices, a product per head, as before. A 2-layer,
 state-128 Mamba-2 step at T = 2,048 took 4-6% less time factored than with decay matrices in
-every chunk (docs/benchmarks.md). On a CPU the elementwise work around its products runs as four
+every chunk (docs/benchmarks.md). On a CPU the elementwise work around its products runs as five
 compiled passes (`_compiled`), and x enters before dt: ``x dt`` is never materialised, and dt's
 gradient through it comes from the pass that forms x's. `zoo.nn.ssm.ssd_scan` chunks the sequence; shapes as there, with
 BK = batch x chunks.
@@ -99,6 +99,11 @@ def _input_grads(dxw: torch.Tensor, dxs: torch.Tensor, xw: torch.Tensor, xs: tor
     return dxdt * dt, (dxdt * x).sum(-1), (dxw * xw).sum(-1), (dxs * xs).sum(-1)
 
 
+def _decay_grad(dstates: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """Each chunk's whole decay's gradient per head: ``<d(state after the chunk), state entering it>``."""
+    return (dstates * start).sum((2, 4))
+
+
 def _between_chunks(xw: torch.Tensor, b: torch.Tensor, c: torch.Tensor, h0: torch.Tensor,
                     chunk_decay: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The part that passes states between chunks: each chunk's own state ``B^T (w * X)``
@@ -126,7 +131,8 @@ def _between_chunks_backward(dye: torch.Tensor, dacum: torch.Tensor, dlast: torc
     dc = _per_group(lambda i: dye[:, :, i] @ start[i].transpose(1, 2), g, 2)  # (BK, Q, G, N)
     # the states' recurrence backwards: from the last chunk to the first, dlast entering
     dstates, dh0 = pass_states(dstart, chunk_decay, dlast, reverse=True)  # d(state after chunk k)
-    d_decay = (dstates.view(g, bk, -1, r, rp // r) * start.view(g, bk, -1, r, rp // r)).sum((2, 4))  # (G, BK, R)
+    d_decay = _compiled("ssd_decay_grad", _decay_grad, dstates.view(g, bk, -1, r, rp // r),
+                        start.view(g, bk, -1, r, rp // r))  # (G, BK, R)
     dacum[..., -1] += d_decay.permute(1, 0, 2).reshape(bk, h) * from_start[..., -1]
     # each chunk's own state: B^T (w * X)
     db = _per_group(lambda i: xw[:, :, i] @ dstates[i].transpose(1, 2), g, 2)  # (BK, Q, G, N)
@@ -203,8 +209,8 @@ class SSD(torch.autograd.Function):
     Keeps, linear in T: the inputs, the products' operands ``w * X`` and ``X / e`` (recomputing
     them cost more), the masked scores (T x Q x G), the entering states, y (kept by the caller
     anyway), the scales (T x H each) and the decay matrices of the chunks that need them. The
-    elementwise work around the products runs as four compiled passes on a CPU (`_inputs`,
-    `_output`, `_output_grads`, `_input_grads`).
+    elementwise work around the products runs as five compiled passes on a CPU (`_inputs`,
+    `_output`, `_output_grads`, `_input_grads`, `_decay_grad`).
     x (BK, Q, H, P) the scan's input before dt (any strides: a view of the convolution's output);
     dt (BK, Q, H); a (BK, Q, H) = dt A; b, c (BK, Q, G, N); h0 (B, H, P, N).
     Returns y (BK, Q, H, P) and the last state (B, H, P, N)."""
