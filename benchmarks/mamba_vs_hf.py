@@ -207,8 +207,12 @@ def main() -> None:
                     f"{g['tokens_per_s']:,.0f} tok/s, {g['peak_rss_mb']:,.0f} MB, step {g['step_s'] * 1e3:.2f} ms -> "
                     f"{g['tokens_per_s'] / h['tokens_per_s']:.2f}x HF's tokens/s" if isinstance(g, dict) else g))
             if a.pairs > 1 and isinstance(z, dict) and isinstance(h, dict):
+                # each pair's own ratio too: its two processes ran minutes apart at most, so a host
+                # whose speed drifts by 10-15% over minutes (seen on the 2-core VMs) moves both
+                paired = sorted(r["zoo"]["tokens_per_s"] / r["hf"]["tokens_per_s"] for r in runs)
                 line += (f"\n  medians of {a.pairs} process pairs; tok/s ranges zoo {z['spread'][0]:,.0f}-"
-                         f"{z['spread'][1]:,.0f}, HF {h['spread'][0]:,.0f}-{h['spread'][1]:,.0f}")
+                         f"{z['spread'][1]:,.0f}, HF {h['spread'][0]:,.0f}-{h['spread'][1]:,.0f}; the pairs' own "
+                         f"ratios {', '.join(f'{v:.2f}' for v in paired)} (median {paired[len(paired) // 2]:.2f}x)")
             print(line, flush=True)
         gen = {impl: run_child(a, kind=kind, impl=impl, generate=True) for impl in ("hf", "zoo")}
         z, h = gen["zoo"], gen["hf"]
