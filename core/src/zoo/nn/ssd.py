@@ -8,9 +8,9 @@ one product, and no (Q x Q) decay matrix exists; a chunk whose decays span more 
 range allows (`MAX_SPAN`) takes the decay matrices, a product per head, as before. A 2-layer,
 state-128 Mamba-2 step at T = 2,048 took 4-6% less time factored than with decay matrices in
 every chunk (docs/benchmarks.md). On a CPU the elementwise work around its products runs as five
-compiled passes (`_compiled`), and x enters before dt: ``x dt`` is never materialised, and dt's
-gradient through it comes from the pass that forms x's. `zoo.nn.ssm.ssd_scan` chunks the sequence; shapes as there, with
-BK = batch x chunks.
+compiled passes (`_one_pass`), and x enters before dt: ``x dt`` is never materialised, and dt's
+gradient through it comes from the pass that forms x's. `zoo.nn.ssm.ssd_scan` chunks the sequence;
+shapes as there, with BK = batch x chunks.
 """
 
 from __future__ import annotations
@@ -62,14 +62,14 @@ def _rows(s: torch.Tensor, g: int) -> torch.Tensor:
     return s.view(bk, g, h // g, q).permute(0, 3, 1, 2)[..., None]
 
 
-def _compiled(name: str, fn: Any, *args: torch.Tensor) -> Any:
+def _one_pass(name: str, fn: Any, *args: torch.Tensor) -> Any:
     """``fn(*args)``, one pass over memory as a compiled CPU kernel where `zoo.fused` wants one
     (else eagerly: the same formulas)."""
     return fused.run(name, fn, fn, *args) if fused.wanted(args[0]) else fn(*args)
 
 
 # The elementwise work around the factored form's products, each a function of (BK, Q, G, R, P)
-# views and (BK, Q, G, R, 1) scales, run as one compiled pass (`_compiled`): as torch's separate
+# views and (BK, Q, G, R, 1) scales, run as one compiled pass (`_one_pass`): as torch's separate
 # operations they were ~14 passes over T x H x P floats a layer (0.3-0.5 ms each at T = 2,048),
 # among them the gradient's five multiplications and two sums in `_input_grads`, 3.4 ms eager
 # against 0.8 compiled (docs/benchmarks.md).
@@ -131,7 +131,7 @@ def _between_chunks_backward(dye: torch.Tensor, dacum: torch.Tensor, dlast: torc
     dc = _per_group(lambda i: dye[:, :, i] @ start[i].transpose(1, 2), g, 2)  # (BK, Q, G, N)
     # the states' recurrence backwards: from the last chunk to the first, dlast entering
     dstates, dh0 = pass_states(dstart, chunk_decay, dlast, reverse=True)  # d(state after chunk k)
-    d_decay = _compiled("ssd_decay_grad", _decay_grad, dstates.view(g, bk, -1, r, rp // r),
+    d_decay = _one_pass("ssd_decay_grad", _decay_grad, dstates.view(g, bk, -1, r, rp // r),
                         start.view(g, bk, -1, r, rp // r))  # (G, BK, R)
     dacum[..., -1] += d_decay.permute(1, 0, 2).reshape(bk, h) * from_start[..., -1]
     # each chunk's own state: B^T (w * X)
@@ -236,7 +236,7 @@ class SSD(torch.autograd.Function):
                 idx = None
         x5, dtq = x.view(bk, q, g, r, p), dt.transpose(1, 2)  # (dt as the scales' (BK, H, Q))
         if e is not None:
-            xw, xs = _compiled("ssd_inputs", _inputs, x5, _rows(dtq * to_end, g), _rows(dtq * inv, g))
+            xw, xs = _one_pass("ssd_inputs", _inputs, x5, _rows(dtq * to_end, g), _rows(dtq * inv, g))
         else:
             xw, xs = x5 * _rows(dtq * to_end, g), None
         xw = xw.reshape(bk, q, g, r * p)
@@ -244,7 +244,7 @@ class SSD(torch.autograd.Function):
         if e is not None:  # within the chunk: e * (scores @ (X / e)), all of a group's heads at once
             xs = xs.reshape(bk, q, g, r * p)
             inner = _per_group(lambda i: torch.bmm(scores[:, i], xs[:, :, i]), g, 2)  # (BK, Q, G, R*P)
-            y = _compiled("ssd_output", _output, y_off, _rows(from_start, g), inner.view(bk, q, g, r, p), _rows(e, g))
+            y = _one_pass("ssd_output", _output, y_off, _rows(from_start, g), inner.view(bk, q, g, r, p), _rows(e, g))
             y = y.reshape(bk, q, h, p)
         else:
             y = x.new_empty(bk, q, h, p)
@@ -271,7 +271,7 @@ class SSD(torch.autograd.Function):
             r = h // g
             dy5, y5, x5 = dy.contiguous().view(bk, q, g, r, p), y.view(bk, q, g, r, p), x.view(bk, q, g, r, p)
             if ctx.factored:
-                dacum, dye, dye_in = _compiled("ssd_output_grads", _output_grads, dy5, y5, _rows(from_start, g),
+                dacum, dye, dye_in = _one_pass("ssd_output_grads", _output_grads, dy5, y5, _rows(from_start, g),
                                                _rows(e, g))
             else:
                 dacum, dye = (dy5 * y5).sum(-1), dy5 * _rows(from_start, g)
@@ -283,7 +283,7 @@ class SSD(torch.autograd.Function):
                 dye_in = dye_in.reshape(bk, q, g, r * p)
                 dxs = _per_group(lambda i: torch.bmm(scores[:, i].transpose(1, 2), dye_in[:, :, i]), g, 2)
                 dscores = _per_group(lambda i: torch.bmm(dye_in[:, :, i], xs[:, :, i].transpose(1, 2)), g, 1).tril_()
-                dx, ddt, dw, dw_in = _compiled("ssd_input_grads", _input_grads, dxw, dxs.view(bk, q, g, r, p),
+                dx, ddt, dw, dw_in = _one_pass("ssd_input_grads", _input_grads, dxw, dxs.view(bk, q, g, r, p),
                                                xw.view(bk, q, g, r, p), xs.view(bk, q, g, r, p), x5,
                                                _rows(to_end, g), _rows(inv, g), dtq.view(bk, q, g, r, 1))
                 dacum.sub_(dw_in.reshape(bk, q, h).transpose(1, 2))  # the 1 / e_j factors: sum_p dX_in X
