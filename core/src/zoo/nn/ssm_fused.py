@@ -82,9 +82,9 @@ class ConvSiLU(torch.autograd.Function):
     """``silu(causal_conv1d(x))`` from a zero history, x (B, T, C), weight (C, K); the output in
     x's dtype, computed in float32. Keeps x and the weight, and for a float32 x also the output
     and the sigmoid (the output is kept alive by the scan and the gate anyway; the sigmoid is
-    T x C floats): backward then takes SiLU's derivative from them (0.4 ms less a layer at
-    T = 2,048, 768 channels: no convolution recomputed, no exponential); for bf16 or fp16 it
-    recomputes the convolution in float32 rather than use the rounded output."""
+    T x C floats): backward then takes SiLU's derivative from them, no convolution recomputed and
+    no exponential (a 2-layer Mamba-2 step at T = 2,048, 768 channels, 1.5% faster); for bf16 or
+    fp16 it recomputes the convolution in float32 rather than use the rounded output."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
