@@ -345,12 +345,14 @@ def test_mamba2_mixer_with_the_compiled_kernels_follows_the_eager_one(on, monkey
         assert _rel(runs[1][1][name], grad) <= 1e-5, name
 
 
-def test_mamba2_scan_with_the_compiled_passes_matches_the_float64_recurrence(on, monkeypatch):
+@pytest.mark.parametrize("form", ["mixed", "every chunk by decay matrices"])
+def test_mamba2_scan_with_the_compiled_passes_matches_the_float64_recurrence(on, monkeypatch, form):
     """`zoo.nn.ssd.SSD` with its elementwise passes compiled (`_inputs`, `_output`, their gradients
-    and the chunks' decay gradient): outputs, last state and the gradients of x, dt, A, B, C and the entering state
-    against autograd through the step-by-step recurrence in float64; two groups, a length the
-    chunk does not divide, and one chunk that forgets too much for the factored form (it takes the
-    decay matrices, scales 0 and 1 in the compiled passes) beside factored ones."""
+    and the chunks' decay gradient): outputs, last state and the gradients of x, dt, A, B, C and the
+    entering state against autograd through the step-by-step recurrence in float64; two groups, a
+    length the chunk does not divide, and one chunk that forgets too much for the factored form (it
+    takes the decay matrices, scales 0 and 1 in the compiled passes) beside factored ones, or every
+    chunk by decay matrices (the passes without the factored form's parts)."""
     from zoo.nn import ssd, ssm
 
     def recurrence(x, dt, a, b, c, h):
@@ -366,6 +368,8 @@ def test_mamba2_scan_with_the_compiled_passes_matches_the_float64_recurrence(on,
     monkeypatch.setattr(fused, "run", lambda name, *v: names.append(name) or run(name, *v))
     wide, within = [], ssd._within_by_matrices
     monkeypatch.setattr(ssd, "_within_by_matrices", lambda x, *v: wide.append(x.shape[0]) or within(x, *v))
+    if form != "mixed":
+        monkeypatch.setattr(ssd, "MAX_SPAN", -1.0)
     g = torch.Generator().manual_seed(11)
     x = torch.randn(2, 45, 4, 3, generator=g, dtype=torch.float64, requires_grad=True)
     b, c = (torch.randn(2, 45, 2, 5, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
@@ -383,7 +387,7 @@ def test_mamba2_scan_with_the_compiled_passes_matches_the_float64_recurrence(on,
     got = torch.autograd.grad((y * wy).sum() + (h * wh).sum(), inputs)
     want = torch.autograd.grad((ref_y * wy).sum() + (ref_h * wh).sum(), inputs)
     assert set(names) == {"ssd_inputs", "ssd_output", "ssd_output_grads", "ssd_input_grads", "ssd_decay_grad"}
-    assert wide == [1, 1]  # that one chunk by decay matrices, forward and backward
+    assert wide == ([1, 1] if form == "mixed" else [6, 6])  # by decay matrices, forward and backward
     # A's gradient sums dt-weighted terms of every position, which cancel: in float32 it is good to
     # ~5e-5 here with torch's eager kernels too (the compiled passes change the rounding, not that)
     for name, gv, wv in zip(["x", "dt", "A", "B", "C", "h0"], got, want):

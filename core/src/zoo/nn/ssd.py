@@ -62,41 +62,50 @@ def _rows(s: torch.Tensor, g: int) -> torch.Tensor:
     return s.view(bk, g, h // g, q).permute(0, 3, 1, 2)[..., None]
 
 
-def _one_pass(name: str, fn: Any, *args: torch.Tensor) -> Any:
+def _rows_or_none(s: torch.Tensor | None, g: int) -> torch.Tensor | None:
+    """`_rows`, or None for a factored-form scale where no chunk is factored."""
+    return None if s is None else _rows(s, g)
+
+
+def _one_pass(name: str, fn: Any, *args: torch.Tensor | None) -> Any:
     """``fn(*args)``, one pass over memory as a compiled CPU kernel where `zoo.fused` wants one
     (else eagerly: the same formulas)."""
     return fused.run(name, fn, fn, *args) if fused.wanted(args[0]) else fn(*args)
 
 
-# The elementwise work around the factored form's products, each a function of (BK, Q, G, R, P)
-# views and (BK, Q, G, R, 1) scales, run as one compiled pass (`_one_pass`): as torch's separate
-# operations they were ~14 passes over T x H x P floats a layer (0.3-0.5 ms each at T = 2,048),
-# among them the gradient's five multiplications and two sums in `_input_grads`, 3.4 ms eager
-# against 0.8 compiled (docs/benchmarks.md).
-def _inputs(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+# The elementwise work around the products, each a function of (BK, Q, G, R, P) views and (BK, Q,
+# G, R, 1) scales, run as one compiled pass (`_one_pass`): as torch's separate operations they
+# were ~14 passes over T x H x P floats a layer (0.3-0.5 ms each at T = 2,048), among them the
+# gradient's five multiplications and two sums in `_input_grads`, 3.4 ms eager against 0.8
+# compiled (docs/benchmarks.md). The factored form's parts (``X / e``, e, and their gradients) are
+# None where no chunk takes it (an accelerator, or every chunk by decay matrices).
+def _inputs(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The products' operands from the scan's input x (before dt): ``w * X`` (u = dt w) and ``X / e``
     (v = dt / e)."""
-    return x * u, x * v
+    return x * u, None if v is None else x * v
 
 
-def _output(y_off: torch.Tensor, from_start: torch.Tensor, inner: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+def _output(y_off: torch.Tensor, from_start: torch.Tensor, inner: torch.Tensor | None, e: torch.Tensor | None
+            ) -> torch.Tensor:
     """y: what the entering state adds, ``exp(acum) C S``, and the chunk's own, ``e (scores @ (X / e))``."""
-    return y_off * from_start + inner * e
+    y = y_off * from_start
+    return y if inner is None else y + inner * e
 
 
-def _output_grads(dy: torch.Tensor, y: torch.Tensor, from_start: torch.Tensor, e: torch.Tensor
-                  ) -> tuple[torch.Tensor, ...]:
+def _output_grads(dy: torch.Tensor, y: torch.Tensor, from_start: torch.Tensor, e: torch.Tensor | None
+                  ) -> tuple[torch.Tensor | None, ...]:
     """``sum_p dY y`` (acum's gradient through y's exp(acum_i) factors) and dY scaled for the two
     parts' products."""
-    return (dy * y).sum(-1), dy * from_start, dy * e
+    return (dy * y).sum(-1), dy * from_start, None if e is None else dy * e
 
 
-def _input_grads(dxw: torch.Tensor, dxs: torch.Tensor, xw: torch.Tensor, xs: torch.Tensor, x: torch.Tensor,
-                 to_end: torch.Tensor, inv: torch.Tensor, dt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _input_grads(dxw: torch.Tensor, dxs: torch.Tensor | None, xw: torch.Tensor, xs: torch.Tensor | None,
+                 x: torch.Tensor, to_end: torch.Tensor, inv: torch.Tensor | None, dt: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, ...]:
     """From the gradients of ``w X`` and ``X / e`` (X = x dt): x's, dt's, and acum's through w
     (``sum_p dXw X w``) and through 1 / e (``sum_p dXs X / e``)."""
-    dxdt = dxw * to_end + dxs * inv
-    return dxdt * dt, (dxdt * x).sum(-1), (dxw * xw).sum(-1), (dxs * xs).sum(-1)
+    dxdt = dxw * to_end if dxs is None else dxw * to_end + dxs * inv
+    return dxdt * dt, (dxdt * x).sum(-1), (dxw * xw).sum(-1), None if dxs is None else (dxs * xs).sum(-1)
 
 
 def _decay_grad(dstates: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -235,20 +244,16 @@ class SSD(torch.autograd.Function):
             if len(idx) == bk:
                 idx = None
         x5, dtq = x.view(bk, q, g, r, p), dt.transpose(1, 2)  # (dt as the scales' (BK, H, Q))
-        if e is not None:
-            xw, xs = _one_pass("ssd_inputs", _inputs, x5, _rows(dtq * to_end, g), _rows(dtq * inv, g))
-        else:
-            xw, xs = x5 * _rows(dtq * to_end, g), None
+        xw, xs = _one_pass("ssd_inputs", _inputs, x5, _rows(dtq * to_end, g),
+                          _rows_or_none(None if inv is None else dtq * inv, g))
         xw = xw.reshape(bk, q, g, r * p)
         y_off, start, last = _between_chunks(xw, b, c, h0, chunk_decay)
+        inner = None
         if e is not None:  # within the chunk: e * (scores @ (X / e)), all of a group's heads at once
             xs = xs.reshape(bk, q, g, r * p)
-            inner = _per_group(lambda i: torch.bmm(scores[:, i], xs[:, :, i]), g, 2)  # (BK, Q, G, R*P)
-            y = _one_pass("ssd_output", _output, y_off, _rows(from_start, g), inner.view(bk, q, g, r, p), _rows(e, g))
-            y = y.reshape(bk, q, h, p)
-        else:
-            y = x.new_empty(bk, q, h, p)
-            torch.mul(y_off, _rows(from_start, g), out=y.view(bk, q, g, r, p))
+            inner = _per_group(lambda i: torch.bmm(scores[:, i], xs[:, :, i]), g, 2).view(bk, q, g, r, p)
+        y = _one_pass("ssd_output", _output, y_off, _rows(from_start, g), inner, _rows_or_none(e, g))
+        y = y.reshape(bk, q, h, p)
         sub = acum if idx is None else acum[idx]
         lmat = (sub[..., :, None] - sub[..., None, :]).float().exp_().tril_()  # exp(> 0) above, then zeroed
         if idx is None:
@@ -270,27 +275,24 @@ class SSD(torch.autograd.Function):
             g = b.shape[2]
             r = h // g
             dy5, y5, x5 = dy.contiguous().view(bk, q, g, r, p), y.view(bk, q, g, r, p), x.view(bk, q, g, r, p)
-            if ctx.factored:
-                dacum, dye, dye_in = _one_pass("ssd_output_grads", _output_grads, dy5, y5, _rows(from_start, g),
-                                               _rows(e, g))
-            else:
-                dacum, dye = (dy5 * y5).sum(-1), dy5 * _rows(from_start, g)
+            dacum, dye, dye_in = _one_pass("ssd_output_grads", _output_grads, dy5, y5, _rows(from_start, g),
+                                           _rows_or_none(e, g))
             dacum = dacum.reshape(bk, q, h).transpose(1, 2).contiguous()  # (BK, H, Q): y_i's exp(acum_i) factors
             dxw, db, dc, dh0 = _between_chunks_backward(dye.reshape(bk, q, g, r * p), dacum, dlast, xw, b, c, start,
                                                         from_start, chunk_decay)
             dtq = dt[..., None]
+            dxs = xs5 = None
             if ctx.factored:  # within the chunk: y_in = e * (scores @ (x / e))
                 dye_in = dye_in.reshape(bk, q, g, r * p)
                 dxs = _per_group(lambda i: torch.bmm(scores[:, i].transpose(1, 2), dye_in[:, :, i]), g, 2)
+                dxs, xs5 = dxs.view(bk, q, g, r, p), xs.view(bk, q, g, r, p)
                 dscores = _per_group(lambda i: torch.bmm(dye_in[:, :, i], xs[:, :, i].transpose(1, 2)), g, 1).tril_()
-                dx, ddt, dw, dw_in = _one_pass("ssd_input_grads", _input_grads, dxw, dxs.view(bk, q, g, r, p),
-                                               xw.view(bk, q, g, r, p), xs.view(bk, q, g, r, p), x5,
-                                               _rows(to_end, g), _rows(inv, g), dtq.view(bk, q, g, r, 1))
-                dacum.sub_(dw_in.reshape(bk, q, h).transpose(1, 2))  # the 1 / e_j factors: sum_p dX_in X
             else:
-                dxdt = dxw * _rows(to_end, g)
-                dx, ddt, dw = dxdt * dtq.view(bk, q, g, r, 1), (dxdt * x5).sum(-1), (dxw * xw.view(dxw.shape)).sum(-1)
                 dscores = torch.zeros_like(scores)
+            dx, ddt, dw, dw_in = _one_pass("ssd_input_grads", _input_grads, dxw, dxs, xw.view(bk, q, g, r, p), xs5,
+                                           x5, _rows(to_end, g), _rows_or_none(inv, g), dtq.view(bk, q, g, r, 1))
+            if dw_in is not None:
+                dacum.sub_(dw_in.reshape(bk, q, h).transpose(1, 2))  # the 1 / e_j factors: sum_p dX_in X
             dx, ddt, dw = dx.reshape(bk, q, h, p), ddt.reshape(bk, q, h), dw.reshape(bk, q, h).transpose(1, 2)
             dacum.sub_(dw)  # w = exp(acum_end - acum)
             dacum[..., -1] += dw.sum(-1)
