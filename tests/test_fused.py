@@ -148,6 +148,18 @@ def test_the_compiled_transpose_is_an_exact_copy(on, dtype):
     assert got.is_contiguous() and torch.equal(got, a.t())
 
 
+@pytest.mark.parametrize("rows", [48, 50])
+def test_row_block_sums_add_up_to_the_column_sums(rows):
+    """`zoo.fused.row_block_sums`: partial sums over blocks of rows whose sum is the column sum
+    (float64 reference), one block where the rows are not a multiple of the block."""
+    v = torch.randn(rows, 3, 5, generator=torch.Generator().manual_seed(9))
+    parts = fused.row_block_sums(v)
+    assert parts.shape == ((rows // fused._SUM_ROWS, 3, 5) if rows % fused._SUM_ROWS == 0 else (1, 3, 5))
+    torch.testing.assert_close(parts.sum(0).double(), v.double().sum(0), rtol=1e-6, atol=1e-6)
+    if rows % fused._SUM_ROWS == 0:  # each block is the sum of its own rows
+        torch.testing.assert_close(parts[1], v[fused._SUM_ROWS:2 * fused._SUM_ROWS].sum(0))
+
+
 def test_float32_weight_gradients_are_bitwise_the_same_with_the_compiled_transposes(on):
     """`zoo.gemm`'s oneDNN linear: its weight gradient's transposed operands copied by the compiled
     kernel or by torch give the same bits (a transposition is exact)."""
@@ -255,19 +267,19 @@ def test_the_compiled_cross_entropy_matches_float64_where_probabilities_underflo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bias", [True, False])
-def test_mamba_causal_convolution_with_silu_matches_float64(on, dtype, bias):
+@pytest.mark.parametrize("bias,t", [(True, 37), (False, 37), (True, 40)])
+def test_mamba_causal_convolution_with_silu_matches_float64(on, dtype, bias, t):
     """`zoo.nn.ssm.causal_conv1d(silu=True)` through the compiled kernels (`zoo.nn.ssm_fused.ConvSiLU`)
     against torch's grouped conv1d in float64, on a strided view of a wider projection as the mixers
-    pass it, forward and every gradient."""
+    pass it, forward and every gradient; 2 x 40 rows take the weight's sums by blocks of rows."""
     from zoo.nn import ssm, ssm_fused
 
     gen = torch.Generator().manual_seed(5)
-    proj = (torch.randn(2, 37, 40, generator=gen)).to(dtype).requires_grad_(True)
+    proj = (torch.randn(2, t, 40, generator=gen)).to(dtype).requires_grad_(True)
     x = proj[..., 8:32]  # (B, T, C) with row stride 40
     w = (0.5 * torch.randn(24, 1, 4, generator=gen)).to(dtype).requires_grad_(True)  # (bf16 parameters)
     b = (0.1 * torch.randn(24, generator=gen)).to(dtype).requires_grad_(True) if bias else None
-    g = torch.randn(2, 37, 24, generator=gen).to(dtype)
+    g = torch.randn(2, t, 24, generator=gen).to(dtype)
     calls = []
     orig = ssm_fused.ConvSiLU.apply
     with pytest.MonkeyPatch.context() as mp:
@@ -289,22 +301,23 @@ def test_mamba_causal_convolution_with_silu_matches_float64(on, dtype, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("groups", [1, 2])
-def test_mamba2_skip_gate_and_grouped_norm_match_float64(on, dtype, groups):
+@pytest.mark.parametrize("groups,t", [(1, 29), (2, 29), (2, 32)])
+def test_mamba2_skip_gate_and_grouped_norm_match_float64(on, dtype, groups, t):
     """`zoo.nn.ssm_fused.SkipGatedRMSNorm`: ``weight * RMSNorm((y + D x) * silu(z))`` per group against
-    the formula in float64 through autograd, with x and z strided views as the mixer passes them."""
+    the formula in float64 through autograd, with x and z strided views as the mixer passes them
+    (2 x 32 rows: D's and the weight's gradients summed by blocks of rows)."""
     from zoo.nn.ssm_fused import SkipGatedRMSNorm
 
     gen = torch.Generator().manual_seed(6)
     h, p = 4, 8
-    y = torch.randn(2, 29, h, p, generator=gen).requires_grad_(True)  # the scan's float32 output
-    proj = (2 * torch.randn(2, 29, 3 * h * p, generator=gen)).to(dtype).requires_grad_(True)
+    y = torch.randn(2, t, h, p, generator=gen).requires_grad_(True)  # the scan's float32 output
+    proj = (2 * torch.randn(2, t, 3 * h * p, generator=gen)).to(dtype).requires_grad_(True)
     z, x = proj[..., :h * p], proj[..., h * p:2 * h * p].unflatten(-1, (h, p))
     d = (1 + 0.3 * torch.randn(h, generator=gen)).requires_grad_(True)
     w = (1 + 0.2 * torch.randn(h * p, generator=gen)).requires_grad_(True)
-    g = torch.randn(2, 29, h * p, generator=gen)
+    g = torch.randn(2, t, h * p, generator=gen)
     out = SkipGatedRMSNorm.apply(y, x, d, z, w, groups, 1e-5)
-    assert out.dtype == torch.float32 and out.shape == (2, 29, h * p)
+    assert out.dtype == torch.float32 and out.shape == (2, t, h * p)
     out.backward(g)
     yd, pd, dd, wd = (t.detach().double().requires_grad_(True) for t in (y, proj, d, w))
     v = ((yd + pd[..., h * p:2 * h * p].unflatten(-1, (h, p)) * dd[:, None]).flatten(-2)

@@ -86,6 +86,23 @@ def run(name: str, fn: Callable[..., Any], eager: Callable[..., Any], *args: Any
         return out
 
 
+# Rows a partial column sum covers (`row_block_sums`).
+_SUM_ROWS = 16
+
+
+def row_block_sums(v: torch.Tensor) -> torch.Tensor:
+    """Inside a compiled kernel: sums of ``v`` (rows, ...) over blocks of `_SUM_ROWS` rows, for the
+    caller to add up outside it (``.sum(0)``: a few rows). Inductor computes a column sum as a loop
+    down all the rows of each 16-column strip, and a block of rows at a time it reads better: the
+    sums of a (2,048, 512) float32 product in a norm's backward took 0.59 against 0.72 ms (0.48
+    against 0.58 at 384 columns, level at 256). A sum of the partial sums inside the same kernel
+    is merged back into the one loop. Rows not a multiple of the block: one plain sum."""
+    r = v.shape[0]
+    if r % _SUM_ROWS:
+        return v.sum(0, keepdim=True)
+    return v.reshape(r // _SUM_ROWS, _SUM_ROWS, *v.shape[1:]).sum(1)
+
+
 @functools.cache
 def _no_duck_shapes() -> Any:
     """One context manager for every call (torch's patch objects are re-entrant and thread-safe:

@@ -66,16 +66,17 @@ def _conv_silu_grad_kept(g: torch.Tensor, y: torch.Tensor, sig: torch.Tensor) ->
 
 def _conv_backward(gp: torch.Tensor, x: torch.Tensor, w: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From the output's gradient gp (float32): the input's (x's dtype), the weight's (K, C) and
-    the bias's, float32."""
+    """From the output's gradient gp (float32): the input's (x's dtype), and the weight's (K, C) and
+    the bias's as float32 partial sums over blocks of rows (`zoo.fused.row_block_sums`; the caller
+    adds them up)."""
     k, t = w.shape[0], x.shape[1]
     ahead = F.pad(gp, (0, 0, 0, k - 1))  # y_t reads x_{t-K+1+s} with w_s: dx_t = sum_s w_s gp_{t+K-1-s}
     dx = ahead[:, k - 1:k - 1 + t] * w[0].float()
     for s in range(1, k):
         dx = dx + ahead[:, k - 1 - s:k - 1 - s + t] * w[s].float()
     xp = F.pad(x.float(), (0, 0, k - 1, 0))
-    dw = torch.stack([(gp * xp[:, s:s + t]).sum((0, 1)) for s in range(k)])
-    return dx.to(x.dtype), dw, gp.sum((0, 1))
+    dw = torch.stack([fused.row_block_sums((gp * xp[:, s:s + t]).flatten(0, 1)) for s in range(k)], 1)
+    return dx.to(x.dtype), dw, fused.row_block_sums(gp.flatten(0, 1))
 
 
 class ConvSiLU(torch.autograd.Function):
@@ -105,7 +106,7 @@ class ConvSiLU(torch.autograd.Function):
         else:
             gp = fused.run("conv_silu_grad", _conv_silu_grad, _conv_silu_grad, grad.contiguous(), x, w, bias)
         dx, dw, db = fused.run("conv_backward", _conv_backward, _conv_backward, gp, x, w)
-        return dx, dw.t().to(w.dtype), None if bias is None else db.to(bias.dtype)
+        return dx, dw.sum(0).t().to(w.dtype), None if bias is None else db.sum(0).to(bias.dtype)
 
 
 # ------------------------------------------------------------------------ Mamba-2's output gate
@@ -131,7 +132,9 @@ def _gate_backward(g: torch.Tensor, y: torch.Tensor, x: torch.Tensor, d: torch.T
     dv = rstd * (gv - vhat * (gv * vhat).mean(-1, keepdim=True))
     du = dv * gate  # y's gradient; x's is du d
     dz = dv * u * sig * (1 + zf * (1 - sig))
-    return du, (du * d).to(x.dtype), (du * xf).sum(0), dz.to(z.dtype), (gf * vhat).sum(0)
+    # D's and the weight's gradients as partial sums over blocks of rows, added up by the caller
+    return (du, (du * d).to(x.dtype), fused.row_block_sums(du * xf), dz.to(z.dtype),
+            fused.row_block_sums(gf * vhat))
 
 
 class SkipGatedRMSNorm(torch.autograd.Function):
@@ -160,5 +163,6 @@ class SkipGatedRMSNorm(torch.autograd.Function):
         yshape, zshape, ddtype = ctx.shapes
         du, dx, dd, dz, dw = fused.run("gated_rms_norm_backward", _gate_backward, _gate_backward,
                                        grad.reshape(y.shape), y, x, dfull, z, weight.view(dfull.shape), rstd)
-        dd = dd.view(yshape[-2], yshape[-1]).sum(-1).to(ddtype)  # per channel -> per head
-        return du.view(yshape), dx.view(yshape), dd, dz.view(zshape), dw.view(-1).to(weight.dtype), None, None
+        dd = dd.sum(0).view(yshape[-2], yshape[-1]).sum(-1).to(ddtype)  # per channel -> per head
+        return (du.view(yshape), dx.view(yshape), dd, dz.view(zshape), dw.sum(0).view(-1).to(weight.dtype), None,
+                None)
