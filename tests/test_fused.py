@@ -104,7 +104,7 @@ def test_a_recomputed_norm_and_activation_are_the_forwards_bits(on, family):
 
 
 def test_a_compiler_failure_falls_back_to_eager_and_says_so_once(on, monkeypatch):
-    def broken(name, fn):
+    def broken(name, fn, variant):
         raise RuntimeError("no C++ compiler here")
 
     monkeypatch.setattr(fused, "_compiled", broken)
@@ -146,6 +146,29 @@ def test_the_compiled_transpose_is_an_exact_copy(on, dtype):
     a = torch.randn(300, 517).to(dtype)
     got = fused.transpose(a)
     assert got.is_contiguous() and torch.equal(got, a.t())
+
+
+def test_each_of_a_kernels_first_sizes_gets_a_kernel_of_its_own_then_one_for_any_size(on, monkeypatch):
+    """A float32 step transposes one weight-gradient operand per weight shape: each of the first
+    `_SIGNATURES` sizes is compiled on its own (dynamo would compile the second size of one function
+    for any size, and every later one would take that slower kernel), later sizes share one kernel
+    for any size, and a size seen before compiles nothing. Every result stays an exact copy."""
+    monkeypatch.setattr(fused, "_seen", {})
+    torch._dynamo.reset()
+    fused._compiled.cache_clear()
+    torch._dynamo.utils.counters.clear()
+    shapes = [(40 + 8 * i, 24 + 8 * i) for i in range(fused._SIGNATURES + 2)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="zoo.fused")
+        for shape in shapes + shapes[:2] + shapes[-1:]:  # then sizes seen before
+            a = torch.randn(*shape)
+            got = fused.transpose(a)
+            assert got.is_contiguous() and torch.equal(got, a.t())
+    assert [fused._variant("transpose", [torch.empty(s)]) for s in shapes] == [*range(fused._SIGNATURES), -1, -1]
+    # one graph per size of its own, one for the rest; no recompilation
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == fused._SIGNATURES + 1
+    assert fused._compiled.cache_info().currsize == fused._SIGNATURES + 1
+    assert not fused._BROKEN
 
 
 @pytest.mark.parametrize("rows", [48, 50])

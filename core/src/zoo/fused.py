@@ -14,8 +14,8 @@ The Mamba mixers' convolution + SiLU and Mamba-2's gated norm live in `zoo.nn.ss
 `run` here.
 
 Used for CPU tensors of at least `_MIN_ELEMENTS` elements (a compile costs ~2.5 s per process,
-once for the first sizes a kernel sees and once more for any others; tiny tensors gain nothing
-from it) when `configure` turned it on (``train.cpu_fused``).
+once for each of the first `_SIGNATURES` sets of sizes a kernel sees and once more for any others;
+tiny tensors gain nothing from it) when `configure` turned it on (``train.cpu_fused``).
 Each kernel is deterministic (a fixed order of every reduction), so a recomputed output equals
 the forward's bit for bit; where inductor cannot build a kernel (no C++ compiler, an unsupported
 platform) the first failure is reported once and the eager path runs from then on, in forward and
@@ -25,6 +25,7 @@ in recomputation alike.
 from __future__ import annotations
 
 import functools
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal
@@ -75,8 +76,9 @@ def run(name: str, fn: Callable[..., Any], eager: Callable[..., Any], *args: Any
         # (shift and scale are chunks of one adaLN output); each would compile a variant, and a
         # training run with sampling reached dynamo's limit of 8 and fell back to eager.
         inputs = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+        kernel = _compiled(name, fn, _variant(name, inputs))
         with torch.no_grad(), torch.autocast("cpu", enabled=False), _no_duck_shapes():
-            return _compiled(name, fn)(*inputs)
+            return kernel(*inputs)
     except Exception as e:  # noqa: BLE001 - inductor's failures have no common type
         with torch.no_grad():
             out = eager(*args)  # the inputs' own fault raises here, and the compiler is not blamed
@@ -112,14 +114,38 @@ def _no_duck_shapes() -> Any:
     return _config.patch(use_duck_shape=False)
 
 
+# Input signatures (dtypes, sizes, strides, other arguments) a kernel is compiled for one by one,
+# each with its sizes as constants; later ones share a kernel compiled for any size.
+_SIGNATURES = 4
+_seen: dict[str, dict[tuple[Any, ...], int]] = {}
+
+
+def _variant(name: str, args: list[Any]) -> int:
+    """Which compiled copy of kernel ``name`` takes ``args``: its n-th distinct signature, or -1 (the
+    copy for any size) once it has had `_SIGNATURES`."""
+    sig = tuple((a.dtype, a.shape, a.stride()) if isinstance(a, torch.Tensor) else repr(a) for a in args)
+    seen = _seen.setdefault(name, {})
+    if sig not in seen:
+        if len(seen) >= _SIGNATURES:
+            return -1
+        seen[sig] = len(seen)
+    return seen[sig]
+
+
 @functools.cache
-def _compiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    # Sizes as constants first (dynamo's "automatic dynamic"): a training run calls each kernel
-    # with one set of sizes, and a kernel compiled for them takes no divisions or symbolic strides
-    # in its index arithmetic (Mamba-2's step at T = 2,048: 1.5-1.8% faster than compiled for any
-    # size from the start). A second set of sizes (sampling, another batch) compiles the kernel
-    # once more, for any size, and every later shape takes that one.
-    return torch.compile(fn, dynamic=None, fullgraph=True)
+def _compiled(name: str, fn: Callable[..., Any], variant: int) -> Callable[..., Any]:
+    # Sizes as constants: a kernel compiled for them takes no divisions or symbolic strides in its
+    # index arithmetic (Mamba-2's step at T = 2,048: 1.5-1.8% faster than compiled for any size;
+    # the tiled transposition of a weight gradient's operand 35-40% faster alone, a float32 DiT
+    # step 4% faster). A training step calls most kernels with one set of sizes, but the
+    # transposition with one per weight shape, and dynamo compiles a second set of sizes of one
+    # function for any size ("automatic dynamic", per code object): so each signature gets a copy
+    # of the function under a code object of its own, compiled for its sizes alone.
+    if variant < 0:
+        return torch.compile(fn, dynamic=True, fullgraph=True)
+    code = fn.__code__.replace(co_name=f"{fn.__name__}__{variant}")
+    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    return torch.compile(own, dynamic=False, fullgraph=True)
 
 
 # -------------------------------------------------------------------------------- transposition
