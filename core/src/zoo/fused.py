@@ -115,8 +115,9 @@ def _no_duck_shapes() -> Any:
 
 
 # Input signatures (dtypes, sizes, strides, other arguments) a kernel is compiled for one by one,
-# each with its sizes as constants; later ones share a kernel compiled for any size.
-_SIGNATURES = 4
+# each with its sizes as constants; later ones share a kernel compiled for any size. (A LLaMA,
+# Mamba-2 or DiT float32 step transposes operands of 3-4 shapes; every other kernel sees one.)
+_SIGNATURES = 6
 _seen: dict[str, dict[tuple[Any, ...], int]] = {}
 
 
