@@ -161,6 +161,25 @@ def test_resume_across_layouts_reshards_ema_and_frozen_state(runs, tmp_path):
     _same(other_t, _tensors(runs["root"] / "one" / "checkpoints" / "step_00000006"))
 
 
+def test_a_fresh_run_refuses_a_run_directory_holding_another_runs_checkpoints(runs, tmp_path):
+    """checkpoint.dir elsewhere and nothing there to resume: the run would start fresh and rewrite the
+    run directory's metrics and config, which describe the checkpoints still in it. Refused, one
+    line naming the directory, nothing written; its own checkpoint root empty, the same directory
+    trains (a run that died before its first checkpoint restarts there)."""
+    from zoo.errors import ConfigError
+
+    one = runs["root"] / "one"
+    before = {p: p.read_bytes() for p in (one / "metrics.jsonl", one / "config.yaml")}
+    elsewhere = tmp_path / "elsewhere"
+    with pytest.raises(ConfigError, match=rf"{one} holds another run .*use another --run-dir"):
+        _fit(str(one), 1, [*COMMON, f"checkpoint.dir={elsewhere}"])
+    assert {p: p.read_bytes() for p in before} == before and not elsewhere.exists()
+    fresh = tmp_path / "died-early"
+    (fresh / "checkpoints").mkdir(parents=True)
+    (fresh / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    records = _train(fresh, 1, "train.steps=3", "checkpoint.interval=0")
+    assert [r["step"] for r in records if "loss" in r][0] == 1 and records[0]["loss"] != 9.0
+
 def test_lr_multiplier_and_ema_follow_their_formulas(tmp_path):
     """One step: the cond_embed update with multiplier 0.5 is half the update without it (Adam's
     step and decoupled weight decay both scale with the learning rate), and the EMA is

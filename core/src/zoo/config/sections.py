@@ -206,7 +206,9 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    dir: str | None = None  # None: <run dir>/checkpoints
+    # None: <run dir>/checkpoints. Elsewhere, a fresh start is refused where the run directory holds
+    # another run's checkpoints (it would rewrite that run's metrics and config).
+    dir: str | None = None
     interval: int = 0  # steps between saves; 0: only at the end
     # "auto": continue from the newest complete checkpoint in checkpoint.dir if there is one (so
     # rerunning a command after a crash or preemption continues it); "none": start fresh (refused

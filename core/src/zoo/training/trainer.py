@@ -108,13 +108,23 @@ class Trainer:
 
         resume = self.run.checkpoint.resume
         if resume == "auto":
-            return latest(self.ckpt_root)
-        if resume != "none":
+            found = latest(self.ckpt_root)
+        elif resume != "none":
             return resolve_checkpoint(resume)
-        if complete_checkpoints(self.ckpt_root):
+        elif complete_checkpoints(self.ckpt_root):
             raise ConfigError(f"{self.ckpt_root} already holds checkpoints; continue with checkpoint.resume=auto "
                               "or use another --run-dir")
-        return None
+        else:
+            found = None
+        # A fresh start rewrites the run directory's records (metrics, loss plot, config, samples). With
+        # checkpoint.dir elsewhere, the run directory may hold another run, its checkpoints included:
+        # its records would then no longer describe its checkpoints.
+        own = self.run_dir / "checkpoints"
+        if found is None and self.ckpt_root.resolve() != own.resolve() and complete_checkpoints(own):
+            raise ConfigError(f"{self.run_dir} holds another run (checkpoints in {own}) whose metrics and config this "
+                              f"run, starting fresh with checkpoint.dir={self.run.checkpoint.dir}, would overwrite; "
+                              "use another --run-dir")
+        return found
 
     # ------------------------------------------------------------------------------- building
 
