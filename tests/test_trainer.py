@@ -174,11 +174,22 @@ def test_a_fresh_run_refuses_a_run_directory_holding_another_runs_checkpoints(ru
     with pytest.raises(ConfigError, match=rf"{one} holds another run .*use another --run-dir"):
         _fit(str(one), 1, [*COMMON, f"checkpoint.dir={elsewhere}"])
     assert {p: p.read_bytes() for p in before} == before and not elsewhere.exists()
+    # A run that died before its first checkpoint: metrics and TensorBoard (as TensorBoard's own
+    # reader shows them) hold only the new run's points
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
     fresh = tmp_path / "died-early"
     (fresh / "checkpoints").mkdir(parents=True)
     (fresh / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    with SummaryWriter(str(fresh / "tensorboard")) as old:
+        for step in range(1, 6):
+            old.add_scalar("loss", 9.0, step)
     records = _train(fresh, 1, "train.steps=3", "checkpoint.interval=0")
-    assert [r["step"] for r in records if "loss" in r][0] == 1 and records[0]["loss"] != 9.0
+    assert [r["step"] for r in records] == [1, 2, 3] and 9.0 not in [r["loss"] for r in records]
+    seen = EventAccumulator(str(fresh / "tensorboard"))
+    seen.Reload()
+    assert [(e.step, e.value) for e in seen.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"])) for r in records]
 
 def test_lr_multiplier_and_ema_follow_their_formulas(tmp_path):
     """One step: the cond_embed update with multiplier 0.5 is half the update without it (Adam's

@@ -192,7 +192,9 @@ class MetricsLog:
                 self.tb = None
             else:
                 self.tb_dir = run_dir / "tensorboard"
-                self.tb = SummaryWriter(str(self.tb_dir), purge_step=resume_step + 1 if resume_step else None)
+                # TensorBoard drops the earlier files' points from this step on, as metrics.jsonl
+                # does above: a resumed run's from a run that died, a fresh start's (step 1) all
+                self.tb = SummaryWriter(str(self.tb_dir), purge_step=resume_step + 1)
 
     def log(self, record: dict[str, Any]) -> None:
         self.records.append(record)
