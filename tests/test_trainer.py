@@ -111,6 +111,19 @@ def test_first_step_matches_an_independent_computation(runs):
     assert max(peaks) == pytest.approx(min(peaks), rel=1e-9)
 
 
+def test_validation_follows_its_own_interval_between_logging_steps(runs, tmp_path):
+    """train.eval_interval=3 under logging.interval=4: validation at steps 3 and 6 (each with a
+    record of its own), not only where both intervals meet; the same values as the run logging
+    every step, whose training it does not disturb."""
+    records = _train(tmp_path / "run", 1, "logging.interval=4")
+    assert [r["step"] for r in records] == [3, 4, 6]
+    assert [("val_loss" in r) for r in records] == [True, False, True]
+    every = {r["step"]: r for r in runs["one"]}
+    for r in records:
+        for key in ("loss", "val_loss", "grad_norm"):
+            assert r.get(key) == every[r["step"]].get(key), (r["step"], key)
+
+
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
 def test_layouts_train_like_one_process(runs, layout):
     _close(runs[layout], runs["one"], validation=layout != "dp2")

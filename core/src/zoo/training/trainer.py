@@ -440,9 +440,10 @@ class Trainer:
             out, grad_norm = self.train_step(batches, lr)
             step = self.state.step
             self.inst.step_end(step)
-            log_now = step % run.logging.interval == 0 or step == run.train.steps
-            eval_now = bool(run.train.eval_interval) and log_now and (
-                step % run.train.eval_interval == 0 or step == run.train.steps)
+            # a validation step writes a record of its own even between logging steps (it used to
+            # wait for one that was both: train.eval_interval=30 under logging.interval=50 validated at 150)
+            eval_now = bool(run.train.eval_interval) and (step % run.train.eval_interval == 0 or step == run.train.steps)
+            log_now = eval_now or step % run.logging.interval == 0 or step == run.train.steps
             if log_now:
                 self.check_losses()  # every rank: each raises the same error
             self.inst.lap("other")
