@@ -1,6 +1,6 @@
-"""What every rank of a run must agree on outside the step itself: a token naming this run's
-partial checkpoint directories, that the checkpoint directory is one for all of them, and
-preemption (SIGTERM asks for a save at the end of the step)."""
+"""What every rank of a run must agree on outside the step itself: where it resumes from, a token
+naming this run's partial checkpoint directories, that the checkpoint directory is one for all of
+them, and preemption (SIGTERM asks for a save at the end of the step)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,29 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from zoo.errors import UsageError
+from zoo.errors import ConfigError, UsageError
+
+
+def resume_point(resume: str, ckpt_root: Path, run_dir: Path) -> Path | None:
+    """The checkpoint a run continues from (``checkpoint.resume``: "auto", "none" or a path; checkpoints
+    in ``ckpt_root``), or None for a fresh start; refuses a fresh start that would overwrite another
+    run's records."""
+    from zoo.checkpoint.state import complete_checkpoints, latest, resolve_checkpoint
+
+    if resume not in ("auto", "none"):
+        return resolve_checkpoint(resume)
+    if resume == "none" and complete_checkpoints(ckpt_root):
+        raise ConfigError(f"{ckpt_root} already holds checkpoints; continue with checkpoint.resume=auto "
+                          "or use another --run-dir")
+    found = latest(ckpt_root) if resume == "auto" else None
+    # A fresh start rewrites the run directory's records (metrics, loss plot, config, samples). With
+    # checkpoint.dir elsewhere, the run directory may hold another run, its checkpoints included:
+    # its records would then no longer describe its checkpoints.
+    own = run_dir / "checkpoints"
+    if found is None and ckpt_root.resolve() != own.resolve() and complete_checkpoints(own):
+        raise ConfigError(f"{run_dir} holds another run (checkpoints in {own}) whose metrics and config this run, "
+                          f"starting fresh with checkpoint.dir={ckpt_root}, would overwrite; use another --run-dir")
+    return found
 
 
 def run_token(world_size: int, *, shared: Path | None = None) -> str:

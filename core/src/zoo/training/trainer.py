@@ -42,7 +42,7 @@ from zoo.training.guard import NonFiniteGuard
 from zoo.training.instruments import Instruments
 from zoo.training.metrics import MetricsLog, log_fields, measured_peak_flops, work_of
 from zoo.training.progress import Progress
-from zoo.training.run_control import Preemption, run_token
+from zoo.training.run_control import Preemption, resume_point, run_token
 
 
 class Trainer:
@@ -82,7 +82,7 @@ class Trainer:
         from zoo.parallel import distributed
 
         run = self.run
-        resume_from = self._resume_point()
+        resume_from = resume_point(run.checkpoint.resume, self.ckpt_root, self.run_dir)
         with distributed.session(backend=run.parallel.backend, device=run.train.device,
                                  timeout_s=run.parallel.timeout_s) as env:
             if env.world_size != self.layout.world_size:
@@ -102,29 +102,6 @@ class Trainer:
             finally:
                 self.close_outputs()
         return 0
-
-    def _resume_point(self) -> Path | None:
-        from zoo.checkpoint.state import complete_checkpoints, latest, resolve_checkpoint
-
-        resume = self.run.checkpoint.resume
-        if resume == "auto":
-            found = latest(self.ckpt_root)
-        elif resume != "none":
-            return resolve_checkpoint(resume)
-        elif complete_checkpoints(self.ckpt_root):
-            raise ConfigError(f"{self.ckpt_root} already holds checkpoints; continue with checkpoint.resume=auto "
-                              "or use another --run-dir")
-        else:
-            found = None
-        # A fresh start rewrites the run directory's records (metrics, loss plot, config, samples). With
-        # checkpoint.dir elsewhere, the run directory may hold another run, its checkpoints included:
-        # its records would then no longer describe its checkpoints.
-        own = self.run_dir / "checkpoints"
-        if found is None and self.ckpt_root.resolve() != own.resolve() and complete_checkpoints(own):
-            raise ConfigError(f"{self.run_dir} holds another run (checkpoints in {own}) whose metrics and config this "
-                              f"run, starting fresh with checkpoint.dir={self.run.checkpoint.dir}, would overwrite; "
-                              "use another --run-dir")
-        return found
 
     # ------------------------------------------------------------------------------- building
 
