@@ -137,11 +137,12 @@ def _variant(name: str, args: list[Any]) -> int:
 def _compiled(name: str, fn: Callable[..., Any], variant: int) -> Callable[..., Any]:
     # Sizes as constants: a kernel compiled for them takes no divisions or symbolic strides in its
     # index arithmetic (Mamba-2's step at T = 2,048: 1.5-1.8% faster than compiled for any size;
-    # the tiled transposition of a weight gradient's operand 35-40% faster alone, a float32 DiT
-    # step 4% faster). A training step calls most kernels with one set of sizes, but the
-    # transposition with one per weight shape, and dynamo compiles a second set of sizes of one
-    # function for any size ("automatic dynamic", per code object): so each signature gets a copy
-    # of the function under a code object of its own, compiled for its sizes alone.
+    # the tiled transposition of a weight gradient's operand 35-40% faster alone, inside a step
+    # Mamba-2's 3.9 -> 3.4 ms and a float32 DiT's 23.8 -> 21.8). A training step calls most kernels
+    # with one set of sizes, but the transposition with one per weight shape, and dynamo compiles a
+    # second set of sizes of one function for any size ("automatic dynamic", per code object): so
+    # each signature gets a copy of the function under a code object of its own, compiled for its
+    # sizes alone.
     if variant < 0:
         return torch.compile(fn, dynamic=True, fullgraph=True)
     code = fn.__code__.replace(co_name=f"{fn.__name__}__{variant}")
