@@ -204,6 +204,7 @@ def test_a_fresh_run_refuses_a_run_directory_holding_another_runs_checkpoints(ru
     seen.Reload()
     assert [(e.step, e.value) for e in seen.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"])) for r in records]
 
+
 def test_lr_multiplier_and_ema_follow_their_formulas(tmp_path):
     """One step: the cond_embed update with multiplier 0.5 is half the update without it (Adam's
     step and decoupled weight decay both scale with the learning rate), and the EMA is
