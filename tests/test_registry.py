@@ -123,6 +123,8 @@ def test_misspelt_hook_is_rejected(plugin_root):
         ('{"tiny": tiny}', "FAMILY = __import__('dataclasses').replace(FAMILY, name='Bad Name')", "must match"),
         ('{"tiny": tiny}', "FAMILY = __import__('dataclasses').replace(FAMILY, specs={'dense': 3})", "ModelSpec"),
         ('{"tiny": tiny}', "FAMILY = __import__('dataclasses').replace(FAMILY, recipe={'steps': 3})", "section.key"),
+        ('{"tiny": tiny}', "FAMILY = __import__('dataclasses').replace(FAMILY, metrics=(__import__('zoo').MetricSpec("
+                           "name='load', when='moe layers'),))", "must name a model-config attribute"),
     ],
 )
 def test_contract_violations_are_rejected_at_registration(plugin_root, flavors, body, message):
@@ -180,3 +182,19 @@ def test_entry_point_group_finds_the_installed_example():
     entry = reg.get("causal-mixer")  # alias
     assert entry.family.name == "mixer"
     assert entry.plugin.distribution == "acme-mixer"
+
+
+def test_a_metric_with_when_exists_only_for_configs_where_that_attribute_holds():
+    import dataclasses
+
+    from _trainer_family import FAMILY, CondConfig
+
+    from zoo import MetricSpec
+
+    fam = dataclasses.replace(FAMILY, metrics=(MetricSpec(name="always"), MetricSpec(name="classes", when="num_classes"),
+                                               MetricSpec(name="typo", when="num_clases")))
+    with pytest.raises(PluginError, match=r"family 'cond': metric 'typo' has when='num_clases'.*CondConfig"):
+        fam.metrics_for(CondConfig())
+    fam = dataclasses.replace(fam, metrics=fam.metrics[:2])
+    assert [m.name for m in fam.metrics_for(CondConfig())] == ["always", "classes"]
+    assert [m.name for m in fam.metrics_for(CondConfig(num_classes=0))] == ["always"]

@@ -81,12 +81,16 @@ class MetricSpec:
     ``vector``: the value is a 1-D tensor of a fixed length (one entry per MoE layer, say), reduced
     element-wise and logged as ``name/0``, ``name/1``, ... beside ``name``, their max (``max``),
     sum (``sum``) or mean (``mean``); an aux-loss metric cannot be one.
+    ``when``: the name of a model-config attribute (a field or property); the metric exists only
+    for configs where it is true or nonzero (a hybrid stack's MoE metrics: ``"moe_layers"``, so a
+    pattern without MoE layers neither computes nor logs them); None: always.
     """
 
     name: str
     reduce: Literal["mean", "sum", "max"] = "mean"
     aux_loss: bool = False
     vector: bool = False
+    when: str | None = None
 
     def __post_init__(self) -> None:
         if self.vector and self.aux_loss:
@@ -180,6 +184,18 @@ class Family:
     task_encoder: Ref | None = None
     recipe: Mapping[str, Any] = field(default_factory=dict)  # "section.key" -> default for all flavors
     flavor_recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def metrics_for(self, config: Any) -> tuple[MetricSpec, ...]:
+        """The declared metrics a model of ``config`` reports (those whose ``when`` holds for it)."""
+        def holds(m: MetricSpec) -> bool:
+            if m.when is None:
+                return True
+            if not hasattr(config, m.when):
+                raise PluginError(f"family {self.name!r}: metric {m.name!r} has when={m.when!r}, which "
+                                  f"{type(config).__name__} has no attribute of that name")
+            return bool(getattr(config, m.when))
+
+        return tuple(m for m in self.metrics if holds(m))
 
     def spec_for(self, config: Any) -> ModelSpec:
         name = getattr(config, "layer_spec", None)
@@ -289,6 +305,8 @@ def check_family(family: object, *, owner: str) -> None:
             raise PluginError(f"{where}: metric {m.name!r}: reduce={m.reduce!r} is not one of mean, sum, max")
         if m.aux_loss and m.reduce != "mean":
             raise PluginError(f"{where}: metric {m.name!r} is an auxiliary loss, so it is averaged like the loss (reduce='mean')")
+        if m.when is not None and (not isinstance(m.when, str) or not m.when.isidentifier()):
+            raise PluginError(f"{where}: metric {m.name!r}: when={m.when!r} must name a model-config attribute")
         if m.name in _RESERVED_METRICS or names.count(m.name) > 1:
             raise PluginError(f"{where}: metric name {m.name!r} is {'reserved' if m.name in _RESERVED_METRICS else 'declared twice'}")
     if not isinstance(family.throughput, Throughput) or not family.throughput.unit:

@@ -49,10 +49,12 @@ class StepOutput(NamedTuple):
 class Parallel:
     """``model``: the plain model every rank built in full from one seed, or (``init`` given) the
     model built on the meta device by `zoo.parallel.materialize.record_build`, of which this rank
-    then materialises only its own parameters on ``device``, bitwise those of the full build."""
+    then materialises only its own parameters on ``device``, bitwise those of the full build.
+    ``model_config``: the model's config, which decides the family's metrics that have a ``when``
+    (`Family.metrics_for`); None: every declared metric."""
 
     def __init__(self, model: nn.Module, family: Family, layout: Layout, *, rank: int = 0, seed: int = 1234,
-                 init: InitRecord | None = None, device: Any = "cpu") -> None:
+                 init: InitRecord | None = None, device: Any = "cpu", model_config: Any = None) -> None:
         self.family, self.layout = family, layout
         self.graphs: Any = None  # a GraphedMicroBatches under train.cuda_graph (zoo.parallel.cuda_graphs)
         refs = tensor_refs(model) if init is not None else {}
@@ -115,9 +117,11 @@ class Parallel:
         self.buckets: Any = None
         # Where this rank's bookkeeping tensors (losses, metrics, norms) live: its parameters' device.
         self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        self._metric_specs = [("loss", "mean")] + [(m.name, m.reduce) for m in family.metrics]
-        self._aux = [m.name for m in family.metrics if m.aux_loss]
-        self._vectors = {m.name for m in family.metrics if m.vector}
+        # (every rank of a run has the same model config, so the same metrics)
+        metrics = family.metrics if model_config is None else family.metrics_for(model_config)
+        self._metric_specs = [("loss", "mean")] + [(m.name, m.reduce) for m in metrics]
+        self._aux = [m.name for m in metrics if m.aux_loss]
+        self._vectors = {m.name for m in metrics if m.vector}
         self._vector_sizes: dict[str, int] | None = None
 
     # ----------------------------------------------------------------------------- set-up

@@ -204,7 +204,8 @@ def train_layout(layout: Mapping[str, Any], family: str, layers: int, zero: bool
     model = build(cfg, fam.spec_for(cfg))
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    par = Parallel(model, fam, layout_for(fam, world, model=cfg, seq_length=seq_length, **layout), rank=rank)
+    par = Parallel(model, fam, layout_for(fam, world, model=cfg, seq_length=seq_length, **layout), rank=rank,
+                   model_config=cfg)
     # Small buckets: several reductions per step, launched while backward runs.
     buckets = par.make_buckets(20_000, shard=zero)
 

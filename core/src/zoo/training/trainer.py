@@ -128,7 +128,8 @@ class Trainer:
         self.ties = aliases(full)
         # Each rank materialises only its part (its stages, its tensor-parallel pieces), bitwise
         # what one process building the whole model from the seed would have.
-        self.par = Parallel(full, fam, self.layout, rank=env.rank, seed=run.train.seed, init=record, device=env.device)
+        self.par = Parallel(full, fam, self.layout, rank=env.rank, seed=run.train.seed, init=record, device=env.device,
+                            model_config=run.model)
         del full
         self.model = self.par.model  # this rank's parameters (its tensor-parallel pieces of its stages)
         gemm.adopt(self.model)  # its plain linears' products through `zoo.gemm` (oneDNN where chosen)

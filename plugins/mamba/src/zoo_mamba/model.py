@@ -153,9 +153,8 @@ def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Any, dict[st
     if isinstance(out, dict) or not isinstance(out, tuple):  # not the last pipeline stage, or no MoE blocks
         return out, {}
     ce, stats = out
-    if cfg.moe_layers == 0:  # the family declares the MoE metrics; this pattern has no "E"
-        zero = ce * 0.0  # (auxiliary losses are tensors the core backpropagates)
-        return ce, {"aux_loss": zero, "z_loss": zero, "expert_load": ce.new_zeros(0), "dropped": zero}
+    if cfg.moe_layers == 0:  # (a spec with "E" blocks carries zero statistics for a pattern without)
+        return ce, {}  # the family's MoE metrics exist only where the pattern has "E" (MetricSpec.when)
     return ce, balance_metrics(stats, num_experts=cfg.num_experts, top_k=cfg.top_k, convention="megatron",
                                aux_coeff=cfg.aux_loss_coeff, z_coeff=cfg.z_loss_coeff)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zoo import Family, PipelineSpec, Throughput, hookimpl
 from zoo.config import check_sizes
@@ -267,5 +267,6 @@ def zoo_families() -> list[Family]:
                # The MoE layers' routing statistics travel with the hidden state to the loss.
                pipeline=PipelineSpec(layers="layers", first=("embed",), last=("norm", "head"), input_key="tokens",
                                      carries=("moe_stats",)),
-               metrics=MOE_METRICS, tp_local=_TP_LOCAL, **_COMMON),
+               # (only a pattern with "E" layers has routing metrics)
+               metrics=tuple(replace(m, when="moe_layers") for m in MOE_METRICS), tp_local=_TP_LOCAL, **_COMMON),
     ]
