@@ -100,6 +100,10 @@ def test_train_writes_run_directory_and_learns(tmp_path):
     out = run_zoo("train", "--model", "mixer", "--run-dir", str(run_dir), "train.steps=60",
                   "train.eval_interval=60", "logging.interval=20", "train.seed=3")
     assert out.returncode == 0, out.stderr
+    # what runs is said before the first step: family, size, data, layout and where it writes
+    head = out.stdout.splitlines()[0]
+    assert head.startswith("training mixer (tiny, ") and " on acme-pydoc-bytes to step 60; world 1 = " in head, head
+    assert head.endswith(f"; run directory {run_dir}"), head
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert resolved["family"] == "mixer" and resolved["train"]["steps"] == 60 and resolved["train"]["seed"] == 3
     records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]

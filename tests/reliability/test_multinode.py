@@ -52,6 +52,7 @@ def test_two_launchers_train_tp2_dp2_like_one_process(two_node_run, tmp_path, co
     for rc, out, err in results:
         assert rc == 0, out[-2000:] + err[-4000:]
     assert sum(out.count("trained llama") for _, out, _ in results) == 1  # global rank 0 reports, once
+    assert sum(out.count("training llama (tiny") for _, out, _ in results) == 1  # and says what starts, once
     one = run_zoo(capsys, *llama_args(tmp_path / "one", corpus_cache, *ARGS))
     assert one.returncode == 0, one.stderr
     got, ref = curve(run), curve(tmp_path / "one")

@@ -342,6 +342,8 @@ class Trainer:
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.run_dir / "config.yaml", run.to_yaml())
+            print(f"training {run.family} ({run.flavor}, {self.n_params:,} parameters) on {self.dataset.name} to step "
+                  f"{run.train.steps}; {self.layout.describe()}; run directory {self.run_dir}", flush=True)
         self.log = MetricsLog(self.run_dir, resume_step=self.state.step, tensorboard=run.logging.tensorboard) \
             if env.is_main else None
         # The better of the compute dtype's GEMM rate and fp32's: a CPU without native bf16 runs a
