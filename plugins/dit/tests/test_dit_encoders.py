@@ -97,8 +97,8 @@ def test_prepared_latents_and_embeddings_equal_the_libraries_own(encoders, tmp_p
     assert gen.returncode == 0, gen.stderr
     from PIL import Image
 
-    # 16x8 pixels (8x4 latents) decoded, upscaled 2x for the grid (+ 2 px border each side)
-    assert Image.open(tmp_path / "g.png").size == (8 * 4 + 4, 16 * 4 + 4)
+    # 16x8 pixels (8x4 latents) decoded, enlarged 8x for the grid (to >= 64 pixels; + 2 px border each side)
+    assert Image.open(tmp_path / "g.png").size == (8 * 8 + 4, 16 * 8 + 4)
     wrong = run_zoo(capsys, "generate", "--checkpoint", str(tmp_path / "run"), "--class", "3", "--height", "6", "--output",
                  str(tmp_path / "h.png"))
     assert wrong.returncode == 2 and "--height 6: must be divisible by the patch size 2 x the VAE's downsampling " \

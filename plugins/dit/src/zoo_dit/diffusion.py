@@ -181,8 +181,11 @@ def generate(model: DiT, cfg: DiTConfig, *, output: str | None = None, nrow: int
         clip = media.to_uint8(frames, value_range=(0.0, 1.0))
         return media.write_gif(path, clip, fps=4) if path.suffix.lower() == ".gif" else media.write_mp4(path, clip, fps=4)
     imgs = pixels[:, :, 0]
-    scale = max(1, math.ceil(32 / imgs.shape[-1]))
+    # small images (8 x 8 digits) enlarged to >= 64 pixels, as the training previews are: viewable as written
+    scale = max(1, math.ceil(64 / imgs.shape[-1]))
     imgs = torch.nn.functional.interpolate(imgs, scale_factor=scale, mode="nearest")
+    if nrow is None:  # a few classes (--class 7 3 1) read in order along one row; more, as square as possible
+        nrow = len(imgs) if len(imgs) <= 10 else math.ceil(math.sqrt(len(imgs)))
     return media.write_png(path, media.grid(imgs, nrow=nrow, value_range=(0.0, 1.0)))
 
 
