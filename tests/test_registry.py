@@ -124,7 +124,7 @@ def test_misspelt_hook_is_rejected(plugin_root):
         ('{"tiny": tiny}', "FAMILY = __import__('dataclasses').replace(FAMILY, specs={'dense': 3})", "ModelSpec"),
         ('{"tiny": tiny}', "FAMILY = __import__('dataclasses').replace(FAMILY, recipe={'steps': 3})", "section.key"),
         ('{"tiny": tiny}', "FAMILY = __import__('dataclasses').replace(FAMILY, metrics=(__import__('zoo').MetricSpec("
-                           "name='load', when='moe layers'),))", "must name a model-config attribute"),
+                           "name='load', when='moe_layer'),))", "when='moe_layer' must name an attribute of the model config"),
     ],
 )
 def test_contract_violations_are_rejected_at_registration(plugin_root, flavors, body, message):

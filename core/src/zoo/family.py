@@ -266,6 +266,13 @@ def resolve(ref: Ref, *, owner: str) -> Any:
     return obj
 
 
+def _config_has(config: Any, name: str) -> bool:
+    """Whether instances of the config class ``config`` have attribute ``name`` (a field, with or
+    without a default, or a property)."""
+    fields = getattr(config, "__dataclass_fields__", {})
+    return name.isidentifier() and (name in fields or hasattr(config, name))
+
+
 def check_family(family: object, *, owner: str) -> None:
     """Validate a declared family at registration; every message names the plugin (``owner``)."""
     if not isinstance(family, Family):
@@ -305,8 +312,9 @@ def check_family(family: object, *, owner: str) -> None:
             raise PluginError(f"{where}: metric {m.name!r}: reduce={m.reduce!r} is not one of mean, sum, max")
         if m.aux_loss and m.reduce != "mean":
             raise PluginError(f"{where}: metric {m.name!r} is an auxiliary loss, so it is averaged like the loss (reduce='mean')")
-        if m.when is not None and (not isinstance(m.when, str) or not m.when.isidentifier()):
-            raise PluginError(f"{where}: metric {m.name!r}: when={m.when!r} must name a model-config attribute")
+        if m.when is not None and (not isinstance(m.when, str) or not _config_has(family.config, m.when)):
+            raise PluginError(f"{where}: metric {m.name!r}: when={m.when!r} must name an attribute of the model "
+                              f"config {getattr(family.config, '__name__', family.config)!r}")
         if m.name in _RESERVED_METRICS or names.count(m.name) > 1:
             raise PluginError(f"{where}: metric name {m.name!r} is {'reserved' if m.name in _RESERVED_METRICS else 'declared twice'}")
     if not isinstance(family.throughput, Throughput) or not family.throughput.unit:
