@@ -152,6 +152,8 @@ def check_declarations(name: str, *, flavor: str = "tiny", registry: Any = None)
     batch = example(cfg, batch_size=2, seq_length=seq, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(1)
     loss, metrics = loss_fn(model, batch)
+    inactive = ({m.name for m in fam.metrics} - {m.name for m in fam.metrics_for(cfg)}) & set(metrics)
+    assert not inactive, f"{name}: the loss returned {sorted(inactive)}, whose MetricSpec.when does not hold for this config"
     for m in fam.metrics_for(cfg):
         assert m.name in metrics, f"{name}: declared metric {m.name!r} is not in what the loss returns ({sorted(metrics)})"
         value = metrics[m.name]
