@@ -74,7 +74,8 @@ class MambaConfig:
             raise ValueError(f"pattern={self.pattern!r}: unknown symbol(s) {', '.join(map(repr, unknown))}; "
                              f"one of {', '.join(f'{k!r} ({v})' for k, v in SYMBOLS.items())}, '|' (stage cut)")
         if len(self.symbols) != self.num_layers:
-            raise ValueError(f"pattern={self.pattern!r} has {len(self.symbols)} layers, num_layers={self.num_layers}")
+            raise ValueError(f"pattern={self.pattern!r} has {len(self.symbols)} layers, num_layers={self.num_layers}; "
+                             f"set num_layers={len(self.symbols)} with it")
         if any(not part for part in self.pattern.split("|")):
             raise ValueError(f"pattern={self.pattern!r}: every pipeline stage ('|') needs at least one layer")
         if self.dt_rank == 0:
