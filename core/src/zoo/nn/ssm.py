@@ -94,7 +94,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     before = x.new_zeros(x.shape[0], k - 1, x.shape[2]) if state is None else state.transpose(1, 2).to(x.dtype)
     w, b = weight.view(weight.shape[0], k).to(dtype), None if bias is None else bias.to(dtype)
     # the next state: the K-1 last inputs (a copy, not a view that keeps the whole input alive)
-    nxt = torch.cat([before, x[:, max(0, x.shape[1] - (k - 1)):]], dim=1)[:, -(k - 1):].transpose(1, 2).contiguous()
+    recent = torch.cat([before, x[:, max(0, x.shape[1] - (k - 1)):]], dim=1)  # (for one token: the K inputs)
+    nxt = recent[:, -(k - 1):].transpose(1, 2).contiguous()
     kernel = _kernel("conv", x) if state is None else None
     if silu and kernel is None and state is None and fused.wanted(x):  # one compiled pass each way
         return ssm_fused.ConvSiLU.apply(x.to(dtype), w, b), nxt
@@ -102,8 +103,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         y = kernel(x.to(dtype).transpose(1, 2).contiguous(), w, b).transpose(1, 2)
     elif x.device.type == "cpu" and state is None:  # training, a prompt's first pass: no padded copy
         y = _CausalConv1d.apply(x.to(dtype), w, b)
-    elif x.device.type == "cpu":  # a continued sequence (decoding): over the cached inputs and x, the
-        # cached ones' outputs dropped (torch's grouped conv1d took 2x this time for one token)
+    elif x.device.type == "cpu" and x.shape[1] == 1 and k > 1:  # a decoding step: a K-tap dot product a channel
+        # over the cached inputs and x (44 against 74-109 us through the multi-token path, 768 channels)
+        y = torch.einsum("bkc,ck->bc", recent.to(dtype), w)[:, None]
+        y = y if b is None else y + b
+    elif x.device.type == "cpu":  # a continued sequence: over the cached inputs and x, the cached
+        # ones' outputs dropped (torch's grouped conv1d took 2x this time for one token)
         y = _CausalConv1d.apply(torch.cat([before, x], dim=1).to(dtype), w, b)[:, k - 1:]
     else:  # accelerators: torch's grouped convolution kernel over the padded input
         xp = torch.cat([before, x], dim=1).to(dtype).transpose(1, 2)
