@@ -145,6 +145,19 @@ def test_layout_derives_dp_and_accumulation():
     assert lay.grad_accum == 16 // (2 * 2)
     assert (lay.etp, lay.expert_dp) == (1, 8 // (1 * 1 * 2))  # experts are never TP-split: etp=1, edp = world / (ep * pp)
     assert "world 8 = tp=2 x cp=1 x dp=2 x pp=2" in lay.describe()
+    assert "experts" not in lay.describe()  # a dense model has no expert grid to describe
+
+
+@dataclasses.dataclass
+class MoECfg(ModelCfg):
+    num_experts: int = 4
+
+
+def test_a_model_with_experts_describes_their_grid():
+    run = C.resolve(family="fam", flavor="tiny", model_cls=MoECfg, model_defaults=MoECfg(), recipe=(), files=(),
+                    overrides=["parallel.ep=2"])
+    lay = layout.plan(run, world_size=4)
+    assert lay.experts and lay.describe().startswith("world 4 = tp=1 x cp=1 x dp=4 x pp=1 (experts: etp=1 x ep=2 x dp=2)")
 
 
 @pytest.mark.parametrize(

@@ -43,13 +43,14 @@ class Layout:
     pp_schedule: str = "1f1b"
     fsdp: int = 0  # ranks FSDP shards over (the data-parallel size), 0: off
     fsdp_dtype: str = "fp32"  # FSDP's compute dtype (train.precision): bf16 parameters, fp32 reductions
+    experts: bool = False  # whether the model has mixture-of-experts layers (model.num_experts)
 
     def describe(self) -> str:
         axes = " x ".join(f"{a}={getattr(self, a)}" for a in ("tp", "cp", "dp", "pp"))
         extra = []
         if self.vpp > 1:
             extra.append(f"vpp={self.vpp}")
-        if self.ep > 1 or self.etp != self.tp:
+        if self.experts and (self.ep > 1 or self.etp != self.tp):  # (a dense model has no expert grid)
             extra.append(f"experts: etp={self.etp} x ep={self.ep} x dp={self.expert_dp}")
         tail = f" ({', '.join(extra)})" if extra else ""
         return (
@@ -159,7 +160,7 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
                           f"multiple of pp={p.pp}; raise train.global_batch_size")
     return Layout(
         world_size=world_size, tp=p.tp, cp=p.cp, ep=p.ep, dp=dp, pp=p.pp, vpp=p.vpp,
-        etp=etp, expert_dp=expert_dp, grad_accum=accum, global_batch_size=gbs,
+        etp=etp, expert_dp=expert_dp, grad_accum=accum, global_batch_size=gbs, experts=experts is not None,
         # Low-precision parameters always keep fp32 master weights in the distributed optimizer
         # (Megatron's --bf16): on one data-parallel rank it shards nothing, with more it is ZeRO-1.
         sequence_parallel=p.sequence_parallel, ep_dispatcher=p.ep_dispatcher,
