@@ -108,7 +108,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         y = torch.einsum("bkc,ck->bc", recent.to(dtype), w)[:, None]
         y = y if b is None else y + b
     elif x.device.type == "cpu":  # a continued sequence: over the cached inputs and x, the cached
-        # ones' outputs dropped (torch's grouped conv1d took 2x this time for one token)
+        # ones' outputs dropped (for one token torch's grouped conv1d took 2x this path's time)
         y = _CausalConv1d.apply(torch.cat([before, x], dim=1).to(dtype), w, b)[:, k - 1:]
     else:  # accelerators: torch's grouped convolution kernel over the padded input
         xp = torch.cat([before, x], dim=1).to(dtype).transpose(1, 2)
