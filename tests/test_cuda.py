@@ -71,6 +71,28 @@ def test_a_family_computes_the_same_loss_and_gradients_on_cuda(name):
     assert min(cos) > 0.95, f"{name}: a bf16 gradient points elsewhere than float32's (cosine {min(cos):.3f})"
 
 
+@pytest.mark.parametrize("name", installed_families())
+def test_cached_decoding_on_cuda_equals_the_cpu_full_forward(name):
+    """A prompt longer than Mamba-2's chunk, then one token at a time from the recurrent or KV cache
+    on the GPU (the SSD's one-token step, the conv state, the attention cache), gives the logits of
+    the uncached forward on the CPU."""
+    from zoo.testing.conformance import build_tiny
+
+    model, cfg = build_tiny(name)
+    if not hasattr(model, "new_cache"):
+        pytest.skip(f"{name} has no decoding cache")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 45), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model.eval()(tokens)
+        gpu = copy.deepcopy(model).cuda()
+        cache = gpu.new_cache(2, 45)
+        steps = [gpu(tokens[:, :40].cuda(), cache=cache)]
+        steps += [gpu(tokens[:, i:i + 1].cuda(), cache=cache) for i in range(40, 45)]
+    got = torch.cat(steps, 1).cpu()
+    assert got.shape == ref.shape
+    assert float((got - ref).abs().max()) <= 1e-4 * max(float(ref.abs().max()), 1.0), name
+
+
 def test_the_trainer_on_cuda_follows_the_cpu_run(tmp_path):
     """The whole trainer (data to the device, autocast off, clipping, AdamW, EMA, frozen
     parameters, validation, checkpoints) on CUDA gives the CPU run's curve, step by step."""
@@ -143,15 +165,52 @@ def _same_curve(graphed, eager, what):
                 assert abs(a[key] - b[key]) <= 1e-6 * abs(b[key]) + 1e-7, (what, key, a["step"], a[key], b[key])
 
 
+def _same_final_checkpoint(run_dir, ref_dir, step: int = 6):
+    """Weights, EMA and optimizer state of the two runs' checkpoints of ``step`` agree."""
+    from test_trainer import _tensors
+
+    final, ref = (_tensors(d / "checkpoints" / f"step_{step:08d}") for d in (run_dir, ref_dir))
+    assert final.keys() == ref.keys()
+    for k, v in ref.items():
+        same = torch.allclose(final[k], v, rtol=1e-5, atol=1e-7) if v.is_floating_point() else torch.equal(final[k], v)
+        assert same, k
+
+
+def _resume_copy(run_dir, step: int, into):
+    """A new run directory holding only ``run_dir``'s checkpoint of ``step`` (a run to resume)."""
+    import shutil
+
+    name = f"step_{step:08d}"
+    (into / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_dir / "checkpoints" / name, into / "checkpoints" / name)
+    return into
+
+
+@pytest.mark.parametrize("extra", [(), ("optimizer.implementation=foreach",),
+                                   ("train.precision=bf16", "train.param_dtype=bf16")],
+                         ids=["fused", "foreach", "bf16-params"])
+def test_a_cuda_run_resumed_from_its_checkpoint_continues_its_curve(tmp_path, extra):
+    """Resuming on a GPU puts the optimizer state where each kernel reads it (fused AdamW reads
+    its step count on the device; the distributed optimizer of bf16 parameters keeps its state beside
+    its float32 masters): the resumed run's curve and final weights and EMA are the uninterrupted
+    run's."""
+    from test_trainer import COMMON, _fit
+
+    overrides = [*COMMON, "train.device=cuda", *extra]
+    _fit(str(tmp_path / "whole"), 1, overrides)
+    resumed = _resume_copy(tmp_path / "whole", 3, tmp_path / "resumed")
+    _fit(str(resumed), 1, overrides)
+    _same_curve(_curve(resumed), _curve(tmp_path / "whole")[3:], "resumed")
+    _same_final_checkpoint(resumed, tmp_path / "whole")
+
+
 def test_cuda_graphs_replay_the_trainers_eager_steps_and_resume_exactly(tmp_path):
     """train.cuda_graph=true on the trainer's own family (four micro-batches a step accumulated into
     the same gradients, frozen parameters, a learning-rate multiplier, EMA, validation, checkpoints):
     the micro-batches after the warm-up are replayed from one graph, the curve is the eager run's, and
     a graphed run resumed from the step-3 checkpoint continues the uninterrupted one (weights and EMA)."""
-    import shutil
-
     from _trainer_family import DATASET, FAMILY, CondConfig
-    from test_trainer import COMMON, _tensors
+    from test_trainer import COMMON
 
     from zoo.config import resolve
     from zoo.parallel.cuda_graphs import WARMUP
@@ -172,18 +231,11 @@ def test_cuda_graphs_replay_the_trainers_eager_steps_and_resume_exactly(tmp_path
     assert graphs.replays == 6 * 4 - WARMUP  # 6 steps of 4 micro-batches: all but the warm-ups replayed
     _same_curve(graphed, eager, "cond")
 
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "graphed" / "checkpoints" / "step_00000003", resumed / "checkpoints" / "step_00000003")
+    resumed = _resume_copy(tmp_path / "graphed", 3, tmp_path / "resumed")
     again, graphs = fit("true", resumed)
     assert graphs.off is None and graphs.replays == 3 * 4 - WARMUP, (graphs.off, graphs.replays)
     _same_curve(again, graphed[3:], "cond resumed")
-    final, ref = _tensors(resumed / "checkpoints" / "step_00000006"), _tensors(tmp_path / "graphed" / "checkpoints" /
-                                                                             "step_00000006")
-    assert final.keys() == ref.keys()
-    for k, v in ref.items():
-        same = torch.allclose(final[k], v, rtol=1e-5, atol=1e-7) if v.is_floating_point() else torch.equal(final[k], v)
-        assert same, k
+    _same_final_checkpoint(resumed, tmp_path / "graphed")
 
 
 @pytest.mark.parametrize("model, extra", [("llama", ()), ("mamba2", ()), ("dit", ()),

@@ -72,3 +72,25 @@ def test_sum_of_squares_matches_a_float64_sum(dtype):
     # a transposed (non-contiguous) gradient reads the same elements
     x = torch.randn(300, 4100, generator=gen).to(dtype).t()
     assert float(sum_of_squares(x)) == pytest.approx(float(x.double().pow(2).sum()), rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["fused", "capturable", "foreach"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_loaded_state_is_placed_as_torchs_own_load_state_dict_places_it(kind, device):
+    """A resumed run's optimizer state (`optimizer_state`) lands where torch's load_state_dict puts
+    it for the same kernel: moments in the parameter's device and dtype, the step count on the device
+    as float32 for fused and capturable AdamW (which read it there) and left as saved otherwise."""
+    from zoo.parallel.sharding import optimizer_state
+
+    p = torch.nn.Parameter(torch.randn(4, 3, device=device))
+    saved = {"step": torch.tensor(7.0, dtype=torch.float64), "exp_avg": torch.randn(4, 3, dtype=torch.float64),
+             "exp_avg_sq": torch.rand(4, 3, dtype=torch.float64)}
+    theirs = torch.optim.AdamW([p], **{kind: True})
+    theirs.load_state_dict({"state": {0: {k: v.clone() for k, v in saved.items()}},
+                            "param_groups": [{**theirs.state_dict()["param_groups"][0], "params": [0]}]})
+    ours = torch.optim.AdamW([p], **{kind: True})
+    for field, value in saved.items():
+        got, want = optimizer_state(ours, p, field, value.clone()), theirs.state[p][field]
+        assert (got.device, got.dtype) == (want.device, want.dtype), field
+        assert torch.equal(got, want), field

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zoo.parallel.data_parallel import GradBuckets
+from zoo.parallel.sharding import optimizer_state
 
 # (gradient, parameter) pairs and the data-parallel group -> the model's squared gradient norm
 NormSquared = Callable[[list[tuple[torch.Tensor, nn.Parameter]], Any], torch.Tensor]
@@ -178,7 +179,8 @@ class DistributedOptimizer:
                 pname, _, field = key.partition("::")
                 if pname != name or field == "master":
                     continue
-                st[field] = value.clone() if value.dim() == 0 else value.reshape(-1)[start:start + n].clone().float()
+                piece = value if value.dim() == 0 else value.reshape(-1)[start:start + n].float()
+                st[field] = optimizer_state(self.optimizer, master, field, piece.clone())
             if st:
                 self.optimizer.state[master] = st
 

@@ -24,7 +24,7 @@ from zoo.checkpoint.tensorio import CheckpointError
 from zoo.config import OptimizerConfig
 from zoo.errors import ConfigError
 from zoo.parallel.engine import Parallel
-from zoo.parallel.sharding import Placements, Split, TPShard, like, local
+from zoo.parallel.sharding import Placements, Split, TPShard, local, optimizer_state
 
 
 def lr_at(step: int, *, peak: float, warmup: int, total: int, decay: str, min_ratio: float) -> float:
@@ -177,11 +177,7 @@ class OptimizerState:
             if fieldname == "master":  # fp32 masters a bf16-parameter run saved: not a plain optimizer's state
                 continue
             p = params[name]
-            # As torch's own load_state_dict: state follows the parameter's dtype and device (and an
-            # FSDP parameter's sharding), the step count stays.
-            if fieldname != "step":
-                value = like(p, value.to(dtype=p.dtype, device=local(p).device))
-            self.optimizer.state[p][fieldname] = value
+            self.optimizer.state[p][fieldname] = optimizer_state(self.optimizer, p, fieldname, value)
 
 
 class ScalerState:
