@@ -165,7 +165,7 @@ SURFACE = {
     "prepare": ["what"],
     "data": ["what"],
     "generate": ["--checkpoint", "--greedy", "--max-new-tokens", "--no-cache", "--prompt", "--seed", "--temperature",
-                 "--tokenizer", "--top-k", "--top-p", "--weights", "--model",
+                 "--tokenizer", "--top-k", "--top-p", "--weights", "--model", "--device",
                  # image-text models (CLIP, LLaVA)
                  "--image", "--labels",
                  # diffusion models (DFM's snake_case spellings are the aliases listed last)

@@ -93,6 +93,60 @@ def test_cached_decoding_on_cuda_equals_the_cpu_full_forward(name):
     assert float((got - ref).abs().max()) <= 1e-4 * max(float(ref.abs().max()), 1.0), name
 
 
+@pytest.mark.parametrize("model, ask", [
+    ("llama", ["--prompt", "The with statement", "--temperature", "0.9", "--top-p", "0.95", "--max-new-tokens", "24"]),
+    ("mamba2", ["--prompt", "The with statement", "--temperature", "0.9", "--max-new-tokens", "24"]),
+    ("dit", ["--class", "7", "3", "--num-steps", "4", "--guidance", "1.5", "--output", "OUT.png"]),
+])
+def test_zoo_generate_on_cuda_draws_what_the_cpu_draws(capsys, tmp_path, model, ask):
+    """`zoo generate --device cuda` from a checkpoint trained on the CPU: the same --seed gives the
+    CPU's text (tokens drawn on the host from the GPU's probabilities) and the CPU's image grid."""
+    import numpy as np
+    from PIL import Image
+
+    from zoo.testing import run_zoo
+
+    run = tmp_path / "run"
+    out = run_zoo(capsys, "train", "--model", model, "--run-dir", str(run), "train.steps=4", "train.device=cpu",
+                  "train.eval_interval=0", "logging.progress=false")
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = {}
+    for device in ("cpu", "cuda"):
+        args = [str(tmp_path / f"{device}.png") if a == "OUT.png" else a for a in ask]
+        got = run_zoo(capsys, "generate", "--checkpoint", str(run), "--device", device, "--seed", "3", *args)
+        assert got.returncode == 0, got.stderr[-3000:]
+        said[device] = got.stdout
+    if model == "dit":
+        a, b = (np.asarray(Image.open(tmp_path / f"{d}.png"), dtype=np.int16) for d in ("cpu", "cuda"))
+        assert a.shape == b.shape and int(np.abs(a - b).max()) <= 1
+    else:
+        assert said["cuda"] == said["cpu"] and said["cpu"].startswith("The with statement"), said
+
+
+def test_clip_and_llava_answer_on_cuda_as_on_the_cpu():
+    """CLIP's zero-shot probabilities and LLaVA's sampled answer with the model on the GPU and the
+    images and texts handed over on the CPU (as `zoo generate --device cuda` reads them)."""
+    from zoo_vlm.generate import generate_answer, zero_shot
+
+    from zoo.testing.conformance import build_tiny
+
+    clip, ccfg = build_tiny("clip")
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randn(3, ccfg.num_channels, ccfg.image_size, ccfg.image_size, generator=gen)
+    texts = torch.randint(1, ccfg.vocab_size, (4, ccfg.max_seq_length), generator=gen)
+    texts[:, 5:] = ccfg.eos_token_id  # (CLIP pools each text at its end token)
+    ref = zero_shot(clip, images, texts)
+    got = zero_shot(copy.deepcopy(clip).cuda(), images, texts)
+    assert got.device.type == "cpu" and torch.allclose(got, ref, atol=1e-5)
+
+    llava, lcfg = build_tiny("llava")
+    image = torch.randn(1, lcfg.num_channels, lcfg.image_size, lcfg.image_size, generator=gen)
+    prompt = [5, lcfg.image_token_id, 7, 9, 11]
+    kw = dict(max_new_tokens=12, eos_id=-1, temperature=0.9, seed=4)
+    assert generate_answer(copy.deepcopy(llava).cuda(), lcfg, image, prompt, **kw) == \
+        generate_answer(llava, lcfg, image, prompt, **kw)
+
+
 def test_the_trainer_on_cuda_follows_the_cpu_run(tmp_path):
     """The whole trainer (data to the device, autocast off, clipping, AdamW, EMA, frozen
     parameters, validation, checkpoints) on CUDA gives the CPU run's curve, step by step."""

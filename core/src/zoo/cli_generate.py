@@ -22,9 +22,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from zoo.checkpoint.state import resolve_checkpoint
     from zoo.data.tokenizer import load_tokenizer
     from zoo.family import resolve
+    from zoo.parallel.distributed import pick_device
 
     path = resolve_checkpoint(args.checkpoint)
-    loaded = load(path, weights=args.weights)
+    loaded = load(path, device=pick_device(args.device, what="--device"), weights=args.weights)
     entry = _registry(args).get(loaded.family)
     fam = entry.family
     if args.model is not None and _registry(args).get(args.model).family.name != fam.name:
@@ -90,6 +91,9 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (no KV cache)")
     p.add_argument("--tokenizer", help="tokenizer directory, tokenizer.json or 'bytes' (default: the checkpoint's)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the model runs (auto: a GPU when there is one, as train.device); a --seed draws the "
+                        "same samples on either")
     p.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
                    help="sample with the moving average of the weights (train.ema) or the raw ones; auto: the average if kept")
     v = p.add_argument_group("image-text models (CLIP, LLaVA)")

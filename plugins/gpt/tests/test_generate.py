@@ -82,12 +82,15 @@ def test_generate_cli_on_a_trained_checkpoint(tmp_path, corpus_cache):
     a = zoo("generate", "--checkpoint", str(run_dir), "--prompt", "The import statement", "--greedy",
             "--max-new-tokens", "12")
     b = zoo("generate", "--checkpoint", str(run_dir / "checkpoints" / "step_00000005"), "--prompt",
-            "The import statement", "--greedy", "--max-new-tokens", "12", "--no-cache")
+            "The import statement", "--greedy", "--max-new-tokens", "12", "--no-cache", "--device", "cpu")
     assert a.returncode == 0, a.stderr
     assert a.stdout.startswith("The import statement") and a.stdout == b.stdout
     too_long = zoo("generate", "--checkpoint", str(run_dir), "--prompt", "word " * 400)
     assert too_long.returncode == 2
     assert "the model's context is 256" in too_long.stderr and "Traceback" not in too_long.stderr
+    if not torch.cuda.is_available():  # (tests/test_cuda.py runs --device cuda where there is a GPU)
+        no_gpu = zoo("generate", "--checkpoint", str(run_dir), "--prompt", "x", "--device", "cuda")
+        assert no_gpu.returncode == 2 and "--device=cuda but no CUDA device is available" in no_gpu.stderr
     missing = zoo("generate", "--checkpoint", str(tmp_path / "nothing"), "--prompt", "x")
     assert missing.returncode == 1 and "no such checkpoint" in missing.stderr
     # settings outside their meaning are refused, not decoded greedily or left unfiltered

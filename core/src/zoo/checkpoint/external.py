@@ -85,7 +85,7 @@ def _materialize(entry: FamilyEntry, config: Any, state: Mapping[str, Any], *, d
     """Build the model (under a forked RNG, so loading never disturbs the caller's seed) and fill it."""
     import torch
 
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
         model = build_empty(entry, config, device=device)
     load_into(model, state, what=what)
     return model

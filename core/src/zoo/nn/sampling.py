@@ -62,8 +62,11 @@ def generate_tokens(
     if t >= context:
         raise UsageError(f"the prompt is {t} tokens; the model's context is {context} (leave room for new tokens)")
     max_new_tokens = min(max_new_tokens, context - t)
-    gen = torch.Generator(device=prompt.device)
-    gen.manual_seed(seed if seed is not None else 0)
+    device = next(model.parameters()).device
+    prompt = prompt.to(device)
+    # Tokens are drawn on the CPU whatever the model's device: a seed gives the same text on a GPU
+    # (one host read a token, which the end-of-text check makes anyway).
+    gen = torch.Generator().manual_seed(seed if seed is not None else 0)
     was_training = model.training
     model.eval()
     out = prompt
@@ -77,7 +80,7 @@ def generate_tokens(
             nxt = last.argmax(-1, keepdim=True)
         else:
             probs = filter_logits(last / temperature, top_k=top_k, top_p=top_p).softmax(-1)
-            nxt = torch.multinomial(probs, 1, generator=gen)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=gen).to(device)
         if eos_id is not None:
             nxt = torch.where(finished[:, None], torch.full_like(nxt, eos_id), nxt)
             finished |= nxt[:, 0] == eos_id

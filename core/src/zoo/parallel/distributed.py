@@ -60,13 +60,13 @@ def pick_backend(requested: str, device: str) -> str:
     return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
 
 
-def pick_device(requested: str = "auto", *, local_rank: int = 0) -> str:
+def pick_device(requested: str = "auto", *, local_rank: int = 0, what: str = "train.device") -> str:
     import torch
 
     if requested == "cpu":
         return "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
-        raise UsageError("train.device=cuda but no CUDA device is available")
+        raise UsageError(f"{what}=cuda but no CUDA device is available")
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         return f"cuda:{local_rank % max(torch.cuda.device_count(), 1)}"
     return "cpu"

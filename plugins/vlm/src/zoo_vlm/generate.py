@@ -38,8 +38,9 @@ def zero_shot(model: CLIP, images: torch.Tensor, texts: torch.Tensor) -> torch.T
     """(n, C, S, S) images against (k, T) label texts -> (n, k) probabilities (softmax over the
     labels of the scaled cosine similarities, as the paper's zero-shot classifier)."""
     model.eval()
-    scale = model.logit_scale.clamp(max=torch.tensor(model.cfg.logit_scale_max).log()).exp()
-    return (scale * model.embed_images(images) @ model.embed_texts(texts).t()).softmax(-1)
+    dev = model.logit_scale.device
+    scale = model.logit_scale.clamp(max=torch.tensor(model.cfg.logit_scale_max, device=dev).log()).exp()
+    return (scale * model.embed_images(images.to(dev)) @ model.embed_texts(texts.to(dev)).t()).softmax(-1).cpu()
 
 
 def classify(model: CLIP, cfg: CLIPConfig, *, images: list[str] | None = None, labels: list[str] | None = None,
@@ -65,7 +66,7 @@ class _WithImages(nn.Module):
 
     def __init__(self, model: Llava, images: torch.Tensor) -> None:
         super().__init__()
-        self.model, self.images = model, images
+        self.model, self.images = model, images.to(next(model.parameters()).device)
         self.extra = images.shape[0] * (model.cfg.image_features - 1)
 
     def forward(self, tokens: torch.Tensor, cache: Any = None) -> torch.Tensor:
