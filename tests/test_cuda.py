@@ -241,13 +241,14 @@ def _resume_copy(run_dir, step: int, into):
 
 
 @pytest.mark.parametrize("extra", [(), ("optimizer.implementation=foreach",),
-                                   ("train.precision=bf16", "train.param_dtype=bf16")],
-                         ids=["fused", "foreach", "bf16-params"])
+                                   ("train.precision=bf16", "train.param_dtype=bf16"), ("train.precision=fp16",),
+                                   ("train.precision=fp16", "train.param_dtype=fp16")],
+                         ids=["fused", "foreach", "bf16-params", "fp16", "fp16-params"])
 def test_a_cuda_run_resumed_from_its_checkpoint_continues_its_curve(tmp_path, extra):
     """Resuming on a GPU puts the optimizer state where each kernel reads it (fused AdamW reads
     its step count on the device; the distributed optimizer of bf16 parameters keeps its state beside
-    its float32 masters): the resumed run's curve and final weights and EMA are the uninterrupted
-    run's."""
+    its float32 masters; fp16's loss scale, torch's GradScaler or the distributed optimizer's, comes
+    back too): the resumed run's curve and final weights and EMA are the uninterrupted run's."""
     from test_trainer import COMMON, _fit
 
     overrides = [*COMMON, "train.device=cuda", *extra]
