@@ -43,7 +43,8 @@ def generate_tokens(
     use_cache: bool = True,
     eos_id: int | None = None,
 ) -> torch.Tensor:
-    """Return ``prompt`` (B, T) followed by up to ``max_new_tokens`` sampled tokens.
+    """Return ``prompt`` (B, T) followed by up to ``max_new_tokens`` sampled tokens, on the prompt's
+    device; the model runs where its parameters are.
 
     ``temperature=0`` is greedy decoding. A prompt that does not fit the model's ``context`` with
     at least one new token is an error, not a silent truncation; so is a setting outside its meaning
@@ -62,7 +63,7 @@ def generate_tokens(
     if t >= context:
         raise UsageError(f"the prompt is {t} tokens; the model's context is {context} (leave room for new tokens)")
     max_new_tokens = min(max_new_tokens, context - t)
-    device = next(model.parameters()).device
+    device, given = next(model.parameters()).device, prompt.device  # (the tokens go back where the prompt was)
     prompt = prompt.to(device)
     # Tokens are drawn on the CPU whatever the model's device: a seed gives the same text on a GPU
     # (one host read a token, which the end-of-text check makes anyway).
@@ -89,4 +90,4 @@ def generate_tokens(
         if eos_id is not None and bool(finished.all()):
             break
     model.train(was_training)
-    return out
+    return out.to(given)
