@@ -91,6 +91,6 @@ def test_loaded_state_is_placed_as_torchs_own_load_state_dict_places_it(kind, de
                             "param_groups": [{**theirs.state_dict()["param_groups"][0], "params": [0]}]})
     ours = torch.optim.AdamW([p], **{kind: True})
     for field, value in saved.items():
-        got, want = optimizer_state(ours, p, field, value.clone()), theirs.state[p][field]
+        got, want = optimizer_state(ours.param_groups[0], p, field, value.clone()), theirs.state[p][field]
         assert (got.device, got.dtype) == (want.device, want.dtype), field
         assert torch.equal(got, want), field

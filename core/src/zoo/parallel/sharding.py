@@ -189,15 +189,19 @@ def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(value, mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False)
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, field: str,
-                    value: torch.Tensor) -> torch.Tensor:
-    """A loaded optimizer state entry of ``param`` placed as torch's own ``load_state_dict``
-    places it: on the parameter's device in its dtype (an FSDP parameter's state sharded as it is),
-    and the step count a CPU scalar unless the parameter's group runs a fused or capturable kernel,
-    which reads it on the device as float32 (a CPU step there fails the first update on a GPU)."""
+def groups_by_param(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    """Each parameter's optimizer group, by ``id`` (one pass, for `optimizer_state` over a model)."""
+    return {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
+
+def optimizer_state(group: Mapping[str, Any], param: torch.Tensor, field: str, value: torch.Tensor) -> torch.Tensor:
+    """A loaded optimizer state entry of ``param`` (in optimizer group ``group``) placed as torch's
+    own ``load_state_dict`` places it: on the parameter's device in its dtype (an FSDP parameter's
+    state sharded as it is), and the step count a CPU scalar unless the group runs a fused or
+    capturable kernel, which reads it on the device as float32 (a CPU step there fails the first
+    update on a GPU)."""
     device = local(param).device
     if field == "step":
-        group = next(g for g in optimizer.param_groups if any(x is param for x in g["params"]))
         if group.get("fused") or group.get("capturable"):
             return value.to(dtype=torch.float32, device=device)
         return value

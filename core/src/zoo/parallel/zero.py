@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zoo.parallel.data_parallel import GradBuckets
-from zoo.parallel.sharding import optimizer_state
+from zoo.parallel.sharding import groups_by_param, optimizer_state
 
 # (gradient, parameter) pairs and the data-parallel group -> the model's squared gradient norm
 NormSquared = Callable[[list[tuple[torch.Tensor, nn.Parameter]], Any], torch.Tensor]
@@ -172,15 +172,17 @@ class DistributedOptimizer:
             saved = tensors.get(f"{names[id(p)]}::master")
             source = saved if saved is not None else p.detach()
             master.copy_(source.reshape(-1)[start:start + n].float())
+        fields: dict[str, list[tuple[str, torch.Tensor]]] = {}  # parameter name -> its state entries
+        for key, value in tensors.items():
+            pname, _, field = key.partition("::")
+            if field != "master":
+                fields.setdefault(pname, []).append((field, value))
+        groups = groups_by_param(self.optimizer)
         for _, _, n, master, p, start in self.pieces:
-            name = names[id(p)]
             st: dict[str, Any] = {}
-            for key, value in tensors.items():
-                pname, _, field = key.partition("::")
-                if pname != name or field == "master":
-                    continue
-                piece = value if value.dim() == 0 else value.reshape(-1)[start:start + n].float()
-                st[field] = optimizer_state(self.optimizer, master, field, piece.clone())
+            for field, value in fields.get(names[id(p)], []):
+                piece = value if value.dim() == 0 else value.reshape(-1)[start:start + n]
+                st[field] = optimizer_state(groups[id(master)], master, field, piece.clone())
             if st:
                 self.optimizer.state[master] = st
 

@@ -24,7 +24,7 @@ from zoo.checkpoint.tensorio import CheckpointError
 from zoo.config import OptimizerConfig
 from zoo.errors import ConfigError
 from zoo.parallel.engine import Parallel
-from zoo.parallel.sharding import Placements, Split, TPShard, local, optimizer_state
+from zoo.parallel.sharding import Placements, Split, TPShard, groups_by_param, local, optimizer_state
 
 
 def lr_at(step: int, *, peak: float, warmup: int, total: int, decay: str, min_ratio: float) -> float:
@@ -171,13 +171,13 @@ class OptimizerState:
         if self.distributed:
             self.optimizer.load_full_state(tensors, self.names)
             return
-        params = dict(self.model.named_parameters())
+        params, groups = dict(self.model.named_parameters()), groups_by_param(self.optimizer)
         for key, value in tensors.items():
             name, _, fieldname = key.partition("::")
             if fieldname == "master":  # fp32 masters a bf16-parameter run saved: not a plain optimizer's state
                 continue
             p = params[name]
-            self.optimizer.state[p][fieldname] = optimizer_state(self.optimizer, p, fieldname, value)
+            self.optimizer.state[p][fieldname] = optimizer_state(groups[id(p)], p, fieldname, value)
 
 
 class ScalerState:

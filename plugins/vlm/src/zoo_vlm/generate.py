@@ -3,6 +3,7 @@ texts, and LLaVA's answer to a question about an image (greedy or sampled, KV-ca
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ def zero_shot(model: CLIP, images: torch.Tensor, texts: torch.Tensor) -> torch.T
     labels of the scaled cosine similarities, as the paper's zero-shot classifier)."""
     model.eval()
     dev = model.logit_scale.device
-    scale = model.logit_scale.clamp(max=torch.tensor(model.cfg.logit_scale_max, device=dev).log()).exp()
+    scale = model.logit_scale.clamp(max=math.log(model.cfg.logit_scale_max)).exp()
     return (scale * model.embed_images(images.to(dev)) @ model.embed_texts(texts.to(dev)).t()).softmax(-1).cpu()
 
 
