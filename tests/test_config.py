@@ -4,6 +4,7 @@ suggestions, layouts, and the resolved config written to the run directory."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -58,10 +59,56 @@ def test_layers_apply_lowest_first(tmp_path):
 def test_unknown_keys_suggest_the_closest():
     with pytest.raises(ConfigError, match=r"unknown key 'train.step' \(did you mean train.steps"):
         resolve(overrides=["train.step=3"])
-    with pytest.raises(ConfigError, match=r"did you mean optimizer.lr"):
+    with pytest.raises(ConfigError, match=r"did you mean optimizer.lr=3\?"):
         resolve(overrides=["optimiser.lr=3"])
     with pytest.raises(ConfigError, match=r"did you mean model.hidden_size"):
         resolve(overrides=["model.hiden_size=3"])
+
+
+def test_other_frameworks_names_get_zoos_key_with_their_value(tmp_path):
+    """Megatron's, Megatron-Bridge/DFM's and Hugging Face's names for a setting (and zoo's own key
+    under the wrong section) fail with zoo's key and the user's value, ready to paste."""
+    for text, form in [("train.train_iters=5", "train.steps=5"),  # DFM's override
+                       ("model.tensor_model_parallel_size=4", "parallel.tp=4"),
+                       ("checkpoint.load_checkpoint=/ck/iter_5000", "checkpoint.load=/ck/iter_5000"),
+                       ("learning_rate=3e-4", "optimizer.lr=3e-4"),  # Hugging Face's TrainingArguments
+                       ("bf16=true", "train.precision=bf16"),
+                       ("model.num_attention_heads=8", "model.num_heads=8")]:
+        with pytest.raises(ConfigError, match=rf"unknown key '{re.escape(text.split('=')[0])}' \(in zoo: {re.escape(form)}\)$"):
+            resolve(overrides=[text])
+    for text, form in [("train.lr=0.1", "optimizer.lr=0.1"), ("seq_length=128", "train.seq_length=128")]:
+        with pytest.raises(ConfigError, match=rf" \(did you mean {re.escape(form)}\?\)$"):  # zoo's key, another section
+            resolve(overrides=[text])
+    bridge = tmp_path / "bridge.yaml"  # a Megatron-Bridge recipe's sections
+    bridge.write_text("model:\n  tensor_model_parallel_size: 2\n")
+    with pytest.raises(ConfigError, match=r"bridge.yaml: unknown key 'model.tensor_model_parallel_size' \(in zoo: parallel.tp=2\)"):
+        resolve(files=[(str(bridge), C.read_yaml(bridge))])
+    bridge.write_text("dataset:\n  dataset_path: /data/wds\n")  # a section zoo does not have
+    with pytest.raises(ConfigError, match=r"unknown key 'dataset.dataset_path' \(in zoo: data.path=/data/wds\)"):
+        resolve(files=[(str(bridge), C.read_yaml(bridge))])
+    # nothing offered where zoo has no such key for this model, or where the value asks for nothing
+    for text in ("model.kv_channels=8", "bf16=false"):
+        with pytest.raises(ConfigError, match=r"unknown key '[\w.]+'") as err:
+            resolve(overrides=[text])
+        assert "in zoo" not in str(err.value) and "head_dim" not in str(err.value) and "precision" not in str(err.value)
+
+
+def test_every_foreign_name_leads_to_a_key_zoo_has():
+    """The translation table names only keys that exist: a section key, or a model key of some
+    installed family."""
+    from zoo.config import foreign
+    from zoo.config.layers import dotted_keys
+    from zoo.registry import get_registry
+
+    keys = {k for name, cls in C.SECTIONS.items() for k in dotted_keys(cls, name)}
+    models = {k for entry in get_registry().families.values() for k in dotted_keys(entry.family.config, "model")}
+    for name, form in foreign.NAMES.items():
+        key = form.split("=", 1)[0]
+        if key.startswith("--"):
+            assert key.split()[0] in ("--run-dir", "--config"), (name, form)
+        else:
+            assert key in (models if key.startswith("model.") else keys), (name, form)
+        assert name == name.lower() and "-" not in name
 
 
 def test_file_errors_name_the_file(tmp_path):

@@ -123,3 +123,62 @@ def test_cli_trains_bpe_and_the_result_trains(tmp_path):
                   "train.steps=3", "train.seq_length=32", "train.micro_batch_size=4", "train.eval_interval=0",
                   "model.vocab_size=512", "logging.progress=false")
     assert run.returncode == 0, run.stderr
+
+
+@pytest.fixture(scope="module")
+def gpt2_files(tmp_path_factory):
+    """GPT-2's two tokenizer files (vocab.json, merges.txt), of a byte-level BPE trained here."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    d = tmp_path_factory.mktemp("gpt2-files")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([x["text"] for x in _docs(200)] + ["It's the naïve café's 3 über-tests!"], vocab_size=400,
+                            special_tokens=["<|endoftext|>"])
+    bpe.save_model(str(d))
+    return d
+
+
+def test_megatrons_preprocess_command_runs_as_written(tmp_path, gpt2_files):
+    """Megatron-LM's tools/preprocess_data.py flags (the seeds' command): GPT2BPETokenizer from
+    vocab.json + merges.txt gives the ids of transformers' own GPT-2 tokenizer reading the same
+    files, written as megatron-core's builder writes them; the tokenizer type is checked against
+    the files, in one line."""
+    from transformers import GPT2Tokenizer
+
+    docs = _docs(120) + [{"text": "It's  the naïve café's <|endoftext|> 3 über-tests!\n\n\tdone", "title": "x"}]
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    vocab, merges = str(gpt2_files / "vocab.json"), str(gpt2_files / "merges.txt")
+    out = run_zoo("prepare", "text", "--input", str(src), "--output-prefix", str(tmp_path / "meg"), "--tokenizer-type",
+                  "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges, "--json-keys", "text",
+                  "--workers", "2", "--chunk-size", "7", "--append-eod", "--quiet")
+    assert out.returncode == 0, out.stderr
+    ref = GPT2Tokenizer(vocab, merges)  # transformers' Python implementation of GPT-2's BPE
+    eod = ref.convert_tokens_to_ids("<|endoftext|>")
+    builder = IndexedDatasetBuilder(str(tmp_path / "ref.bin"), dtype=np.uint16)
+    for d in docs:
+        ids = ref.encode(d["text"]) + [eod]
+        builder.add_document(torch.tensor(ids), [len(ids)])
+    builder.finalize(str(tmp_path / "ref.idx"))
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"meg_text_document{ext}").read_bytes() == (tmp_path / f"ref{ext}").read_bytes()
+    # a directory holding the two files (a Hugging Face GPT-2 directory without tokenizer.json)
+    out = run_zoo("prepare", "text", "--input", str(src), "--output-prefix", str(tmp_path / "dir"), "--tokenizer-type",
+                  "HuggingFaceTokenizer", "--tokenizer-model", str(gpt2_files), "--append-eod", "--quiet")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "dir_text_document.bin").read_bytes() == (tmp_path / "ref.bin").read_bytes()
+    for args, message in [
+        (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "t.model"], "save this one as tokenizer.json"),
+        (["--tokenizer-type", "GPT2BPETokenizr", "--vocab-file", vocab, "--merge-file", merges],
+         "did you mean GPT2BPETokenizer"),
+        (["--tokenizer-type", "GPT2BPETokenizer"], "needs --vocab-file vocab.json --merge-file merges.txt"),
+        (["--vocab-file", vocab], "give both --vocab-file and --merge-file"),
+        (["--tokenizer-type", "TikTokenizer", "--tokenizer-model", str(gpt2_files)], "is not a .tiktoken ranks file"),
+        (["--tokenizer-model", "gpt2"], "'gpt2': not found"),
+        (["--train-bpe", "300", "--vocab-file", vocab, "--merge-file", merges], "--train-bpe trains the tokenizer"),
+        (["--vocab-file", str(tmp_path / "c.jsonl"), "--merge-file", merges], "not a readable GPT-2 vocab.json"),
+    ]:
+        out = run_zoo("prepare", "text", "--input", str(src), "--output-prefix", str(tmp_path / "bad"), *args, "--quiet")
+        assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, \
+            (args, out.stderr)
+    assert not list(tmp_path.glob("bad*"))

@@ -8,6 +8,7 @@ one line on stderr; ``--debug`` shows the traceback instead. Plugins add command
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -280,13 +281,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_text(args: argparse.Namespace) -> int:
-    from zoo.data.prepare import prepare_text
+    from zoo.data.prepare import megatron_tokenizer, prepare_text
 
     if args.on_error not in ("fail", "skip"):
         raise UsageError("--on-error: fail or skip")
+    megatron_tokenizer(args.tokenizer_type, args.tokenizer, args.vocab_file, args.merge_file)
+    if args.train_bpe and (args.tokenizer or args.vocab_file):
+        raise UsageError("--train-bpe trains the tokenizer: give it without --tokenizer, --vocab-file or --merge-file")
     totals = prepare_text(inputs=args.input, output_prefix=args.output_prefix, tokenizer=args.tokenizer,
                           json_keys=args.json_keys, append_eod=args.append_eod, workers=args.workers,
-                          on_error=args.on_error, train_bpe_vocab=args.train_bpe, progress=not args.quiet)
+                          on_error=args.on_error, train_bpe_vocab=args.train_bpe, progress=not args.quiet,
+                          vocab_file=args.vocab_file, merge_file=args.merge_file, batch_docs=args.chunk_size)
     skipped = f", {totals['skipped']:,} bad lines skipped" if totals["skipped"] else ""
     print(f"wrote {', '.join(o + '.{bin,idx}' for o in totals['outputs'])}: {totals['docs']:,} documents, "
           f"{totals['tokens']:,} tokens in {totals['seconds']:.1f}s{skipped}")
@@ -355,11 +360,20 @@ def build_parser(registry: Any | None) -> _Parser:
     t = prep.add_parser("text", help="tokenize JSONL/text into <prefix>_<key>_document.{bin,idx}")
     t.add_argument("--input", nargs="+", required=True, help="JSONL (.gz), .txt files or directories of them")
     t.add_argument("--output-prefix", required=True)
-    t.add_argument("--tokenizer", help="HF tokenizer dir, tokenizer.json, .tiktoken file or 'bytes'")
+    t.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer",
+                   help="a local HF tokenizer dir (tokenizer.json, or vocab.json + merges.txt), tokenizer.json, "
+                        ".tiktoken file or 'bytes' (--tokenizer-model: Megatron's name)")
+    t.add_argument("--vocab-file", help="GPT-2's vocab.json (with --merge-file; Megatron's GPT2BPETokenizer)")
+    t.add_argument("--merge-file", help="GPT-2's merges.txt")
+    t.add_argument("--tokenizer-type", metavar="TYPE",
+                   help="Megatron's: HuggingFaceTokenizer, GPT2BPETokenizer or TikTokenizer, checked against the files "
+                        "(zoo needs none: the files say their kind)")
     t.add_argument("--train-bpe", type=at_least_one, metavar="VOCAB_SIZE", help="train a byte-level BPE on the input first")
     t.add_argument("--json-keys", nargs="+", default=["text"])
     t.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document token")
     t.add_argument("--workers", type=at_least_one, default=1)
+    t.add_argument("--chunk-size", type=at_least_one, default=256, metavar="DOCS",
+                   help="documents a worker tokenizes at once (Megatron's flag; speed only, the output is the same)")
     t.add_argument("--on-error", default="fail", help="fail (default) or skip malformed lines")
     t.add_argument("--quiet", action="store_true", help="no progress line")
     t.set_defaults(func=cmd_prepare_text)
@@ -406,6 +420,19 @@ def _wants_plugin_commands(argv: Sequence[str]) -> bool:
     return bool(words) and words[0] not in CORE_COMMANDS
 
 
+def _foreign_flags(args: argparse.Namespace, argv: Sequence[str], stray: Sequence[str]) -> str:
+    """zoo's overrides for the Megatron / Hugging Face flags among ``stray`` (`zoo.config.foreign`),
+    model keys included where --model names an installed family."""
+    from zoo.config import SECTIONS, foreign
+    from zoo.config.layers import dotted_keys
+
+    keys = [k for name, cls in SECTIONS.items() for k in dotted_keys(cls, name)]
+    if getattr(args, "model", None):
+        with contextlib.suppress(ZooError):  # an unknown family is reported once the flags are right
+            keys += dotted_keys(_registry(args).get(str(args.model)).family.config, "model")
+    return foreign.flag_hint(argv, stray, keys)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("ZOO_DEBUG") == "1"
@@ -424,7 +451,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, extra = parser.parse_known_args(argv)
         stray = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]
         if stray:
-            parser.error(f"unrecognized arguments: {' '.join(stray)}")
+            prog = f"zoo {args.command}" if getattr(args, "command", None) else "zoo"
+            hint = _foreign_flags(args, argv, stray) if hasattr(args, "overrides") else ""
+            raise UsageError(f"{prog}: unrecognized arguments: {' '.join(stray)}{hint}")
         if extra:
             args.overrides = [*args.overrides, *extra]
         if not getattr(args, "command", None):

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
+from zoo.config import foreign
 from zoo.config.sections import SECTIONS, RunConfig
 from zoo.errors import ConfigError, suggest
 
@@ -156,15 +157,20 @@ class Layers:
     def keys(self) -> list[str]:
         out: list[str] = []
         for section, cls in self.schema.items():
-            out += _dotted_keys(cls, section)
+            out += dotted_keys(cls, section)
         return out
 
     def set(self, dotted: str, value: Any, *, source: str) -> None:
         parts = dotted.split(".")
         section = parts[0]
         if section not in self.schema or len(parts) < 2:
+            if section not in self.schema and isinstance(value, Mapping) and value:
+                # another framework's section in a YAML file (DFM's `dataset:`): name its first key
+                first, inner = next(iter(value.items()))
+                self.set(f"{dotted}.{first}", inner, source=source)
             raise ConfigError(
-                f"{source}: unknown key {dotted!r}" + (suggest(dotted, self.keys()) or suggest(section, self.schema))
+                f"{source}: unknown key {dotted!r}"
+                + (foreign.hint(dotted, value, self.keys()) or suggest(dotted, self.keys()) or suggest(section, self.schema))
                 + ("" if len(parts) > 1 or section not in self.schema else " (give section.key)")
             )
         cls: Any = self.schema[section]
@@ -172,7 +178,8 @@ class Layers:
         for i, name in enumerate(parts[1:], start=1):
             hints = _hints(cls)
             if name not in hints or name not in {f.name for f in dataclasses.fields(cls)}:
-                raise ConfigError(f"{source}: unknown key {dotted!r}" + suggest(dotted, self.keys()))
+                raise ConfigError(f"{source}: unknown key {dotted!r}"
+                                  + (foreign.hint(dotted, value, self.keys()) or suggest(dotted, self.keys())))
             tp = hints[name]
             if i < len(parts) - 1:
                 if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
@@ -258,13 +265,14 @@ def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
         raise ConfigError(f"{where}: {e}") from None
 
 
-def _dotted_keys(cls: type, prefix: str) -> list[str]:
+def dotted_keys(cls: type, prefix: str) -> list[str]:
+    """Every settable key of config dataclass ``cls`` under ``prefix`` (nested groups flattened)."""
     out = []
     for name, tp in _hints(cls).items():
         if name not in {f.name for f in dataclasses.fields(cls)}:
             continue
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            out += _dotted_keys(tp, f"{prefix}.{name}")
+            out += dotted_keys(tp, f"{prefix}.{name}")
         else:
             out.append(f"{prefix}.{name}")
     return out

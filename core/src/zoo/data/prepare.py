@@ -165,8 +165,8 @@ def _tokenizer(spec: str) -> Any:
     return load_tokenizer(spec)
 
 
-def _worker(args: tuple[int, Chunk, str, list[str], bool, str, str]) -> dict[str, int]:
-    i, chunk, tok_spec, keys, append_eod, on_error, out_dir = args
+def _worker(args: tuple[int, Chunk, str, list[str], bool, str, str, int]) -> dict[str, int]:
+    i, chunk, tok_spec, keys, append_eod, on_error, out_dir, batch_docs = args
     tok = _tokenizer(tok_spec)
     dtype = best_dtype(tok.vocab_size)
     stats = {"docs": 0, "tokens": 0, "skipped": 0}
@@ -191,7 +191,7 @@ def _worker(args: tuple[int, Chunk, str, list[str], bool, str, str]) -> dict[str
         for doc in _texts(chunk, keys, on_error, stats):
             batch.append(doc)
             held += sum(map(len, doc))
-            if len(batch) >= 256 or held >= BATCH_CHARS:
+            if len(batch) >= batch_docs or held >= BATCH_CHARS:
                 flush()
         flush()
         for w in writers.values():
@@ -210,10 +210,55 @@ def _concat(parts: Sequence[Path], prefix: Path, dtype: Any) -> None:
             w.merge(part)
 
 
+# Megatron-LM's tools/preprocess_data.py names its tokenizer by --tokenizer-type; zoo reads the kind
+# from the files themselves. The types with a reading here, and what each needs:
+MEGATRON_TOKENIZERS = {
+    "HuggingFaceTokenizer": "--tokenizer-model DIR (a local tokenizer directory or tokenizer.json)",
+    "GPT2BPETokenizer": "--vocab-file vocab.json --merge-file merges.txt",
+    "TikTokenizer": "--tokenizer-model FILE.tiktoken",
+}
+# The others Megatron knows: zoo takes their tokenizer once saved as a tokenizer.json
+_SAVE_AS_JSON = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "BertWordPieceLowerCase",
+                 "BertWordPieceCase", "MultimodalTokenizer", "NullTokenizer")
+
+
+def megatron_tokenizer(kind: str | None, tokenizer: str | None, vocab_file: str | None, merge_file: str | None) -> None:
+    """Check Megatron's tokenizer arguments against each other (one clear line where they disagree):
+    ``kind`` its --tokenizer-type, ``tokenizer`` --tokenizer / --tokenizer-model, and GPT-2's two
+    files. zoo needs no type (the files say it); a type given must be the files' kind."""
+    if kind is not None and kind not in MEGATRON_TOKENIZERS:
+        if kind in _SAVE_AS_JSON:
+            raise UsageError(f"--tokenizer-type {kind}: zoo reads Hugging Face tokenizers (tokenizer.json, or vocab.json "
+                             "and merges.txt), .tiktoken ranks files and 'bytes'; save this one as tokenizer.json (with "
+                             "transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)) and give --tokenizer DIR")
+        from zoo.errors import suggest
+
+        raise UsageError(f"--tokenizer-type {kind}: unknown{suggest(kind, [*MEGATRON_TOKENIZERS, *_SAVE_AS_JSON])}; "
+                         f"zoo reads {', '.join(MEGATRON_TOKENIZERS)}")
+    files = vocab_file is not None or merge_file is not None
+    if files and (vocab_file is None or merge_file is None):
+        raise UsageError("GPT-2 BPE: give both --vocab-file and --merge-file")
+    if files and tokenizer:
+        raise UsageError("give either --tokenizer (--tokenizer-model) or --vocab-file and --merge-file, not both")
+    if kind == "GPT2BPETokenizer" and not files and not (tokenizer and Path(tokenizer, "merges.txt").is_file()):
+        raise UsageError(f"--tokenizer-type GPT2BPETokenizer needs {MEGATRON_TOKENIZERS[kind]}")
+    if kind in ("HuggingFaceTokenizer", "TikTokenizer"):
+        if files or not tokenizer:
+            raise UsageError(f"--tokenizer-type {kind} needs {MEGATRON_TOKENIZERS[kind]}")
+        if (kind == "TikTokenizer") != tokenizer.endswith(".tiktoken"):
+            raise UsageError(f"--tokenizer-type {kind}, but {tokenizer} is "
+                             f"{'a .tiktoken ranks file' if kind != 'TikTokenizer' else 'not a .tiktoken ranks file'}")
+
+
 def prepare_text(*, inputs: Sequence[str], output_prefix: str, tokenizer: str | None, json_keys: Sequence[str],
                  append_eod: bool, workers: int, on_error: str, train_bpe_vocab: int | None = None,
-                 progress: bool = True) -> dict[str, Any]:
-    from zoo.data.tokenizer import load_tokenizer, train_bpe
+                 progress: bool = True, vocab_file: str | None = None, merge_file: str | None = None,
+                 batch_docs: int = 256) -> dict[str, Any]:
+    """Tokenize ``inputs`` into ``<output_prefix>_<key>_document.{bin,idx}`` for each of ``json_keys``.
+    The tokenizer: ``tokenizer`` (see `zoo.data.tokenizer.load_tokenizer`), GPT-2's ``vocab_file`` and
+    ``merge_file``, or a BPE of ``train_bpe_vocab`` tokens trained on the input first. ``batch_docs``:
+    documents a worker hands its tokenizer at once (speed only: the output never depends on it)."""
+    from zoo.data.tokenizer import load_gpt2_bpe, load_tokenizer, train_bpe
 
     files = find_inputs(inputs)
     out_prefix = Path(output_prefix)
@@ -225,13 +270,17 @@ def prepare_text(*, inputs: Sequence[str], output_prefix: str, tokenizer: str | 
             texts = (doc[0] for c in plan_chunks(files) for doc in _texts(c, json_keys[:1], on_error, stats0))
             train_bpe(texts, train_bpe_vocab).save(tmp)
             tokenizer = str(tmp / "tokenizer.json")
+        elif vocab_file is not None and merge_file is not None:  # one file for the workers to read
+            load_gpt2_bpe(vocab_file, merge_file).save(tmp)
+            tokenizer = str(tmp / "tokenizer.json")
         if not tokenizer:
-            raise UsageError("zoo prepare text: give --tokenizer (HF dir, tokenizer.json, .tiktoken, bytes) or --train-bpe N")
+            raise UsageError("zoo prepare text: give --tokenizer (HF dir, tokenizer.json, .tiktoken, bytes), --vocab-file and "
+                             "--merge-file (GPT-2's), or --train-bpe N")
         tok = load_tokenizer(tokenizer)
         tok.encode_batch(["warm-up"])  # reads the regex classes once (and caches them on disk) before the workers
         chunks = plan_chunks(files)
         ctx = mp.get_context("spawn")
-        jobs = [(i, c, tokenizer, list(json_keys), append_eod, on_error, str(tmp)) for i, c in enumerate(chunks)]
+        jobs = [(i, c, tokenizer, list(json_keys), append_eod, on_error, str(tmp), batch_docs) for i, c in enumerate(chunks)]
         t0 = time.perf_counter()
         totals = {"docs": 0, "tokens": 0, "skipped": 0}
         env_before = os.environ.get("TOKENIZERS_PARALLELISM")

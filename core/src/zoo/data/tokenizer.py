@@ -1,5 +1,6 @@
 """Tokenizers: a byte-level BPE trained locally with the `tokenizers` library, a Hugging Face
-tokenizer directory or ``tokenizer.json`` the user names, or raw bytes."""
+tokenizer directory or ``tokenizer.json`` the user names, GPT-2's ``vocab.json`` + ``merges.txt``
+(Megatron-LM's ``GPT2BPETokenizer``), a tiktoken ranks file, or raw bytes."""
 
 from __future__ import annotations
 
@@ -140,19 +141,46 @@ def load_tiktoken(path: Path) -> Tokenizer:
     return Tokenizer(tok, eod_id=tok.token_to_id(EOD), vocab_size=tok.get_vocab_size(), source=str(path))
 
 
+def load_gpt2_bpe(vocab_file: str | os.PathLike[str], merges_file: str | os.PathLike[str]) -> Tokenizer:
+    """GPT-2's byte-level BPE from its two files (``vocab.json``: token -> id, ``merges.txt``: one
+    merge per line by priority), as Hugging Face's GPT-2 tokenizer reads them and Megatron-LM's
+    ``GPT2BPETokenizer`` uses them: GPT-2's pre-tokenizing regex, no prefix space, ``<|endoftext|>``
+    the end-of-document token (it must be in the vocabulary)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    for what, f in (("vocabulary", vocab_file), ("merges", merges_file)):
+        if not Path(f).is_file():
+            raise UsageError(f"{f}: GPT-2 BPE {what} file not found")
+    try:
+        bpe = models.BPE.from_file(str(vocab_file), str(merges_file))
+    except Exception as e:  # tokenizers raises its own exception type for malformed files
+        raise UsageError(f"{vocab_file} + {merges_file}: not a readable GPT-2 vocab.json and merges.txt ({e})") from None
+    tok = HFTokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    if tok.token_to_id(EOD) is None:
+        raise UsageError(f"{vocab_file}: no end-of-document token {EOD} in the vocabulary")
+    tok.add_special_tokens([EOD])  # (its vocabulary id: never split when it appears in a text)
+    return Tokenizer(tok, eod_id=tok.token_to_id(EOD), vocab_size=tok.get_vocab_size(), source=str(vocab_file))
+
+
 def load_tokenizer(spec: str | os.PathLike[str]) -> Tokenizer:
-    """``"bytes"``, a directory holding ``tokenizer.json``, a ``tokenizer.json`` file, or a tiktoken
-    ranks file (``*.tiktoken``)."""
+    """``"bytes"``, a directory holding ``tokenizer.json`` (or GPT-2's ``vocab.json`` and
+    ``merges.txt``), a ``tokenizer.json`` file, or a tiktoken ranks file (``*.tiktoken``)."""
     if str(spec) == "bytes":
         return Tokenizer(None, eod_id=0, vocab_size=256, source="bytes")
     path = Path(spec)
     if path.is_file() and path.suffix == ".tiktoken":
         return load_tiktoken(path)
+    if path.is_dir() and not (path / "tokenizer.json").is_file() and (path / "vocab.json").is_file() \
+            and (path / "merges.txt").is_file():
+        return load_gpt2_bpe(path / "vocab.json", path / "merges.txt")
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
         raise UsageError(
-            f"tokenizer {str(spec)!r}: not found; give 'bytes', a Hugging Face tokenizer directory, a tokenizer.json "
-            "file or a .tiktoken ranks file"
+            f"tokenizer {str(spec)!r}: not found; give 'bytes', a local Hugging Face tokenizer directory (tokenizer.json, "
+            "or vocab.json and merges.txt), a tokenizer.json file or a .tiktoken ranks file (nothing is downloaded)"
         )
     from tokenizers import Tokenizer as HFTokenizer
 

@@ -1,0 +1,187 @@
+"""zoo's key for the names users bring from Megatron-LM (its flags), Megatron-Bridge / NeMo DFM (their
+``section.key=value`` overrides and YAML keys) and Hugging Face (``TrainingArguments``, model
+configs). zoo keeps one name per setting; where a user writes another framework's name, the error
+gives zoo's with their value in place (``train.train_iters=5`` -> ``train.steps=5``), as an
+override they can paste.
+
+`hint` serves unknown configuration keys (`zoo.config.layers.Layers.set`), `flag_hint` the command
+line's unknown ``--flags`` (`zoo.cli.main`). A target that names a model key is offered only where
+the family has that key (``model.num_heads`` is LLaMA's, not CLIP's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+# A foreign name, lowercase with "_" for "-" and without its section (Megatron-Bridge writes
+# model.tensor_model_parallel_size, Megatron --tensor-model-parallel-size) -> zoo's form, ready to
+# paste: a `section.key={}` template ({} the user's value; no {} where the flag itself is the value)
+# or a command-line option.
+NAMES: dict[str, str] = {
+    # parallelism
+    "tensor_model_parallel_size": "parallel.tp={}",
+    "tp_size": "parallel.tp={}",
+    "pipeline_model_parallel_size": "parallel.pp={}",
+    "pp_size": "parallel.pp={}",
+    "virtual_pipeline_model_parallel_size": "parallel.vpp={}",
+    "context_parallel_size": "parallel.cp={}",
+    "cp_size": "parallel.cp={}",
+    "expert_model_parallel_size": "parallel.ep={}",
+    "expert_tensor_parallel_size": "parallel.etp={}",
+    "moe_token_dispatcher_type": "parallel.ep_dispatcher={}",
+    "use_distributed_optimizer": "parallel.zero=1",
+    "sequence_parallel": "parallel.sequence_parallel=true",
+    "distributed_backend": "parallel.backend={}",
+    "ddp_bucket_size": "parallel.bucket_size={}",
+    # training
+    "train_iters": "train.steps={}",
+    "max_steps": "train.steps={}",
+    "per_device_train_batch_size": "train.micro_batch_size={}",
+    "encoder_seq_length": "train.seq_length={}",
+    "max_seq_length": "train.seq_length={}",
+    "bf16": "train.precision=bf16",
+    "fp16": "train.precision=fp16",
+    "recompute_granularity": "train.recompute={}",
+    "gradient_checkpointing": "train.recompute=full",
+    "eval_iters": "train.eval_steps={}",
+    "use_cpu": "train.device=cpu",
+    # optimizer and schedule
+    "learning_rate": "optimizer.lr={}",
+    "adam_beta1": "optimizer.beta1={}",
+    "adam_beta2": "optimizer.beta2={}",
+    "adam_eps": "optimizer.eps={}",
+    "adam_epsilon": "optimizer.eps={}",
+    "clip_grad": "optimizer.grad_clip={}",
+    "max_grad_norm": "optimizer.grad_clip={}",
+    "lr_warmup_iters": "schedule.warmup_steps={}",
+    "lr_decay_style": "schedule.decay={}",
+    "lr_scheduler_type": "schedule.decay={}",
+    # checkpoints
+    "save": "--run-dir {}",
+    "output_dir": "--run-dir {}",
+    "checkpoint_dir": "checkpoint.dir={}",
+    "save_dir": "checkpoint.dir={}",
+    "load": "checkpoint.load={}",
+    "load_dir": "checkpoint.load={}",
+    "load_checkpoint": "checkpoint.load={}",
+    "pretrained_checkpoint": "checkpoint.load={}",
+    "save_interval": "checkpoint.interval={}",
+    "save_steps": "checkpoint.interval={}",
+    "save_total_limit": "checkpoint.keep_last={}",
+    "async_save": "checkpoint.async_save=true",
+    # logging
+    "log_interval": "logging.interval={}",
+    "logging_steps": "logging.interval={}",
+    "tensorboard_dir": "logging.tensorboard=true",
+    # data
+    "data_path": "data.path={}",
+    "dataset_path": "data.path={}",
+    "train_data_path": "data.train_path={}",
+    "valid_data_path": "data.valid_path={}",
+    "test_data_path": "data.test_path={}",
+    "tokenizer_model": "data.tokenizer={}",
+    "dataloader_num_workers": "data.num_workers={}",
+    "config_file": "--config {}",
+    # model (offered only where the family has the key)
+    "num_hidden_layers": "model.num_layers={}",
+    "num_attention_heads": "model.num_heads={}",
+    "num_query_groups": "model.num_kv_heads={}",
+    "num_key_value_heads": "model.num_kv_heads={}",
+    "kv_channels": "model.head_dim={}",
+    "intermediate_size": "model.ffn_hidden_size={}",
+    "max_position_embeddings": "model.max_seq_length={}",
+    "norm_epsilon": "model.norm_eps={}",
+    "layernorm_epsilon": "model.norm_eps={}",
+    "rms_norm_eps": "model.norm_eps={}",
+    "rotary_base": "model.rope_theta={}",
+    "tie_word_embeddings": "model.tie_embeddings={}",
+    "untie_embeddings_and_output_weights": "model.tie_embeddings=false",
+    "num_local_experts": "model.num_experts={}",
+    "moe_router_topk": "model.top_k={}",
+    "num_experts_per_tok": "model.top_k={}",
+    "moe_aux_loss_coeff": "model.aux_loss_coeff={}",
+    "router_aux_loss_coef": "model.aux_loss_coeff={}",
+    "moe_z_loss_coeff": "model.z_loss_coeff={}",
+    "mamba_state_dim": "model.ssm_state_size={}",
+    "state_size": "model.ssm_state_size={}",
+    "mamba_head_dim": "model.ssm_head_dim={}",
+    "mamba_num_groups": "model.ssm_groups={}",
+    "n_groups": "model.ssm_groups={}",
+    "hybrid_override_pattern": "model.pattern={}",
+    "num_embeds_ada_norm": "model.num_classes={}",
+}
+
+
+def _norm(name: str) -> str:
+    return name.lstrip("-").lower().replace("-", "_")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)
+
+
+def _usable(form: str, keys: set[str]) -> bool:
+    """Whether zoo's form names a key this run has (options and explanations always are)."""
+    key = form.split("=", 1)[0]
+    return not key.startswith("model.") or key in keys
+
+
+def translate(name: str, value: Any, keys: Iterable[str]) -> str | None:
+    """zoo's form of a foreign ``name`` set to ``value``, or None. ``name`` may carry a section
+    (``train.train_iters``); a name that is one of zoo's own leaves in another section (``train.lr``,
+    ``lr``) gives that key. ``keys``: the run's dotted keys."""
+    keys = set(keys)
+    leaf = _norm(name.rsplit(".", 1)[-1])
+    form = NAMES.get(leaf)
+    if form is None:
+        owners = sorted(k for k in keys if k.rsplit(".", 1)[-1] == leaf and k != name)
+        if len(owners) != 1:
+            return None
+        form = owners[0] + "={}"
+    if not _usable(form, keys) or ("{}" not in form and _show(value).lower() == "false"):
+        return None  # (a flag's form turns something on: `bf16: false` asks for nothing)
+    return form.replace("{}", _show(value)) if value is not None or "{}" not in form else form.replace("={}", "")
+
+
+def hint(dotted: str, value: Any, keys: Iterable[str]) -> str:
+    """`` (in zoo: train.steps=5)`` for another framework's name, `` (did you mean optimizer.lr=3?)``
+    for zoo's own key under another section, else ''."""
+    form = translate(dotted, value, keys)
+    if not form:
+        return ""
+    own = _norm(dotted.rsplit(".", 1)[-1]) not in NAMES
+    return f" (did you mean {form}?)" if own else f" (in zoo: {form})"
+
+
+def flag_hint(argv: Sequence[str], stray: Sequence[str], keys: Iterable[str]) -> str:
+    """For the unrecognized ``--flags`` among ``stray`` that are another framework's, zoo's forms
+    with the values that followed them in ``argv``: `` (in zoo: parallel.tp=2 train.steps=5)``."""
+    keys = list(keys)
+    forms = []
+    for flag in stray:
+        if not flag.startswith("--"):
+            continue
+        name, eq, value = flag.partition("=")
+        if not eq:
+            at = argv.index(flag) if flag in argv else -1
+            nxt = argv[at + 1] if 0 <= at < len(argv) - 1 else None
+            value = nxt if nxt is not None and (not nxt.startswith("-") or _number(nxt)) and "=" not in nxt else None
+        form = NAMES.get(_norm(name))
+        if form is None or not _usable(form, set(keys)):
+            form = translate(name.lstrip("-").replace("-", "_"), "VALUE" if value is None else value, keys)
+        elif "{}" in form:
+            form = form.replace("{}", value if value is not None else "VALUE")
+        if form:
+            forms.append(form)
+    return f" (in zoo: {' '.join(forms)})" if forms else ""
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
