@@ -24,14 +24,17 @@ def test_megatron_flags_are_answered_with_the_overrides_that_work():
     """A Megatron-LM training command's flags: one line giving zoo's overrides with their values,
     and those overrides, pasted, are a valid run."""
     out = run_zoo("train", "--model", "llama", "--tensor-model-parallel-size", "2", "--train-iters", "5", "--lr", "1e-3",
-                  "--bf16", "--num-layers", "4", "--micro-batch-size=2", "--dry-run")
-    forms = "parallel.tp=2 train.steps=5 optimizer.lr=1e-3 train.precision=bf16 model.num_layers=4 train.micro_batch_size=2"
+                  "--min-lr=1e-4", "--bf16", "--num-layers", "4", "--micro-batch-size=2", "--save", "ck", "--load", "ck",
+                  "--dry-run")
+    forms = ("parallel.tp=2 train.steps=5 optimizer.lr=1e-3 schedule.min_lr_ratio=0.1 train.precision=bf16 "
+             "model.num_layers=4 train.micro_batch_size=2 --run-dir ck")  # (--load of --save's directory: resumed)
     line = _one_line(out.stderr)
     assert out.returncode == 2 and line.endswith(f"(in zoo: {forms})"), line
     assert line.startswith("zoo: error: zoo train: unrecognized arguments: --tensor-model-parallel-size")
     out = run_zoo("train", "--model", "llama", "--dry-run", "--world-size", "2", *forms.split())
     assert out.returncode == 0, out.stderr
     assert "tp: 2" in out.stdout and "steps: 5" in out.stdout and "num_layers: 4" in out.stdout
+    assert "min_lr_ratio: 0.1" in out.stdout
     out = run_zoo("train", "--model", "clip", "--num-layers", "4", "--dry-run")  # CLIP has no model.num_layers
     assert out.returncode == 2 and "in zoo" not in _one_line(out.stderr)
 

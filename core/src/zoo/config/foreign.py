@@ -160,7 +160,7 @@ def flag_hint(argv: Sequence[str], stray: Sequence[str], keys: Iterable[str]) ->
     """For the unrecognized ``--flags`` among ``stray`` that are another framework's, zoo's forms
     with the values that followed them in ``argv``: `` (in zoo: parallel.tp=2 train.steps=5)``."""
     keys = list(keys)
-    forms = []
+    given: dict[str, str | None] = {}
     for flag in stray:
         if not flag.startswith("--"):
             continue
@@ -169,9 +169,21 @@ def flag_hint(argv: Sequence[str], stray: Sequence[str], keys: Iterable[str]) ->
             at = argv.index(flag) if flag in argv else -1
             nxt = argv[at + 1] if 0 <= at < len(argv) - 1 else None
             value = nxt if nxt is not None and (not nxt.startswith("-") or _number(nxt)) and "=" not in nxt else None
-        form = NAMES.get(_norm(name))
+        given[_norm(name)] = value
+    # Megatron's --save X --load X resumes from X: zoo resumes from its run directory by itself
+    # (checkpoint.load is where a fresh run's first weights come from)
+    if given.get("load") is not None and given.get("load") == given.get("save"):
+        del given["load"]
+    forms = []
+    for name, value in given.items():
+        if name == "min_lr":  # zoo's schedule ends at a fraction of optimizer.lr
+            lr = given.get("lr")
+            if value is not None and lr is not None and _number(value) and _number(lr) and float(lr) > 0:
+                forms.append(f"schedule.min_lr_ratio={float(value) / float(lr):.6g}")
+            continue
+        form = NAMES.get(name)
         if form is None or not _usable(form, set(keys)):
-            form = translate(name.lstrip("-").replace("-", "_"), "VALUE" if value is None else value, keys)
+            form = translate(name, "VALUE" if value is None else value, keys)
         elif "{}" in form:
             form = form.replace("{}", value if value is not None else "VALUE")
         if form:
