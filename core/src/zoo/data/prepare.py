@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from zoo.data.indexed import IndexedDatasetWriter, best_dtype
-from zoo.errors import UsageError, ZooError
+from zoo.errors import UsageError, ZooError, suggest
 
 CHUNK_BYTES = 8 << 20
 BATCH_CHARS = 1 << 20  # a worker's peak memory is about one batch's token ids (or one larger document)
@@ -231,8 +231,6 @@ def megatron_tokenizer(kind: str | None, tokenizer: str | None, vocab_file: str 
             raise UsageError(f"--tokenizer-type {kind}: zoo reads Hugging Face tokenizers (tokenizer.json, or vocab.json "
                              "and merges.txt), .tiktoken ranks files and 'bytes'; save this one as tokenizer.json (with "
                              "transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)) and give --tokenizer DIR")
-        from zoo.errors import suggest
-
         raise UsageError(f"--tokenizer-type {kind}: unknown{suggest(kind, [*MEGATRON_TOKENIZERS, *_SAVE_AS_JSON])}; "
                          f"zoo reads {', '.join(MEGATRON_TOKENIZERS)}")
     files = vocab_file is not None or merge_file is not None
