@@ -37,6 +37,8 @@ def test_megatron_flags_are_answered_with_the_overrides_that_work():
     assert "min_lr_ratio: 0.1" in out.stdout
     out = run_zoo("train", "--model", "clip", "--num-layers", "4", "--dry-run")  # CLIP has no model.num_layers
     assert out.returncode == 2 and "in zoo" not in _one_line(out.stderr)
+    out = run_zoo("train", "--model", "clip", "--run_dir", "x", "--dry-run")  # a misspelt option of zoo's own
+    assert out.returncode == 2 and _one_line(out.stderr).endswith("--run_dir (did you mean --run-dir?)")
 
 
 def test_exit_codes_and_one_line_errors():

@@ -420,6 +420,15 @@ def _wants_plugin_commands(argv: Sequence[str]) -> bool:
     return bool(words) and words[0] not in CORE_COMMANDS
 
 
+def _options(parser: argparse.ArgumentParser, command: str | None) -> list[str]:
+    """The long options of ``command`` (the top-level ones without)."""
+    chosen = parser
+    for action in parser._actions:  # argparse keeps its subparsers in a private list only
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            chosen = action.choices[command]
+    return [o for o in chosen._option_string_actions if o.startswith("--")]
+
+
 def _foreign_flags(args: argparse.Namespace, argv: Sequence[str], stray: Sequence[str]) -> str:
     """zoo's overrides for the Megatron / Hugging Face flags among ``stray`` (`zoo.config.foreign`),
     model keys included where --model names an installed family."""
@@ -453,6 +462,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stray:
             prog = f"zoo {args.command}" if getattr(args, "command", None) else "zoo"
             hint = _foreign_flags(args, argv, stray) if hasattr(args, "overrides") else ""
+            flags = [x.split("=", 1)[0] for x in stray if x.startswith("--")]
+            if not hint and flags:  # a misspelt option of the command itself (--flavour, --run_dir)
+                hint = suggest(flags[0], _options(parser, getattr(args, "command", None)))
             raise UsageError(f"{prog}: unrecognized arguments: {' '.join(stray)}{hint}")
         if extra:
             args.overrides = [*args.overrides, *extra]
