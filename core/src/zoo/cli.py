@@ -281,11 +281,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_text(args: argparse.Namespace) -> int:
-    from zoo.data.prepare import megatron_tokenizer, prepare_text
+    from zoo.data.prepare import check_megatron_tokenizer, prepare_text
 
     if args.on_error not in ("fail", "skip"):
         raise UsageError("--on-error: fail or skip")
-    megatron_tokenizer(args.tokenizer_type, args.tokenizer, args.vocab_file, args.merge_file)
+    check_megatron_tokenizer(args.tokenizer_type, args.tokenizer, args.vocab_file, args.merge_file)
     if args.train_bpe and (args.tokenizer or args.vocab_file):
         raise UsageError("--train-bpe trains the tokenizer: give it without --tokenizer, --vocab-file or --merge-file")
     totals = prepare_text(inputs=args.input, output_prefix=args.output_prefix, tokenizer=args.tokenizer,

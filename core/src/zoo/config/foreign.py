@@ -159,7 +159,7 @@ def hint(dotted: str, value: Any, keys: Iterable[str]) -> str:
 def flag_hint(argv: Sequence[str], stray: Sequence[str], keys: Iterable[str]) -> str:
     """For the unrecognized ``--flags`` among ``stray`` that are another framework's, zoo's forms
     with the values that followed them in ``argv``: `` (in zoo: parallel.tp=2 train.steps=5)``."""
-    keys = list(keys)
+    keys = set(keys)
     given: dict[str, str | None] = {}
     for flag in stray:
         if not flag.startswith("--"):
@@ -181,11 +181,7 @@ def flag_hint(argv: Sequence[str], stray: Sequence[str], keys: Iterable[str]) ->
             if value is not None and lr is not None and _number(value) and _number(lr) and float(lr) > 0:
                 forms.append(f"schedule.min_lr_ratio={float(value) / float(lr):.6g}")
             continue
-        form = NAMES.get(name)
-        if form is None or not _usable(form, set(keys)):
-            form = translate(name, "VALUE" if value is None else value, keys)
-        elif "{}" in form:
-            form = form.replace("{}", value if value is not None else "VALUE")
+        form = translate(name, "VALUE" if value is None else value, keys)
         if form:
             forms.append(form)
     return f" (in zoo: {' '.join(forms)})" if forms else ""

@@ -222,7 +222,8 @@ _SAVE_AS_JSON = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2T
                  "BertWordPieceCase", "MultimodalTokenizer", "NullTokenizer")
 
 
-def megatron_tokenizer(kind: str | None, tokenizer: str | None, vocab_file: str | None, merge_file: str | None) -> None:
+def check_megatron_tokenizer(kind: str | None, tokenizer: str | None, vocab_file: str | None,
+                             merge_file: str | None) -> None:
     """Check Megatron's tokenizer arguments against each other (one clear line where they disagree):
     ``kind`` its --tokenizer-type, ``tokenizer`` --tokenizer / --tokenizer-model, and GPT-2's two
     files. zoo needs no type (the files say it); a type given must be the files' kind."""
