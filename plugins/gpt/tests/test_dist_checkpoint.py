@@ -449,16 +449,19 @@ def test_tensor_parallel_rng_streams_are_saved_per_rank(tmp_path, corpus_cache):
 
 
 def test_fsdp_trains_like_one_process_and_its_checkpoints_reshard_both_ways(tmp_path, corpus_cache, uninterrupted):
-    """`parallel.fsdp=2` (torch's fully_shard: parameters, gradients and Adam state sharded over
-    the data-parallel ranks, each rank writing its own pieces) follows the single-process curve,
-    and its step-3 checkpoint continues under tp2 x pp2 and in one process, each exactly as one
-    process continues; a single-process checkpoint continues under FSDP the same way."""
-    out = torchrun(2, *small_run(tmp_path / "fsdp", corpus_cache, *ARGS, "parallel.fsdp=2"))
+    """`parallel.fsdp=2` with `parallel.cp=2` (torch's fully_shard: parameters, gradients and Adam
+    state sharded over the 2 x 2 data and context ranks, each rank writing its own pieces; ring
+    attention over the context pairs) follows the single-process curve, and its step-3 checkpoint
+    continues under tp2 x pp2 and in one process, each exactly as one process continues; a
+    single-process checkpoint continues under plain FSDP the same way."""
+    out = torchrun(4, *small_run(tmp_path / "fsdp", corpus_cache, *ARGS, "parallel.fsdp=2", "parallel.cp=2"))
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "fsdp over dp x cp = 4 ranks" in out.stdout
     assert _close(curve(tmp_path / "fsdp"), uninterrupted)
     index = json.loads((tmp_path / "fsdp" / "checkpoints" / "step_00000003" / "index.json").read_text())
     pieces = index["tensors"]["layers.0.mlp.fc.weight::exp_avg"]["pieces"]  # Adam state: one piece per rank
-    assert sorted(p["offset"][0] for p in pieces) == [0, index["tensors"]["layers.0.mlp.fc.weight"]["shape"][0] // 2]
+    rows = index["tensors"]["layers.0.mlp.fc.weight"]["shape"][0]
+    assert sorted(p["offset"][0] for p in pieces) == [0, rows // 4, rows // 2, 3 * rows // 4]
     assert _close(_continue(tmp_path, corpus_cache, tmp_path / "fsdp", "tp2pp2", 4, "parallel.tp=2", "parallel.pp=2"),
                   uninterrupted[3:])
     assert _close(_continue(tmp_path, corpus_cache, tmp_path / "fsdp", "one", 1), uninterrupted[3:])

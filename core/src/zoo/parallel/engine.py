@@ -135,10 +135,11 @@ class Parallel:
             core.cp_group = self.cp_group
 
     def _fully_shard(self, device: Any) -> None:
-        """FSDP (torch's ``fully_shard``) over the data-parallel group: every block of every chunk
-        its own unit (gathered just before it runs, freed after), then each chunk's remaining
-        parameters (embeddings, final norm, head); bf16 compute with fp32 gradient reduction under
-        ``train.precision=bf16``."""
+        """FSDP (torch's ``fully_shard``) over the data x context group (context-parallel ranks hold
+        the same parameters and average their gradients, so they share the sharding, as torchtitan's
+        dp_shard x cp mesh): every block of every chunk its own unit (gathered just before it runs,
+        freed after), then each chunk's remaining parameters (embeddings, final norm, head); bf16
+        compute with fp32 gradient reduction under ``train.precision=bf16``."""
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -182,7 +183,7 @@ class Parallel:
         out = {}
         for name, p in self.model.named_parameters():
             canon = st.canonical.get(name, name) if st is not None else name
-            chunk = FSDPChunk(self.layout.fsdp, fsdp_rank, p.shape[0]) if self.fsdp_roots else None
+            chunk = FSDPChunk(self.dp * self.cp, fsdp_rank, p.shape[0]) if self.fsdp_roots else None
             out[name] = Placement(canon, shard=shards.get(canon), sequence_parallel=canon in on_shards,
                                   tied=st is not None and name in st.tied,
                                   duplicate=st is not None and name in st.duplicates, fsdp=chunk)

@@ -41,7 +41,7 @@ class Layout:
     order: str = "tp-cp-ep-dp-pp"
     pp_layers: tuple[int, ...] | None = None
     pp_schedule: str = "1f1b"
-    fsdp: int = 0  # ranks FSDP shards over (the data-parallel size), 0: off
+    fsdp: int = 0  # parallel.fsdp (the data-parallel size), 0: off; FSDP shards over dp x cp ranks
     fsdp_dtype: str = "fp32"  # FSDP's compute dtype (train.precision): bf16 parameters, fp32 reductions
     experts: bool = False  # whether the model has mixture-of-experts layers (model.num_experts)
 
@@ -50,6 +50,8 @@ class Layout:
         extra = []
         if self.vpp > 1:
             extra.append(f"vpp={self.vpp}")
+        if self.fsdp:
+            extra.append(f"fsdp over dp x cp = {self.dp * self.cp} ranks" if self.cp > 1 else "fsdp")
         if self.experts and (self.ep > 1 or self.etp != self.tp):  # (a dense model has no expert grid)
             extra.append(f"experts: etp={self.etp} x ep={self.ep} x dp={self.expert_dp}")
         tail = f" ({', '.join(extra)})" if extra else ""
@@ -149,8 +151,6 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
     if p.fsdp > 1 and p.zero:
         raise ConfigError("parallel: fsdp and zero=1 both shard the optimizer state over DP; choose one "
                           "(FSDP also shards parameters and gradients)")
-    if p.fsdp > 1 and p.cp > 1:
-        raise ConfigError("parallel: fsdp with cp > 1 is not supported yet (use zero=1 with context parallelism)")
     if p.fsdp > 1 and train.precision == "fp16":
         raise ConfigError("parallel: fsdp with train.precision=fp16 is not supported (use bf16: FSDP computes in "
                           "bf16 and reduces gradients in fp32)")
