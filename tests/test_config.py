@@ -200,6 +200,13 @@ class MoECfg(ModelCfg):
     num_experts: int = 4
 
 
+def test_fsdp_layouts_describe_what_shards_and_what_replicates():
+    assert plan(4, ["parallel.fsdp=4"]).describe().startswith("world 4 = tp=1 x cp=1 x dp=4 x pp=1 (fsdp over 4 ranks)")
+    assert "(fsdp over dp x cp = 4 ranks)" in plan(4, ["parallel.fsdp=2", "parallel.cp=2"]).describe()
+    assert "(hsdp: fsdp over 2 ranks x 2 replicas)" in plan(4, ["parallel.fsdp=2"]).describe()
+    assert "(hsdp: fsdp over fsdp x cp = 4 ranks x 2 replicas)" in plan(8, ["parallel.fsdp=2", "parallel.cp=2"]).describe()
+
+
 def test_a_model_with_experts_describes_their_grid():
     run = C.resolve(family="fam", flavor="tiny", model_cls=MoECfg, model_defaults=MoECfg(), recipe=(), files=(),
                     overrides=["parallel.ep=2"])
@@ -220,6 +227,7 @@ def test_a_model_with_experts_describes_their_grid():
         (2, ["parallel.cp=2", "train.seq_length=6"], "divisible by 2\\*cp"),
         (2, ["model.vocab_size=255", "parallel.tp=2", "model.num_heads=2"], "tp=2 does not divide model.vocab_size=255"),
         (4, ["train.micro_batch_size=2", "train.global_batch_size=6"], "not a multiple of micro_batch_size\\*dp"),
+        (4, ["parallel.fsdp=3"], "fsdp=3 must divide the data-parallel size dp=4"),
     ],
 )
 def test_invalid_layouts_fail_at_config_time(world, overrides, message):

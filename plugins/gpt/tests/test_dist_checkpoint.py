@@ -453,7 +453,8 @@ def test_fsdp_trains_like_one_process_and_its_checkpoints_reshard_both_ways(tmp_
     state sharded over the 2 x 2 data and context ranks, each rank writing its own pieces; ring
     attention over the context pairs) follows the single-process curve, and its step-3 checkpoint
     continues under tp2 x pp2 and in one process, each exactly as one process continues; a
-    single-process checkpoint continues under plain FSDP the same way."""
+    single-process checkpoint continues the same way under HSDP (`parallel.fsdp=2` on 4 data-parallel
+    ranks: 2 replicas of 2 sharding ranks), whose checkpoint holds each piece once."""
     out = torchrun(4, *small_run(tmp_path / "fsdp", corpus_cache, *ARGS, "parallel.fsdp=2", "parallel.cp=2"))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "fsdp over dp x cp = 4 ranks" in out.stdout
@@ -469,4 +470,7 @@ def test_fsdp_trains_like_one_process_and_its_checkpoints_reshard_both_ways(tmp_
     (single / "checkpoints").mkdir(parents=True)
     # (3 steps of the same run: the first 30 are linear warm-up, so the schedule does not depend on train.steps)
     assert zoo(*small_run(single, corpus_cache, *ARGS, "train.steps=3")).returncode == 0
-    assert _close(_continue(tmp_path, corpus_cache, single, "to-fsdp", 2, "parallel.fsdp=2"), uninterrupted[3:])
+    assert _close(_continue(tmp_path, corpus_cache, single, "to-hsdp", 4, "parallel.fsdp=2"), uninterrupted[3:])
+    index = json.loads((tmp_path / "to-hsdp" / "checkpoints" / "step_00000006" / "index.json").read_text())
+    pieces = index["tensors"]["layers.0.mlp.fc.weight::exp_avg"]["pieces"]  # written by the first replica only
+    assert sorted(p["offset"][0] for p in pieces) == [0, rows // 2]

@@ -189,7 +189,8 @@ def save(root: Path, *, state: TrainState, run: RunConfig, par: Parallel, items:
 
 def _writes(par: Parallel, split: TPShard | Split | None) -> bool:
     """Whether this rank writes a tensor: one replica of every piece. Data- and context-parallel
-    ranks replicate everything except FSDP's pieces (each rank's own, sharded over both); TP
+    ranks replicate everything except FSDP's pieces (each rank's own, sharded over both; under
+    HSDP the first group of sharding ranks writes them); TP
     ranks hold their own pieces of split tensors and replicas of the rest; expert-parallel experts
     are written by the first of their expert-data-parallel replicas."""
     from zoo.parallel.sharding import EPShard
@@ -198,7 +199,8 @@ def _writes(par: Parallel, split: TPShard | Split | None) -> bool:
         return par.edp_rank == 0
     fsdp = isinstance(split, Split)
     tp = split.tp if isinstance(split, Split) else split
-    return (fsdp or (par.cp_rank == 0 and par.dp_rank == 0)) and (tp is not None or par.tp_rank == 0)
+    mine = par.fsdp_replica == 0 if fsdp else par.cp_rank == 0 and par.dp_rank == 0
+    return mine and (tp is not None or par.tp_rank == 0)
 
 
 __all__ = ["Checkpoint", "ModelDir", "Stateful", "TrainState", "complete_checkpoints", "latest", "resolve_checkpoint",

@@ -53,7 +53,8 @@ class ParallelConfig:
     sequence_parallel: bool = False  # shard norm/dropout regions along the sequence inside TP
     zero: int = 0  # 1: distributed optimizer (fp32 master weights and Adam state sharded over DP)
     # FSDP (torch's fully_shard): parameters, gradients and optimizer state sharded over this many
-    # data-parallel ranks, which must be all of them (the data-parallel size); 0: off.
+    # data-parallel ranks (x cp): all of them (the data-parallel size), or a divisor of it, whose
+    # groups of neighbouring ranks then replicate each other (HSDP); 0: off.
     fsdp: int = 0
     order: str = "tp-cp-ep-dp-pp"  # leftmost axis varies fastest: TP ranks are neighbours
     bucket_size: int = 40_000_000  # gradient elements per DP bucket (Megatron's default)
@@ -65,7 +66,7 @@ class ParallelConfig:
         if self.etp is not None and self.etp < 1:
             raise ValueError(f"etp={self.etp} must be at least 1")
         if self.fsdp < 0:
-            raise ValueError(f"fsdp={self.fsdp} must be 0 (off) or the data-parallel size")
+            raise ValueError(f"fsdp={self.fsdp} must be 0 (off), the data-parallel size or a divisor of it (HSDP)")
         if self.zero not in (0, 1):
             raise ValueError(f"zero={self.zero}: only 0 (off) and 1 (distributed optimizer) exist")
         axes = self.order.split("-")

@@ -103,6 +103,7 @@ class Parallel:
         else:
             self.model, self.chunks = model, [model]
         self.fsdp_roots: list[nn.Module] = []
+        self.fsdp_group, self.fsdp_replicas, self.fsdp_replica = self.dp_cp_group, None, 0
         if lay.fsdp > 1:
             self._fully_shard(device)
         self.placements = self._placements(shards, on_shards)
@@ -139,11 +140,29 @@ class Parallel:
         the same parameters and average their gradients, so they share the sharding, as torchtitan's
         dp_shard x cp mesh): every block of every chunk its own unit (gathered just before it runs,
         freed after), then each chunk's remaining parameters (embeddings, final norm, head); bf16
-        compute with fp32 gradient reduction under ``train.precision=bf16``."""
+        compute with fp32 gradient reduction under ``train.precision=bf16``.
+
+        With ``parallel.fsdp`` below the data-parallel size (HSDP), each group of that many
+        neighbouring data-parallel ranks (x cp) shards, and the groups replicate: a 2-D mesh
+        (replicate, shard) on which FSDP reduce-scatters inside a group and all-reduces across the
+        replicas, so parameters are gathered over the nearer ranks only."""
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = DeviceMesh.from_group(self.dp_cp_group, torch.device(device).type)
+        kind = torch.device(device).type
+        if self.layout.fsdp < self.dp:
+            # dp split into shard (fsdp neighbouring DP ranks, varying faster) x replicate
+            order = [b for a in self.layout.order.split("-") if a != "ep" for b in (("shard", "rep") if a == "dp" else (a,))]
+            sizes = {"tp": self.tp, "cp": self.cp, "shard": self.layout.fsdp, "rep": self.dp // self.layout.fsdp,
+                     "pp": self.pp}
+            fg = ProcessGrid(sizes, order, rank=self.grid.rank, world_size=self.grid.world_size, share=self.grid)
+            self.fsdp_group, self.fsdp_replicas = fg.group("cp", "shard"), fg.group("rep")
+            self.fsdp_replica = fg.index("rep")
+            ranks = [fg.ranks_of(["cp", "shard"], r) for r in fg.ranks_of(["rep"])]
+            mesh = DeviceMesh.from_group([self.fsdp_replicas, self.fsdp_group], kind, mesh=ranks,
+                                         mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = DeviceMesh.from_group(self.dp_cp_group, kind)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if self.layout.fsdp_dtype == "bf16" else MixedPrecisionPolicy()
         pipe = self.family.pipeline
@@ -179,11 +198,11 @@ class Parallel:
 
     def _placements(self, shards: Mapping[str, Any], on_shards: set[str]) -> Placements:
         st = self.stages
-        fsdp_rank = dist.get_rank(self.dp_cp_group) if self.fsdp_roots else 0
+        fsdp_rank = dist.get_rank(self.fsdp_group) if self.fsdp_roots else 0
         out = {}
         for name, p in self.model.named_parameters():
             canon = st.canonical.get(name, name) if st is not None else name
-            chunk = FSDPChunk(self.dp * self.cp, fsdp_rank, p.shape[0]) if self.fsdp_roots else None
+            chunk = FSDPChunk(self.layout.fsdp * self.cp, fsdp_rank, p.shape[0]) if self.fsdp_roots else None
             out[name] = Placement(canon, shard=shards.get(canon), sequence_parallel=canon in on_shards,
                                   tied=st is not None and name in st.tied,
                                   duplicate=st is not None and name in st.duplicates, fsdp=chunk)
@@ -430,7 +449,7 @@ class Parallel:
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip to ``max_norm`` by the whole model's gradient norm, which is returned (on the device)."""
         return tp_apply.clip_grad_norm(self.model, self.placements, max_norm, self.tp_group, self.pp_group,
-                                       device=self.device, dp_group=self.dp_cp_group if self.fsdp_roots else None,
+                                       device=self.device, dp_group=self.fsdp_group if self.fsdp_roots else None,
                                        ep_group=self.ep_group)
 
     def grad_norm_squared(self, pairs: Any, dp_group: Any = None) -> torch.Tensor:

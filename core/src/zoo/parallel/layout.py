@@ -41,7 +41,7 @@ class Layout:
     order: str = "tp-cp-ep-dp-pp"
     pp_layers: tuple[int, ...] | None = None
     pp_schedule: str = "1f1b"
-    fsdp: int = 0  # parallel.fsdp (the data-parallel size), 0: off; FSDP shards over dp x cp ranks
+    fsdp: int = 0  # parallel.fsdp, 0: off; FSDP shards over fsdp x cp ranks, replicated dp / fsdp times
     fsdp_dtype: str = "fp32"  # FSDP's compute dtype (train.precision): bf16 parameters, fp32 reductions
     experts: bool = False  # whether the model has mixture-of-experts layers (model.num_experts)
 
@@ -51,7 +51,9 @@ class Layout:
         if self.vpp > 1:
             extra.append(f"vpp={self.vpp}")
         if self.fsdp:
-            extra.append(f"fsdp over dp x cp = {self.dp * self.cp} ranks" if self.cp > 1 else "fsdp")
+            over = f"fsdp over {'dp x cp' if self.fsdp == self.dp else 'fsdp x cp'} = {self.fsdp * self.cp} ranks" \
+                if self.cp > 1 else f"fsdp over {self.fsdp} ranks"
+            extra.append(over if self.fsdp == self.dp else f"hsdp: {over} x {self.dp // self.fsdp} replicas")
         if self.experts and (self.ep > 1 or self.etp != self.tp):  # (a dense model has no expert grid)
             extra.append(f"experts: etp={self.etp} x ep={self.ep} x dp={self.expert_dp}")
         tail = f" ({', '.join(extra)})" if extra else ""
@@ -145,9 +147,10 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
         raise ConfigError(
             f"train: global_batch_size={gbs} is not a multiple of micro_batch_size*dp = {train.micro_batch_size}*{dp}"
         )
-    if p.fsdp > 1 and p.fsdp != dp:
-        raise ConfigError(f"parallel: fsdp={p.fsdp} must equal the data-parallel size dp={dp} (world {world_size} "
-                          f"/ tp*cp*pp = {model_parallel}); FSDP shards over every data-parallel rank")
+    if p.fsdp > 1 and dp % p.fsdp:
+        raise ConfigError(f"parallel: fsdp={p.fsdp} must divide the data-parallel size dp={dp} (world {world_size} "
+                          f"/ tp*cp*pp = {model_parallel}): FSDP shards over every data-parallel rank (fsdp={dp}) "
+                          f"or, below that, over groups of fsdp ranks that replicate each other (HSDP)")
     if p.fsdp > 1 and p.zero:
         raise ConfigError("parallel: fsdp and zero=1 both shard the optimizer state over DP; choose one "
                           "(FSDP also shards parameters and gradients)")
