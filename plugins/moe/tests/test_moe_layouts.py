@@ -1,5 +1,5 @@
 """Expert parallelism equals one process (gloo, fp32): EP alone, with DP + ZeRO-1, TP + sequence
-parallelism, PP, CP, 4-process combinations, both dispatchers (all-to-all, all-gather), the
+parallelism, PP, CP, FSDP, 4-process combinations, both dispatchers (all-to-all, all-gather), the
 step's metrics (each layer's load) included; idle experts never hang a collective; a run that
 starts from a Hugging Face Mixtral resumes across EP sizes on the same curve; bad layouts fail
 with one clear line."""
@@ -48,6 +48,10 @@ LAYOUTS = [
     (4, {"ep": 2, "cp": 2}, "mixtral", True),  # EP x CP: each layer's statistics summed over the sequence's parts
     # Megatron's allgather dispatcher, as it is used with TP: every EP rank sees every token
     (2, {"ep": 2, "tp": 2, "sequence_parallel": True, "ep_dispatcher": "allgather"}, "qwen2-moe", False),
+    # FSDP x EP (torchtitan's layout): experts sharded over their expert-data-parallel ranks, the
+    # rest over the data-parallel ones; with ep = dp no rank replicates an expert and FSDP leaves them whole
+    (4, {"fsdp": 4, "ep": 2}, "mixtral", False),
+    (2, {"fsdp": 2, "ep": 2}, "qwen2-moe", False),
 ]
 
 
@@ -89,8 +93,6 @@ def test_bad_layouts_fail_with_one_clear_line():
         layout_for(fam, 2, tp=2)
     with pytest.raises(ConfigError, match="etp=2: expert tensor parallelism is not supported"):
         layout_for(fam, 4, ep=2, etp=2)
-    with pytest.raises(ConfigError, match="fsdp with ep > 1"):
-        layout_for(fam, 2, ep=2, fsdp=2)
 
 
 def _zoo(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
@@ -114,33 +116,59 @@ def _close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b))
 
 
-def test_training_from_hugging_face_under_ep2_resumes_at_ep1_on_the_same_curve(tmp_path):
+@pytest.fixture(scope="module")
+def from_hf(tmp_path_factory) -> tuple[str, list[float]]:
+    """A Hugging Face Mixtral directory (the Hub's per-expert layout) and one process's curve from it."""
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM
     from zoo_moe.plugin import mixtral_tiny
 
+    tmp = tmp_path_factory.mktemp("from_hf")
     c = mixtral_tiny()
     torch.manual_seed(0)
     MixtralForCausalLM(MixtralConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size, num_hidden_layers=c.num_layers,
         num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, num_local_experts=c.num_experts,
         num_experts_per_tok=c.top_k, max_position_embeddings=c.max_seq_length, rope_theta=c.rope_theta,
-        rms_norm_eps=c.norm_eps)).save_pretrained(tmp_path / "hf")  # the Hub's per-expert layout
-    load = f"checkpoint.load=hf:{tmp_path / 'hf'}"
-    one = _zoo(1, *_run(tmp_path / "one", load))
+        rms_norm_eps=c.norm_eps)).save_pretrained(tmp / "hf")
+    load = f"checkpoint.load=hf:{tmp / 'hf'}"
+    one = _zoo(1, *_run(tmp / "one", load))
     assert one.returncode == 0, one.stdout + one.stderr
+    return load, _curve(tmp / "one")
+
+
+def _resumed_in_one_process(tmp_path: Path, src: Path) -> list[float]:
+    import shutil
+
+    run = tmp_path / "resumed"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000002")
+    out = _zoo(1, *_run(run))
+    assert out.returncode == 0 and "resuming from" in out.stdout, out.stdout + out.stderr
+    return _curve(run)
+
+
+def test_training_from_hugging_face_under_ep2_resumes_at_ep1_on_the_same_curve(tmp_path, from_hf):
+    load, one = from_hf
     # Each EP rank reads only its four experts of the HF files; ZeRO-1 shards their optimizer state.
     ep2 = _zoo(2, *_run(tmp_path / "ep2", load, "parallel.ep=2", "parallel.zero=1"))
     assert ep2.returncode == 0, ep2.stdout + ep2.stderr
-    assert _close(_curve(tmp_path / "ep2"), _curve(tmp_path / "one"))
+    assert _close(_curve(tmp_path / "ep2"), one)
     index = json.loads((tmp_path / "ep2" / "checkpoints" / "step_00000002" / "index.json").read_text())
     assert len(index["tensors"]["layers.1.moe.gate_up"]["pieces"]) == 2  # one piece per EP rank
     # The ep2 checkpoint continued by one process: the uninterrupted curve.
-    run = tmp_path / "resumed"
-    (run / "checkpoints").mkdir(parents=True)
-    import shutil
+    assert _close(_resumed_in_one_process(tmp_path, tmp_path / "ep2"), one[2:])
 
-    shutil.copytree(tmp_path / "ep2" / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000002")
-    out = _zoo(1, *_run(run))
-    assert out.returncode == 0 and "resuming from" in out.stdout, out.stdout + out.stderr
-    assert _close(_curve(run), _curve(tmp_path / "one")[2:])
+
+def test_fsdp_with_ep_from_hugging_face_resumes_in_one_process_on_the_same_curve(tmp_path, from_hf):
+    """fsdp2 x cp2 x ep2 on 4 ranks: each rank's 4 experts are FSDP-sharded over its 2
+    expert-data-parallel ranks (the data x context ranks that hold the same experts), loaded from the
+    HF files piece by piece and written as 4 pieces of a checkpoint that one process continues."""
+    load, one = from_hf
+    out = _zoo(4, *_run(tmp_path / "fsdp", load, "parallel.fsdp=2", "parallel.cp=2", "parallel.ep=2"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert _close(_curve(tmp_path / "fsdp"), one)
+    index = json.loads((tmp_path / "fsdp" / "checkpoints" / "step_00000002" / "index.json").read_text())
+    pieces = index["tensors"]["layers.1.moe.gate_up"]["pieces"]
+    assert sorted(p["offset"][0] for p in pieces) == [0, 2, 4, 6]  # 8 experts: 2 EP ranks x 2 FSDP pieces
+    assert _close(_resumed_in_one_process(tmp_path, tmp_path / "fsdp"), one[2:])

@@ -192,11 +192,14 @@ def _writes(par: Parallel, split: TPShard | Split | None) -> bool:
     ranks replicate everything except FSDP's pieces (each rank's own, sharded over both; under
     HSDP the first group of sharding ranks writes them); TP
     ranks hold their own pieces of split tensors and replicas of the rest; expert-parallel experts
-    are written by the first of their expert-data-parallel replicas."""
+    are written by the first of their expert-data-parallel replicas, or under FSDP, whose pieces
+    of them no rank replicates, by every rank."""
     from zoo.parallel.sharding import EPShard
 
     if isinstance(split, EPShard):
         return par.edp_rank == 0
+    if isinstance(split, Split) and isinstance(split.tp, EPShard):  # FSDP over the expert-data-parallel ranks
+        return True
     fsdp = isinstance(split, Split)
     tp = split.tp if isinstance(split, Split) else split
     mine = par.fsdp_replica == 0 if fsdp else par.cp_rank == 0 and par.dp_rank == 0

@@ -348,8 +348,10 @@ class MoE(nn.Module):
             xs = flat.index_select(0, token)
             ys = self._dispatch(xs, counts) if self.ep_size > 1 else self._experts(xs, counts, self.gate_up, self.down)
             ys = (ys.float() * picked[:, None]).to(x.dtype)
-            out = flat.new_zeros(n, d).index_add_(0, token, ys)
-        y = out.view(b, t, d)
+            # summed into a (B, T, D) tensor, not viewed as one: a module under FSDP must not return a view
+            out = x.new_zeros(b, t, d)
+            out.view(n, d).index_add_(0, token, ys)
+        y = out if out.dim() == 3 else out.view(b, t, d)
         if self.shared is not None:
             shared = self.shared(x)
             y = y + (torch.sigmoid(self.shared_gate(x)) * shared if self.shared_gate is not None else shared)

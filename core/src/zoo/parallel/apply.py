@@ -238,14 +238,16 @@ def grad_norm_squared(grads: Iterable[tuple[torch.Tensor, Placement | None]], *,
 
 
 def clip_grad_norm(model: nn.Module, placements: Placements, max_norm: float, tp_group: Any, pp_group: Any = None,
-                   *, device: Any = "cpu", dp_group: Any = None, ep_group: Any = None) -> torch.Tensor:
+                   *, device: Any = "cpu", dp_group: Any = None, ep_group: Any = None, edp_group: Any = None
+                   ) -> torch.Tensor:
     """Clip by the global gradient norm of the unsharded model (see `grad_norm_squared`); returns
     the norm before clipping. No host synchronisation: the factor ``min(1, max / (norm + 1e-6))``
     is applied on the device (multiplying by exactly 1 when the norm is below the maximum).
-    ``dp_group``: FSDP's, whose ranks hold disjoint pieces of every gradient."""
+    ``dp_group``, ``edp_group``: FSDP's, whose ranks hold disjoint pieces of every gradient (of the
+    experts' over the expert-data-parallel ranks)."""
     pairs = [(local(p.grad), placements.of(p)) for p in model.parameters() if p.grad is not None]
     total = grad_norm_squared(pairs, tp_group=tp_group, pp_group=pp_group, dp_group=dp_group, device=device,
-                              ep_group=ep_group)
+                              ep_group=ep_group, edp_group=edp_group)
     norm = total.sqrt()
     if max_norm > 0 and pairs:
         scale_grads([g for g, _ in pairs], norm, max_norm)

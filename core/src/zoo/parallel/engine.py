@@ -166,11 +166,37 @@ class Parallel:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if self.layout.fsdp_dtype == "bf16" else MixedPrecisionPolicy()
         pipe = self.family.pipeline
+        expert_mesh = DeviceMesh.from_group(self.edp_group, kind) if self.edp_group is not None else None
         for chunk in self.chunks:
+            ignored = self._shard_experts(chunk, mesh, expert_mesh, mp) if self.ep_group is not None else None
             for block in getattr(chunk, pipe.layers) if pipe is not None else ():
-                fully_shard(block, mesh=mesh, mp_policy=mp)
-            fully_shard(chunk, mesh=mesh, mp_policy=mp)
+                fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=ignored)
+            fully_shard(chunk, mesh=mesh, mp_policy=mp, ignored_params=ignored)
             self.fsdp_roots.append(chunk)
+
+    def _shard_experts(self, chunk: nn.Module, mesh: Any, expert_mesh: Any, mp: Any) -> set[nn.Parameter] | None:
+        """FSDP for the MoE layers of ``chunk`` under expert parallelism, as torchtitan's: each
+        rank's experts are replicated over their expert-data-parallel ranks, not over the data x
+        context ones, so each MoE layer's experts are a unit of their own on the expert-data-parallel
+        mesh, gradients summed there and divided by the data x context size (as the gradient
+        buckets do without FSDP); its router and shared expert are units on the dense mesh. Where
+        no other rank replicates a rank's experts (edp = 1) they stay whole, outside FSDP, their
+        gradients divided in `finish_grads`: returns them, for the enclosing units to ignore."""
+        from torch.distributed.fsdp import fully_shard
+
+        ignored: set[nn.Parameter] = set()
+        for moe in [m for m in chunk.modules() if hasattr(m, "shard_experts")]:
+            for child in moe.children():
+                if any(True for _ in child.parameters()):
+                    fully_shard(child, mesh=mesh, mp_policy=mp)
+            if expert_mesh is None:
+                ignored.update(moe.parameters(recurse=False))
+                continue
+            fully_shard(moe, mesh=expert_mesh, mp_policy=mp)
+            # (summed, then divided after the reduction: no PREMUL_SUM, which gloo lacks)
+            moe.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+            moe.set_gradient_divide_factor(float(self.dp * self.cp))  # type: ignore[operator]
+        return ignored or None
 
     def _gradient_sync(self, roots: Sequence[nn.Module], sync: bool) -> None:
         for root in roots:
@@ -199,10 +225,17 @@ class Parallel:
     def _placements(self, shards: Mapping[str, Any], on_shards: set[str]) -> Placements:
         st = self.stages
         fsdp_rank = dist.get_rank(self.fsdp_group) if self.fsdp_roots else 0
+        edp = dist.get_world_size(self.edp_group) if self.edp_group is not None else 1
         out = {}
         for name, p in self.model.named_parameters():
             canon = st.canonical.get(name, name) if st is not None else name
-            chunk = FSDPChunk(self.layout.fsdp * self.cp, fsdp_rank, p.shape[0]) if self.fsdp_roots else None
+            chunk = None
+            if not self.fsdp_roots or not _is_dtensor(p):  # (experts FSDP leaves whole: `_shard_experts`)
+                pass
+            elif isinstance(shards.get(canon), EPShard):  # sharded over the expert-data-parallel ranks
+                chunk = FSDPChunk(edp, self.edp_rank, p.shape[0])
+            else:
+                chunk = FSDPChunk(self.layout.fsdp * self.cp, fsdp_rank, p.shape[0])
             out[name] = Placement(canon, shard=shards.get(canon), sequence_parallel=canon in on_shards,
                                   tied=st is not None and name in st.tied,
                                   duplicate=st is not None and name in st.duplicates, fsdp=chunk)
@@ -434,6 +467,11 @@ class Parallel:
         sequence-parallel norm gradients over TP and tied embeddings over the first and last stage."""
         if self.buckets is not None:
             self.buckets.finish()
+        if self.fsdp_roots and self.ep_group is not None and self.edp_group is None and self.dp * self.cp > 1:
+            # the experts FSDP leaves whole (`_shard_experts`) get its divisor here
+            grads = [p.grad for n, p in self.model.named_parameters()
+                     if isinstance(self.placements[n].shard, EPShard) and p.grad is not None]
+            torch._foreach_div_(grads, float(self.dp * self.cp))
         params = dict(self.model.named_parameters())
         if self.sequence_parallel:
             from zoo.parallel.tensor_parallel import reduce_sequence_parallel_grads
@@ -450,7 +488,7 @@ class Parallel:
         """Clip to ``max_norm`` by the whole model's gradient norm, which is returned (on the device)."""
         return tp_apply.clip_grad_norm(self.model, self.placements, max_norm, self.tp_group, self.pp_group,
                                        device=self.device, dp_group=self.fsdp_group if self.fsdp_roots else None,
-                                       ep_group=self.ep_group)
+                                       ep_group=self.ep_group, edp_group=self.edp_group if self.fsdp_roots else None)
 
     def grad_norm_squared(self, pairs: Any, dp_group: Any = None) -> torch.Tensor:
         """`zoo.parallel.apply.grad_norm_squared` over this layout's groups, for ``(gradient,
@@ -502,6 +540,10 @@ def _keeper(data: torch.Tensor, split: Any) -> Callable[[torch.Tensor], None]:
         data.copy_(split.cut(full) if split is not None else full)
 
     return keep
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return getattr(t, "device_mesh", None) is not None
 
 
 def _full(t: torch.Tensor, placement: Placement) -> torch.Tensor:

@@ -133,9 +133,6 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
         # As Megatron: each TP rank routes its own sequence shard (replicated tokens would be
         # dispatched, and their expert gradients summed, tp times).
         raise ConfigError(f"parallel: tp={p.tp} with a mixture of experts needs parallel.sequence_parallel=true")
-    if experts is not None and p.ep > 1 and p.fsdp > 1:
-        raise ConfigError("parallel: fsdp with ep > 1 is not supported (use zero=1: experts' optimizer state is "
-                          "sharded over their expert-data-parallel ranks)")
     if p.cp > 1 and train.seq_length % (2 * p.cp):
         raise ConfigError(f"parallel: cp={p.cp} needs train.seq_length={train.seq_length} divisible by 2*cp")
     if p.sequence_parallel and train.seq_length % p.tp:
