@@ -1,7 +1,7 @@
 """Mamba layouts equal one process (gloo, fp32): Mamba-1 under TP (x_proj's all-reduce both ways),
 Mamba-2 over 4 processes (TP + sequence parallelism + DP with ZeRO-1), a hybrid cut into pipeline
-stages by its pattern's "|", and the hybrid with an MoE layer under pp2 x ep2 (4 processes); bad
-layouts fail with one clear line."""
+stages by its pattern's "|", the hybrid with an MoE layer under pp2 x ep2 (4 processes), Mamba-2
+and the MoE hybrid under context parallelism; bad layouts fail with one clear line."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ LAYOUTS = [
     # "M-M|*EM": the MoE layer's experts split over ep2 on the second of two pattern-cut stages
     # (its routing statistics carried across the cut), over 4 processes.
     (4, {"pp": 2, "ep": 2}, "hybrid", False, "moe-tiny"),
+    # Context parallelism: the Mamba-2 mixers trade sequence shards for head shards (all-to-all),
+    # the attention layer runs as ring attention, the MoE layer's statistics are summed over CP.
+    (2, {"cp": 2}, "mamba2", False, "tiny"),
+    (4, {"cp": 2, "ep": 2}, "hybrid", True, "moe-tiny"),  # cp2 x dp2 with ZeRO-1, experts over ep2
 ]
 
 
@@ -53,7 +57,10 @@ def test_mamba_layouts_equal_one_process(world, layout, family, zero, flavor):
 
 
 @pytest.mark.parametrize(("family", "world", "parallel", "message"), [
-    ("mamba2", 2, {"cp": 2}, "family 'mamba2' does not support context parallelism"),
+    ("mamba", 2, {"cp": 2}, "family 'mamba' does not support context parallelism"),
+    ("mamba2", 4, {"cp": 4}, r"tp\*cp = 1\*4 does not divide model.ssm_groups=2"),
+    ("mamba2_whole_norm", 2, {"cp": 2}, r"tp\*cp = 1\*2 does not divide model.ssm_norm_groups=1"),
+    ("mamba2_mamba1", 2, {"cp": 2}, "model.layer_spec='mamba1' does not support context parallelism"),
     ("mamba2", 4, {"tp": 4}, r"tp=4 does not divide model.ssm_groups=2"),
     ("mamba2_whole_norm", 2, {"tp": 2}, r"tp=2 does not divide model.ssm_norm_groups=1"),
     ("mamba", 4, {"tp": 4}, None),  # Mamba-1 splits channels, 256 of them: fine
@@ -65,9 +72,10 @@ def test_bad_layouts_fail_with_one_clear_line(family, world, parallel, message):
     from zoo.testing import layout_for
 
     model = None
-    if family == "mamba2_whole_norm":  # (the gated norm over the whole inner width: no rank holds it whole)
-        family, model = "mamba2", dataclasses.replace(get_registry().get("mamba2").family.flavors["tiny"](),
-                                                      layer_spec="mamba2_whole_norm")
+    if family.startswith("mamba2_"):  # another layer spec in the mamba2 family: the gated norm over the whole
+        # inner width (no rank holds it whole), or Mamba-1's mixer (x_proj reads every channel of a position)
+        family, spec = "mamba2", {"mamba2_mamba1": "mamba1"}.get(family, family)
+        model = dataclasses.replace(get_registry().get("mamba2").family.flavors["tiny"](), layer_spec=spec)
     fam = get_registry().get(family).family
     if message is None:
         assert layout_for(fam, world, model=model, **parallel).tp == parallel["tp"]

@@ -23,11 +23,13 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from zoo import fused
 from zoo.nn import ssd, ssm_fused
+from zoo.parallel.context import ContextParallelSite, to_channel_shards, to_sequence_shards
 from zoo.spec import SSMSpec
 
 # The optional CUDA kernels (`zoo.backends`), each for one function here, used on CUDA tensors when
@@ -264,12 +266,13 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.group_size, self.eps = group_size, eps
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight``: this module's, or the slice of it for the channels y holds (context parallelism)."""
         dtype = y.dtype
         v = y.float() * F.silu(z.float())
         v = v.unflatten(-1, (-1, self.group_size))
         v = v * torch.rsqrt(v.square().mean(-1, keepdim=True) + self.eps)
-        return self.weight * v.flatten(-2).to(dtype)
+        return (self.weight if weight is None else weight) * v.flatten(-2).to(dtype)
 
 
 class SSMCache:
@@ -322,10 +325,16 @@ class Mamba1Mixer(nn.Module):
         return self.out_proj(y.to(u.dtype))
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(ContextParallelSite):
     """Mamba-2: in_proj -> [z, x, B, C, dt]; [x, B, C] -> causal conv -> SiLU; SSD chunk scan with a
     scalar decay per head; ``y + D x``; gated RMSNorm with z (per group, or over the whole inner
-    width when ``spec.norm_per_group`` is false, as transformers < 5 did); out_proj."""
+    width when ``spec.norm_per_group`` is false, as transformers < 5 did); out_proj.
+
+    Under context parallelism (``cp_group`` set by the core) the scan needs the whole sequence:
+    in_proj's output goes from sequence shards to head shards (an all-to-all; every rank then holds
+    cp-th of the heads and groups with their z, x, B, C and dt over all positions, and uses the
+    matching slices of the convolution and the per-head parameters), and the gated norm's output
+    back before out_proj, as Megatron's Mamba context parallelism does."""
 
     def __init__(self, spec: SSMSpec, *, hidden: int, heads: int, head_dim: int, groups: int, state: int, conv: int,
                  chunk: int, eps: float, dt_limit: tuple[float, float], layer: int) -> None:
@@ -349,21 +358,49 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, u: torch.Tensor, cache: SSMCache | None = None) -> torch.Tensor:
         h, p, g, n = self.heads, self.head_dim, self.groups, self.state  # this rank's, under TP
-        z, xbc, dt = self.in_proj(u).split([h * p, h * p + 2 * g * n, h], dim=-1)
+        zxbcdt = self.in_proj(u)
+        params = (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight)
+        cp = self.cp_group is not None and cache is None
+        if cp:  # this rank's heads over the whole sequence
+            zxbcdt, params = self._head_shards(zxbcdt)
+            h, g = h // dist.get_world_size(self.cp_group), g // dist.get_world_size(self.cp_group)
+        conv_w, conv_b, dt_bias, a_log, skip, norm_w = params
+        z, xbc, dt = zxbcdt.split([h * p, h * p + 2 * g * n, h], dim=-1)
         bsz, t, _ = z.shape  # (under sequence parallelism in_proj gathers the whole sequence)
         conv_state = cache.conv[self.layer] if cache is not None else None
-        xbc, conv_state = causal_conv1d(xbc, self.conv1d.weight, self.conv1d.bias, conv_state, silu=True)
+        xbc, conv_state = causal_conv1d(xbc, conv_w, conv_b, conv_state, silu=True)
         xs, b, c = xbc.split([h * p, g * n, g * n], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)
-        a = -torch.exp(self.A_log.float())
+        dt = F.softplus(dt.float() + dt_bias.float()).clamp(*self.dt_limit)
+        a = -torch.exp(a_log.float())
         xs = xs.reshape(bsz, t, h, p)
         h0 = cache.ssm[self.layer] if cache is not None else None
         y, last = ssd_scan(xs, dt, a, b.reshape(bsz, t, g, n), c.reshape(bsz, t, g, n), state=h0, chunk=self.chunk)
         if cache is not None:
             cache.conv[self.layer], cache.ssm[self.layer] = conv_state, last
         if fused.wanted(z):  # the skip, gate and norm in one compiled pass each way
-            y = ssm_fused.SkipGatedRMSNorm.apply(y, xs, self.D, z, self.norm.weight, h * p // self.norm.group_size,
-                                             self.norm.eps)
+            y = ssm_fused.SkipGatedRMSNorm.apply(y, xs, skip, z, norm_w, h * p // self.norm.group_size, self.norm.eps)
         else:
-            y = self.norm((y + xs.float() * self.D.float()[:, None]).reshape(bsz, t, h * p), z)
+            y = self.norm((y + xs.float() * skip.float()[:, None]).reshape(bsz, t, h * p), z, norm_w)
+        if cp:  # back to this rank's positions, every head
+            y = to_sequence_shards(y, self.cp_group)
         return self.out_proj(y.to(u.dtype))
+
+    def _head_shards(self, zxbcdt: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        """in_proj's output (B, T/cp, ...) for this CP rank's positions -> (B, T, ...) for its
+        cp-th of the heads and groups (each of z, x, B, C, dt cut into cp contiguous parts, part j
+        to rank j), and the slices of the convolution and per-head parameters those channels use."""
+        group = self.cp_group
+        cp, r = dist.get_world_size(group), dist.get_rank(group)
+        h, p, g, n = self.heads, self.head_dim, self.groups, self.state
+        bsz, tl, _ = zxbcdt.shape
+        parts = [s.view(bsz, tl, cp, s.shape[-1] // cp) for s in zxbcdt.split([h * p, h * p, g * n, g * n, h], dim=-1)]
+        full = to_channel_shards(torch.cat(parts, dim=-1).permute(2, 0, 1, 3), group)
+        hl, gl = h // cp, g // cp
+        heads = slice(r * hl, (r + 1) * hl)
+        dev = zxbcdt.device
+        channels = torch.cat([torch.arange(r * hl * p, (r + 1) * hl * p, device=dev),  # x | B | C of the convolution
+                              h * p + torch.arange(r * gl * n, (r + 1) * gl * n, device=dev),
+                              h * p + g * n + torch.arange(r * gl * n, (r + 1) * gl * n, device=dev)])
+        bias = self.conv1d.bias
+        return full, (self.conv1d.weight.index_select(0, channels), None if bias is None else bias.index_select(0, channels),
+                      self.dt_bias[heads], self.A_log[heads], self.D[heads], self.norm.weight[r * hl * p:(r + 1) * hl * p])

@@ -15,6 +15,11 @@ The core switches it on by setting ``cp_group`` on every `ContextParallelSite` o
 (`zoo.nn.AttentionCore` is one, unless its keys are not the split sequence: cross-attention),
 which then routes self-attention here. Batches are split with
 `split_batch`.
+
+A mixer that needs the whole sequence in order (Mamba-2's scan) instead trades sequence shards
+for channel shards (`to_channel_shards`, `to_sequence_shards`: an all-to-all each way, as
+Megatron's Mamba context parallelism): every rank then runs its share of the heads over the
+whole sequence.
 """
 
 from __future__ import annotations
@@ -92,6 +97,50 @@ def local_positions(seq_len: int, cp: int, rank: int, device: Any = None) -> tor
     c = seq_len // (2 * cp)
     a, b = rank * c, (2 * cp - 1 - rank) * c
     return torch.cat([torch.arange(a, a + c, device=device), torch.arange(b, b + c, device=device)])
+
+
+class _AllToAll(torch.autograd.Function):
+    """Piece ``j`` of ``x`` (dim 0, one per rank of ``group``) goes to rank ``j``; piece ``i`` of
+    the result came from rank ``i``. Its gradient is the same exchange of the output's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+def _chunk_order(seq_len: int, cp: int, device: Any) -> torch.Tensor:
+    """The global positions of the CP ranks' tokens, rank after rank."""
+    return torch.cat([local_positions(seq_len, cp, r, device) for r in range(cp)])
+
+
+def to_channel_shards(pieces: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sequence shards -> channel shards. ``pieces`` (cp, B, T/cp, C): piece ``j`` holds CP rank
+    ``j``'s channels of this rank's tokens. Returns (B, T, C): this rank's channels over the whole
+    sequence, in position order. Differentiable (an all-to-all each way)."""
+    cp, b, tl, c = pieces.shape
+    got = _AllToAll.apply(pieces, group)  # got[i]: this rank's channels of rank i's tokens
+    full = got.permute(1, 0, 2, 3).reshape(b, cp * tl, c)
+    return full.index_select(1, torch.argsort(_chunk_order(cp * tl, cp, full.device)))
+
+
+def to_sequence_shards(full: torch.Tensor, group: Any) -> torch.Tensor:
+    """Channel shards -> sequence shards, `to_channel_shards`' inverse: ``full`` (B, T, C) this
+    rank's channels over the whole sequence; returns (B, T/cp, cp * C), this rank's tokens with
+    every rank's channels, rank after rank."""
+    cp = dist.get_world_size(group)
+    b, t, c = full.shape
+    pieces = full.index_select(1, _chunk_order(t, cp, full.device)).view(b, cp, t // cp, c).transpose(0, 1)
+    got = _AllToAll.apply(pieces, group)  # got[i]: rank i's channels of this rank's tokens
+    return got.permute(1, 2, 0, 3).reshape(b, t // cp, cp * c)
 
 
 def split_batch(batch: Mapping[str, Any], keys: Sequence[str], *, cp: int, rank: int, seq_len: int,

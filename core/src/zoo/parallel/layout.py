@@ -121,6 +121,16 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
     for name, value in split.items():
         if value and value % p.tp:
             raise ConfigError(f"parallel: tp={p.tp} does not divide model.{name}={value}")
+    # What context parallelism splits besides the sequence (Mamba-2's heads and groups), after TP;
+    # None: the model declares it cannot run context-parallel
+    if p.cp > 1 and hasattr(model, "cp_split_sizes"):
+        cp_split = model.cp_split_sizes
+        if cp_split is None:
+            raise ConfigError(f"parallel: cp={p.cp}: model.layer_spec={getattr(model, 'layer_spec', None)!r} does not "
+                              "support context parallelism; use cp=1")
+        for name, value in cp_split.items():
+            if value % (p.tp * p.cp):
+                raise ConfigError(f"parallel: tp*cp = {p.tp}*{p.cp} does not divide model.{name}={value}")
     if kv_heads is not None and p.tp > 1 and kv_heads % p.tp and p.tp % kv_heads:
         raise ConfigError(f"parallel: tp={p.tp} and model.num_kv_heads={kv_heads} must divide one another")
     if vocab is not None and vocab % p.tp:

@@ -13,7 +13,7 @@ import math
 import warnings
 from dataclasses import dataclass, replace
 
-from zoo import Family, PipelineSpec, Throughput, hookimpl
+from zoo import Family, PipelineSpec, SequenceSpec, Throughput, hookimpl
 from zoo.config import check_sizes
 from zoo.family import MOE_METRICS
 from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, SSMSpec
@@ -128,6 +128,20 @@ class MambaConfig:
         return out
 
     @property
+    def cp_split_sizes(self) -> dict[str, int] | None:
+        """What context parallelism splits besides the sequence (the core checks that tp x cp divides
+        each): Mamba-2's scan runs on a cp-th of the heads and groups over the whole sequence. None:
+        this model cannot run context-parallel (Mamba-1's x_proj reads every channel of a position,
+        and an attention layer with rotary positions would need the global positions)."""
+        if "M" in self.symbols and self.layer_spec == "mamba1":
+            return None
+        if "*" in self.symbols and any(isinstance(b.mixer, AttentionSpec) and b.mixer.positions == "rope"
+                                       for b in SPECS[self.layer_spec].blocks.values()):
+            return None
+        return {"ssm_heads": self.ssm_heads, "ssm_groups": self.ssm_groups,
+                "ssm_norm_groups": self.ssm_norm_groups} if "M" in self.symbols else {}
+
+    @property
     def ssm_norm_groups(self) -> int:
         """The groups Mamba-2's gated norm normalises over: B/C's, or one over the whole inner width
         (``mamba2_whole_norm``, which a rank holding part of the width cannot compute alone)."""
@@ -237,13 +251,14 @@ _COMMON = dict(
     default_dataset="python-docs",
     checkpoint_formats={"hf": "zoo_mamba.convert:HF"},
     tp_plan=_TP,
-    # No sequence spec: the scans need the whole sequence on one rank, so context parallelism is
-    # refused (sequence parallelism still works: in_proj gathers the sequence, out_proj scatters it).
     throughput=Throughput(flops_per_unit="zoo_mamba.model:flops_per_token"),
     recipe={"train.seq_length": 128, "train.micro_batch_size": 16, "optimizer.lr": 3e-3, "optimizer.weight_decay": 0.1,
             "schedule.warmup_steps": 30, "train.steps": 300, "train.eval_interval": 100, "logging.interval": 20},
 )
 _PIPE = PipelineSpec(layers="layers", first=("embed",), last=("norm", "head"), input_key="tokens")
+# Context parallelism: the sequence split as for attention (Mamba-2's mixers trade it for head
+# shards, `zoo.nn.ssm.Mamba2Mixer`; attention layers run as ring attention); no positions.
+_SEQUENCE = SequenceSpec(dim=1, keys=("tokens", "labels", "loss_mask"), positions=None)
 
 
 @hookimpl
@@ -254,13 +269,15 @@ def zoo_families() -> list[Family]:
                flavors={"tiny": mamba_tiny, "130m": lambda: _mamba1(24, 768), "370m": lambda: _mamba1(48, 1024),
                         "790m": lambda: _mamba1(48, 1536), "1.4b": lambda: _mamba1(48, 2048),
                         "2.8b": lambda: _mamba1(64, 2560)},
+               # No sequence spec: Mamba-1's scan runs on one rank's whole sequence (context parallelism
+               # refused; sequence parallelism works: in_proj gathers the sequence, out_proj scatters it).
                pipeline=_PIPE, tp_local={}, **_COMMON),
         Family(name="mamba2",
                description="Mamba-2: SSD decoder (scalar decay per head, grouped B/C, gated RMSNorm)",
                flavors={"tiny": mamba2_tiny, "130m": lambda: _mamba2(24, 768), "370m": lambda: _mamba2(48, 1024),
                         "780m": lambda: _mamba2(48, 1536), "1.3b": lambda: _mamba2(48, 2048),
                         "2.7b": lambda: _mamba2(64, 2560)},
-               pipeline=_PIPE, tp_local=_TP_LOCAL, **_COMMON),
+               pipeline=_PIPE, tp_local=_TP_LOCAL, sequence=_SEQUENCE, **_COMMON),
         Family(name="hybrid", aliases=("nemotron-h", "nemotron_h"),
                description="Hybrid decoder from a layer pattern (M Mamba-2, * attention, - MLP, E MoE, | stage cut), "
                            "NemotronH's layers",
@@ -269,5 +286,6 @@ def zoo_families() -> list[Family]:
                pipeline=PipelineSpec(layers="layers", first=("embed",), last=("norm", "head"), input_key="tokens",
                                      carries=("moe_stats",)),
                # (only a pattern with "E" layers has routing metrics)
-               metrics=tuple(replace(m, when="moe_layers") for m in MOE_METRICS), tp_local=_TP_LOCAL, **_COMMON),
+               metrics=tuple(replace(m, when="moe_layers") for m in MOE_METRICS), tp_local=_TP_LOCAL,
+               sequence=_SEQUENCE, **_COMMON),
     ]
