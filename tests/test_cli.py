@@ -162,8 +162,6 @@ def test_layouts_a_family_cannot_run_are_refused_before_training(tmp_path, capsy
          "needs the micro-batches per step (1) to be a multiple of pp=2"),
         (("--model", "llama", "parallel.pp=2", "parallel.pp_layers=[1,2]", "--world-size", "2"),
          "pp_layers=[1, 2] sums to 3, the model has 2 layers"),
-        (("--model", "llama", "parallel.cp=2", "data.reset_attention_mask=true", "--world-size", "2"),
-         "ring attention has no document masking"),
     ]
     from zoo.cli import main
 

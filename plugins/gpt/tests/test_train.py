@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _gpt_helpers import small_run, zoo
+from _gpt_helpers import small_run, torchrun, zoo
 
 from zoo.testing import compiled_kernels, run_zoo
 
@@ -216,10 +216,20 @@ def test_trains_on_megatron_indexed_data(tmp_path, corpus_cache):
     blended = zoo(*small_run(tmp_path / "blend", corpus_cache, "train.steps=3", f"data.path=0.6 {prefix} 0.4 {prefix}",
                              f"data.cache_dir={tmp_path / 'idx-cache'}"))
     assert blended.returncode == 0, blended.stderr
-    docs = zoo(*small_run(tmp_path / "docs", corpus_cache, "train.steps=2", f"data.path={prefix}",
-                          f"data.tokenizer={root}", "data.reset_position_ids=true", "data.reset_attention_mask=true",
-                          "data.eod_mask_loss=true", f"data.cache_dir={tmp_path / 'idx-cache'}"))
+    documents = (f"data.path={prefix}", f"data.tokenizer={root}", "data.reset_position_ids=true",
+                 "data.eod_mask_loss=true", f"data.cache_dir={tmp_path / 'idx-cache'}")
+    docs = zoo(*small_run(tmp_path / "docs", corpus_cache, "train.steps=2", *documents, "data.reset_attention_mask=true"))
     assert docs.returncode == 0, docs.stderr
+    # Under context parallelism the documents' segment ids travel with the ring's key/value blocks:
+    # the same curve as one process, which differs measurably from attention across documents.
+    docs_cp = torchrun(2, *small_run(tmp_path / "docs-cp", corpus_cache, "train.steps=2", *documents,
+                                     "data.reset_attention_mask=true", "parallel.cp=2"))
+    assert docs_cp.returncode == 0, docs_cp.stdout + docs_cp.stderr
+    across = zoo(*small_run(tmp_path / "across", corpus_cache, "train.steps=2", *documents))
+    assert across.returncode == 0, across.stderr
+    masked, cp, unmasked = ([r["loss"] for r in _metrics(tmp_path / d)] for d in ("docs", "docs-cp", "across"))
+    assert all(abs(a - b) <= 1e-5 * a for a, b in zip(masked, cp)) and len(cp) == 2
+    assert abs(masked[1] - unmasked[1]) > 1e-5 * masked[1]
     no_eod = zoo(*small_run(tmp_path / "noeod", corpus_cache, "train.steps=1", f"data.path={prefix}",
                             "data.eod_mask_loss=true"))
     assert no_eod.returncode == 2 and "data.eod_id" in no_eod.stderr

@@ -191,8 +191,6 @@ def _check_family(run: RunConfig, fam: Family) -> None:
     if p.cp > 1 and fam.sequence is None:
         raise ConfigError(f"parallel.cp={p.cp}: family {fam.name!r} does not support context parallelism "
                           "(it declares no sequence spec); use cp=1")
-    if p.cp > 1 and run.data.reset_attention_mask:
-        raise ConfigError("parallel.cp > 1 with data.reset_attention_mask: ring attention has no document masking")
     if run.train.precision == "fp16" and (p.tp > 1 or p.pp > 1) and not p.zero:
         raise ConfigError("train.precision=fp16 with parallel.tp > 1 or pp > 1 needs parallel.zero=1 (its overflow "
                           "check is all-reduced over every parallel group; torch's GradScaler checks one rank)")
