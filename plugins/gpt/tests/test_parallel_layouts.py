@@ -39,12 +39,12 @@ LAYOUTS = [
     (4, {"cp": 2, "tp": 2, "sequence_parallel": True}, "gpt2", 2, False),
     (4, {"cp": 2}, "llama", 2, True),  # CP x DP with ZeRO-1 (sharded over the data x context group)
     (4, {"tp": 2, "pp": 2, "vpp": 2, "sequence_parallel": True}, "llama", 4, False),
-    # FSDP (torch's fully_shard over the data-parallel ranks), alone, with TP, PP and CP, and hybrid.
+    # FSDP (torch's fully_shard over the data-parallel ranks), alone, with TP and PP, and hybrid (HSDP).
     (2, {"fsdp": 2}, "llama", 2, False),
     (4, {"fsdp": 2, "tp": 2, "sequence_parallel": True}, "gpt2", 2, False),
     (4, {"fsdp": 2, "pp": 2}, "gpt2", 2, False),  # tied embeddings across stages, FSDP-sharded on both
-    (4, {"fsdp": 2, "cp": 2}, "llama", 2, False),  # ring attention, FSDP sharded over the data x context ranks
     (4, {"fsdp": 2}, "llama", 2, False),  # HSDP: dp4 as 2 replicas of 2 sharding ranks
+    # (fsdp2 x cp2: test_dist_checkpoint's FSDP test, whose 6-step curve it follows)
 ]
 
 

@@ -48,9 +48,8 @@ LAYOUTS = [
     (4, {"ep": 2, "cp": 2}, "mixtral", True),  # EP x CP: each layer's statistics summed over the sequence's parts
     # Megatron's allgather dispatcher, as it is used with TP: every EP rank sees every token
     (2, {"ep": 2, "tp": 2, "sequence_parallel": True, "ep_dispatcher": "allgather"}, "qwen2-moe", False),
-    # FSDP x EP (torchtitan's layout): experts sharded over their expert-data-parallel ranks, the
-    # rest over the data-parallel ones; with ep = dp no rank replicates an expert and FSDP leaves them whole
-    (4, {"fsdp": 4, "ep": 2}, "mixtral", False),
+    # FSDP x EP with ep = dp: no rank replicates an expert and FSDP leaves them whole, the shared
+    # expert and router FSDP units of their own (sharded experts: the FSDP test from Hugging Face below)
     (2, {"fsdp": 2, "ep": 2}, "qwen2-moe", False),
 ]
 
