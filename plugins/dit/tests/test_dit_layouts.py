@@ -27,6 +27,7 @@ LAYOUTS = [
     (2, {"cp": 2}, "dit", 2, False),  # non-causal ring attention across packed samples; loss weights split
     (2, {"pp": 2}, "dit", 2, False),  # the conditioning vector crosses the stage boundary with the hidden state
     (2, {}, "dit", 2, True),  # data parallel with ZeRO-1
+    (2, {"fsdp": 2}, "dit", 2, False),  # FSDP (the model's output, a view, made its own tensor before FSDP's hook)
     (2, {"tp": 2, "sequence_parallel": True}, "dit-video", 2, False),  # cross-attention, Q/K norm, no biases
     (4, {"cp": 2, "tp": 2, "sequence_parallel": True}, "dit-video", 2, False),  # text whole on every CP rank
 ]

@@ -1,4 +1,4 @@
-"""CLIP and LLaVA under tensor, pipeline and data parallelism (+ ZeRO-1) on gloo: losses and every
+"""CLIP and LLaVA under tensor, pipeline and data parallelism (+ ZeRO-1, FSDP) on gloo: losses and every
 gradient equal to one process. CLIP's dp2 gathers the negatives, so its loss is the one-process
 loss over the whole global batch."""
 
@@ -40,6 +40,7 @@ def test_llava_layouts_equal_one_process(llava_one, world, layout, zero):
 @pytest.mark.parametrize("world, layout, zero", [
     (2, {"tp": 2}, False),
     (2, {}, True),  # dp2 + ZeRO-1: each rank 2 of the 4 rows, negatives gathered from the other
+    (2, {"fsdp": 2}, False),  # FSDP; the 0-d logit scale, which FSDP cannot shard, stays whole and averaged
 ])
 def test_clip_layouts_equal_one_process_with_global_negatives(clip_one, world, layout, zero):
     got = run_distributed(CLIP, world, layout, zero=zero, timeout=240)

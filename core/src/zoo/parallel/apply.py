@@ -210,36 +210,41 @@ def sum_of_squares(g: torch.Tensor) -> torch.Tensor:
 
 def grad_norm_squared(grads: Iterable[tuple[torch.Tensor, Placement | None]], *, tp_group: Any = None,
                       pp_group: Any = None, dp_group: Any = None, device: Any = "cpu", ep_group: Any = None,
-                      edp_group: Any = None) -> torch.Tensor:
+                      edp_group: Any = None, fsdp: bool = False) -> torch.Tensor:
     """Sum of squared gradients of the whole (unsharded) model from this rank's ``(gradient, its
     parameter's placement)`` pairs: TP shards summed over TP, replicated ones counted once, the last
     stage's copy of a tied embedding skipped, stages summed over PP, and (for the distributed
     optimizer, whose ranks hold disjoint pieces) pieces summed over ``dp_group``. Expert-parallel
     experts are summed over ``ep_group`` (and, as distributed-optimizer pieces, over ``edp_group``).
+    ``fsdp``: the pieces are FSDP's, and a parameter it leaves whole (no ``placement.fsdp``) is the
+    same on every rank of ``dp_group``, counted once.
     A float64 scalar on ``device`` (the gradients'), never read on the host here."""
     from zoo.parallel.sharding import EPShard
 
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
     experts = torch.zeros((), dtype=torch.float64, device=device)
+    whole = torch.zeros((), dtype=torch.float64, device=device)  # under FSDP, a parameter it left whole
     for g, placement in grads:
         if placement is not None and placement.duplicate:
             continue
         sq = sum_of_squares(g)
         if placement is not None and isinstance(placement.shard, EPShard):
             experts += sq
+        elif fsdp and placement is not None and placement.fsdp is None and placement.shard is None:
+            whole += sq  # (every rank of dp_group holds the same: counted once, not summed over it)
         elif placement is not None and placement.shard is not None:
             sharded += sq
         else:
             replicated += sq
-    total = comm.all_reduce(comm.all_reduce(sharded, tp_group) + replicated, dp_group)
+    total = comm.all_reduce(comm.all_reduce(sharded, tp_group) + replicated, dp_group) + whole
     total = total + comm.all_reduce(comm.all_reduce(experts, edp_group), ep_group)
     return comm.all_reduce(total, pp_group)
 
 
 def clip_grad_norm(model: nn.Module, placements: Placements, max_norm: float, tp_group: Any, pp_group: Any = None,
-                   *, device: Any = "cpu", dp_group: Any = None, ep_group: Any = None, edp_group: Any = None
-                   ) -> torch.Tensor:
+                   *, device: Any = "cpu", dp_group: Any = None, ep_group: Any = None, edp_group: Any = None,
+                   fsdp: bool = False) -> torch.Tensor:
     """Clip by the global gradient norm of the unsharded model (see `grad_norm_squared`); returns
     the norm before clipping. No host synchronisation: the factor ``min(1, max / (norm + 1e-6))``
     is applied on the device (multiplying by exactly 1 when the norm is below the maximum).
@@ -247,7 +252,7 @@ def clip_grad_norm(model: nn.Module, placements: Placements, max_norm: float, tp
     experts' over the expert-data-parallel ranks)."""
     pairs = [(local(p.grad), placements.of(p)) for p in model.parameters() if p.grad is not None]
     total = grad_norm_squared(pairs, tp_group=tp_group, pp_group=pp_group, dp_group=dp_group, device=device,
-                              ep_group=ep_group, edp_group=edp_group)
+                              ep_group=ep_group, edp_group=edp_group, fsdp=fsdp)
     norm = total.sqrt()
     if max_norm > 0 and pairs:
         scale_grads([g for g, _ in pairs], norm, max_norm)

@@ -168,13 +168,20 @@ class Parallel:
         pipe = self.family.pipeline
         expert_mesh = DeviceMesh.from_group(self.edp_group, kind) if self.edp_group is not None else None
         for chunk in self.chunks:
-            ignored = self._shard_experts(chunk, mesh, expert_mesh, mp) if self.ep_group is not None else None
+            ignored = self._shard_experts(chunk, mesh, expert_mesh, mp) if self.ep_group is not None else set()
+            # FSDP cannot shard a 0-d parameter (CLIP's logit scale): it stays whole on every rank,
+            # its gradient averaged in `finish_grads`
+            ignored = ignored | {p for p in chunk.parameters() if p.dim() == 0} or None
             for block in getattr(chunk, pipe.layers) if pipe is not None else ():
                 fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=ignored)
             fully_shard(chunk, mesh=mesh, mp_policy=mp, ignored_params=ignored)
+            # FSDP hooks backward onto a unit's output; a view there (a DiT's last linear over (B, N, D)
+            # is one) would lose that hook to any in-place op on it, and torch warns on every rank:
+            # the output becomes a tensor of its own before FSDP sees it
+            chunk.register_forward_hook(_not_a_view, prepend=True)
             self.fsdp_roots.append(chunk)
 
-    def _shard_experts(self, chunk: nn.Module, mesh: Any, expert_mesh: Any, mp: Any) -> set[nn.Parameter] | None:
+    def _shard_experts(self, chunk: nn.Module, mesh: Any, expert_mesh: Any, mp: Any) -> set[nn.Parameter]:
         """FSDP for the MoE layers of ``chunk`` under expert parallelism, as torchtitan's: each
         rank's experts are replicated over their expert-data-parallel ranks, not over the data x
         context ones, so each MoE layer's experts are a unit of their own on the expert-data-parallel
@@ -196,7 +203,7 @@ class Parallel:
             # (summed, then divided after the reduction: no PREMUL_SUM, which gloo lacks)
             moe.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
             moe.set_gradient_divide_factor(float(self.dp * self.cp))  # type: ignore[operator]
-        return ignored or None
+        return ignored
 
     def _gradient_sync(self, roots: Sequence[nn.Module], sync: bool) -> None:
         for root in roots:
@@ -467,11 +474,12 @@ class Parallel:
         sequence-parallel norm gradients over TP and tied embeddings over the first and last stage."""
         if self.buckets is not None:
             self.buckets.finish()
-        if self.fsdp_roots and self.ep_group is not None and self.edp_group is None and self.dp * self.cp > 1:
-            # the experts FSDP leaves whole (`_shard_experts`) get its divisor here
-            grads = [p.grad for n, p in self.model.named_parameters()
-                     if isinstance(self.placements[n].shard, EPShard) and p.grad is not None]
-            torch._foreach_div_(grads, float(self.dp * self.cp))
+        if self.fsdp_roots and self.dp * self.cp > 1:  # what FSDP leaves whole (see `_fully_shard`)
+            whole = [(p.grad, isinstance(self.placements[n].shard, EPShard)) for n, p in self.model.named_parameters()
+                     if p.grad is not None and not _is_dtensor(p)]
+            # experts no other rank holds: FSDP's divisor; 0-d parameters: averaged as FSDP averages
+            for g, expert in whole:
+                (g if expert else comm.all_reduce(g, self.dp_cp_group)).div_(self.dp * self.cp)
         params = dict(self.model.named_parameters())
         if self.sequence_parallel:
             from zoo.parallel.tensor_parallel import reduce_sequence_parallel_grads
@@ -488,7 +496,8 @@ class Parallel:
         """Clip to ``max_norm`` by the whole model's gradient norm, which is returned (on the device)."""
         return tp_apply.clip_grad_norm(self.model, self.placements, max_norm, self.tp_group, self.pp_group,
                                        device=self.device, dp_group=self.fsdp_group if self.fsdp_roots else None,
-                                       ep_group=self.ep_group, edp_group=self.edp_group if self.fsdp_roots else None)
+                                       ep_group=self.ep_group, edp_group=self.edp_group if self.fsdp_roots else None,
+                                       fsdp=bool(self.fsdp_roots))
 
     def grad_norm_squared(self, pairs: Any, dp_group: Any = None) -> torch.Tensor:
         """`zoo.parallel.apply.grad_norm_squared` over this layout's groups, for ``(gradient,
@@ -540,6 +549,10 @@ def _keeper(data: torch.Tensor, split: Any) -> Callable[[torch.Tensor], None]:
         data.copy_(split.cut(full) if split is not None else full)
 
     return keep
+
+
+def _not_a_view(module: nn.Module, args: Any, output: Any) -> Any:
+    return output.clone() if isinstance(output, torch.Tensor) and output._base is not None else None
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
