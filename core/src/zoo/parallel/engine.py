@@ -27,7 +27,7 @@ from torch import nn
 from zoo.errors import PluginError
 from zoo.family import Family
 from zoo.parallel import apply as tp_apply
-from zoo.parallel import comm, context
+from zoo.parallel import comm, context, fsdp
 from zoo.parallel.grid import ProcessGrid
 from zoo.parallel.layout import Layout
 from zoo.parallel.materialize import InitRecord, allocate, replay, tensor_refs
@@ -102,10 +102,10 @@ class Parallel:
                                      kind=lay.pp_schedule)
         else:
             self.model, self.chunks = model, [model]
-        self.fsdp_roots: list[nn.Module] = []
+        self.fsdp_roots: list[nn.Module] = []  # FSDP's (`zoo.parallel.fsdp`): its groups, this rank's replica
         self.fsdp_group, self.fsdp_replicas, self.fsdp_replica = self.dp_cp_group, None, 0
         if lay.fsdp > 1:
-            self._fully_shard(device)
+            fsdp.apply(self, device)
         self.placements = self._placements(shards, on_shards)
         if init is not None:
             self._materialize(init, refs, device)
@@ -134,76 +134,6 @@ class Parallel:
                               "so its attention cannot run as ring attention")
         for core in cores:
             core.cp_group = self.cp_group
-
-    def _fully_shard(self, device: Any) -> None:
-        """FSDP (torch's ``fully_shard``) over the data x context group (context-parallel ranks hold
-        the same parameters and average their gradients, so they share the sharding, as torchtitan's
-        dp_shard x cp mesh): every block of every chunk its own unit (gathered just before it runs,
-        freed after), then each chunk's remaining parameters (embeddings, final norm, head); bf16
-        compute with fp32 gradient reduction under ``train.precision=bf16``.
-
-        With ``parallel.fsdp`` below the data-parallel size (HSDP), each group of that many
-        neighbouring data-parallel ranks (x cp) shards, and the groups replicate: a 2-D mesh
-        (replicate, shard) on which FSDP reduce-scatters inside a group and all-reduces across the
-        replicas, so parameters are gathered over the nearer ranks only."""
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        kind = torch.device(device).type
-        if self.layout.fsdp < self.dp:
-            # dp split into shard (fsdp neighbouring DP ranks, varying faster) x replicate
-            order = [b for a in self.layout.order.split("-") if a != "ep" for b in (("shard", "rep") if a == "dp" else (a,))]
-            sizes = {"tp": self.tp, "cp": self.cp, "shard": self.layout.fsdp, "rep": self.dp // self.layout.fsdp,
-                     "pp": self.pp}
-            fg = ProcessGrid(sizes, order, rank=self.grid.rank, world_size=self.grid.world_size, share=self.grid)
-            self.fsdp_group, self.fsdp_replicas = fg.group("cp", "shard"), fg.group("rep")
-            self.fsdp_replica = fg.index("rep")
-            ranks = [fg.ranks_of(["cp", "shard"], r) for r in fg.ranks_of(["rep"])]
-            mesh = DeviceMesh.from_group([self.fsdp_replicas, self.fsdp_group], kind, mesh=ranks,
-                                         mesh_dim_names=("replicate", "shard"))
-        else:
-            mesh = DeviceMesh.from_group(self.dp_cp_group, kind)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if self.layout.fsdp_dtype == "bf16" else MixedPrecisionPolicy()
-        pipe = self.family.pipeline
-        expert_mesh = DeviceMesh.from_group(self.edp_group, kind) if self.edp_group is not None else None
-        for chunk in self.chunks:
-            ignored = self._shard_experts(chunk, mesh, expert_mesh, mp) if self.ep_group is not None else set()
-            # FSDP cannot shard a 0-d parameter (CLIP's logit scale): it stays whole on every rank,
-            # its gradient averaged in `finish_grads`
-            ignored = ignored | {p for p in chunk.parameters() if p.dim() == 0} or None
-            for block in getattr(chunk, pipe.layers) if pipe is not None else ():
-                fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=ignored)
-            fully_shard(chunk, mesh=mesh, mp_policy=mp, ignored_params=ignored)
-            # FSDP hooks backward onto a unit's output; a view there (a DiT's last linear over (B, N, D)
-            # is one) would lose that hook to any in-place op on it, and torch warns on every rank:
-            # the output becomes a tensor of its own before FSDP sees it
-            chunk.register_forward_hook(_not_a_view, prepend=True)
-            self.fsdp_roots.append(chunk)
-
-    def _shard_experts(self, chunk: nn.Module, mesh: Any, expert_mesh: Any, mp: Any) -> set[nn.Parameter]:
-        """FSDP for the MoE layers of ``chunk`` under expert parallelism, as torchtitan's: each
-        rank's experts are replicated over their expert-data-parallel ranks, not over the data x
-        context ones, so each MoE layer's experts are a unit of their own on the expert-data-parallel
-        mesh, gradients summed there and divided by the data x context size (as the gradient
-        buckets do without FSDP); its router and shared expert are units on the dense mesh. Where
-        no other rank replicates a rank's experts (edp = 1) they stay whole, outside FSDP, their
-        gradients divided in `finish_grads`: returns them, for the enclosing units to ignore."""
-        from torch.distributed.fsdp import fully_shard
-
-        ignored: set[nn.Parameter] = set()
-        for moe in [m for m in chunk.modules() if hasattr(m, "shard_experts")]:
-            for child in moe.children():
-                if any(True for _ in child.parameters()):
-                    fully_shard(child, mesh=mesh, mp_policy=mp)
-            if expert_mesh is None:
-                ignored.update(moe.parameters(recurse=False))
-                continue
-            fully_shard(moe, mesh=expert_mesh, mp_policy=mp)
-            # (summed, then divided after the reduction: no PREMUL_SUM, which gloo lacks)
-            moe.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
-            moe.set_gradient_divide_factor(float(self.dp * self.cp))  # type: ignore[operator]
-        return ignored
 
     def _gradient_sync(self, roots: Sequence[nn.Module], sync: bool) -> None:
         for root in roots:
@@ -237,7 +167,7 @@ class Parallel:
         for name, p in self.model.named_parameters():
             canon = st.canonical.get(name, name) if st is not None else name
             chunk = None
-            if not self.fsdp_roots or not _is_dtensor(p):  # (experts FSDP leaves whole: `_shard_experts`)
+            if not self.fsdp_roots or not fsdp.sharded(p):  # (what FSDP leaves whole: `zoo.parallel.fsdp`)
                 pass
             elif isinstance(shards.get(canon), EPShard):  # sharded over the expert-data-parallel ranks
                 chunk = FSDPChunk(edp, self.edp_rank, p.shape[0])
@@ -474,12 +404,8 @@ class Parallel:
         sequence-parallel norm gradients over TP and tied embeddings over the first and last stage."""
         if self.buckets is not None:
             self.buckets.finish()
-        if self.fsdp_roots and self.dp * self.cp > 1:  # what FSDP leaves whole (see `_fully_shard`)
-            whole = [(p.grad, isinstance(self.placements[n].shard, EPShard)) for n, p in self.model.named_parameters()
-                     if p.grad is not None and not _is_dtensor(p)]
-            # experts no other rank holds: FSDP's divisor; 0-d parameters: averaged as FSDP averages
-            for g, expert in whole:
-                (g if expert else comm.all_reduce(g, self.dp_cp_group)).div_(self.dp * self.cp)
+        if self.fsdp_roots:
+            fsdp.finish_whole_grads(self)
         params = dict(self.model.named_parameters())
         if self.sequence_parallel:
             from zoo.parallel.tensor_parallel import reduce_sequence_parallel_grads
@@ -549,14 +475,6 @@ def _keeper(data: torch.Tensor, split: Any) -> Callable[[torch.Tensor], None]:
         data.copy_(split.cut(full) if split is not None else full)
 
     return keep
-
-
-def _not_a_view(module: nn.Module, args: Any, output: Any) -> Any:
-    return output.clone() if isinstance(output, torch.Tensor) and output._base is not None else None
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return getattr(t, "device_mesh", None) is not None
 
 
 def _full(t: torch.Tensor, placement: Placement) -> torch.Tensor:
