@@ -1,5 +1,5 @@
 """Expert parallelism equals one process (gloo, fp32): EP alone, with DP + ZeRO-1, TP + sequence
-parallelism, PP, CP, FSDP, 4-process combinations, both dispatchers (all-to-all, all-gather), the
+parallelism, PP, CP, FSDP, expert tensor parallelism, 4-process combinations, both dispatchers (all-to-all, all-gather), the
 step's metrics (each layer's load) included; idle experts never hang a collective; a run that
 starts from a Hugging Face Mixtral resumes across EP sizes on the same curve; bad layouts fail
 with one clear line."""
@@ -51,6 +51,9 @@ LAYOUTS = [
     # FSDP x EP with ep = dp: no rank replicates an expert and FSDP leaves them whole, the shared
     # expert and router FSDP units of their own (sharded experts: the FSDP test from Hugging Face below)
     (2, {"fsdp": 2, "ep": 2}, "qwen2-moe", False),
+    # Expert tensor parallelism (Megatron's ETP): each expert's MLP split over the TP ranks, its
+    # experts over ep2; tokens gathered over ETP and the partial outputs summed back
+    (4, {"tp": 2, "sequence_parallel": True, "ep": 2, "etp": 2}, "qwen2-moe", True),
 ]
 
 
@@ -90,8 +93,10 @@ def test_bad_layouts_fail_with_one_clear_line():
         layout_for(fam, 3, ep=3)
     with pytest.raises(ConfigError, match="tp=2 with a mixture of experts needs parallel.sequence_parallel=true"):
         layout_for(fam, 2, tp=2)
-    with pytest.raises(ConfigError, match="etp=2: expert tensor parallelism is not supported"):
-        layout_for(fam, 4, ep=2, etp=2)
+    with pytest.raises(ConfigError, match="etp=3 does not divide the experts' hidden width 256 \\(model.ffn_hidden_size\\)"):
+        layout_for(fam, 3, etp=3)
+    with pytest.raises(ConfigError, match="etp=2 runs with ep_dispatcher=alltoall only"):
+        layout_for(fam, 2, etp=2, ep_dispatcher="allgather")
 
 
 def _zoo(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
@@ -159,15 +164,20 @@ def test_training_from_hugging_face_under_ep2_resumes_at_ep1_on_the_same_curve(t
     assert _close(_resumed_in_one_process(tmp_path, tmp_path / "ep2"), one[2:])
 
 
-def test_fsdp_with_ep_from_hugging_face_resumes_in_one_process_on_the_same_curve(tmp_path, from_hf):
-    """fsdp2 x cp2 x ep2 on 4 ranks: each rank's 4 experts are FSDP-sharded over its 2
-    expert-data-parallel ranks (the data x context ranks that hold the same experts), loaded from the
-    HF files piece by piece and written as 4 pieces of a checkpoint that one process continues."""
+def test_fsdp_with_expert_tensor_parallelism_from_hugging_face_resumes_in_one_process(tmp_path, from_hf):
+    """fsdp2 x cp2 with etp2 on 4 ranks: each expert's MLP split over 2 expert-tensor-parallel ranks
+    (gate and up by rows, down by columns), each such piece FSDP-sharded over its 2
+    expert-data-parallel ranks (the data x context ranks that hold the same piece), loaded from the
+    HF files piece by piece and written as pieces of a checkpoint that one process continues."""
     load, one = from_hf
-    out = _zoo(4, *_run(tmp_path / "fsdp", load, "parallel.fsdp=2", "parallel.cp=2", "parallel.ep=2"))
+    out = _zoo(4, *_run(tmp_path / "fsdp", load, "parallel.fsdp=2", "parallel.cp=2", "parallel.etp=2"))
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "experts: etp=2 x ep=1 x dp=2" in out.stdout
     assert _close(_curve(tmp_path / "fsdp"), one)
     index = json.loads((tmp_path / "fsdp" / "checkpoints" / "step_00000002" / "index.json").read_text())
-    pieces = index["tensors"]["layers.1.moe.gate_up"]["pieces"]
-    assert sorted(p["offset"][0] for p in pieces) == [0, 2, 4, 6]  # 8 experts: 2 EP ranks x 2 FSDP pieces
+    gate_up = index["tensors"]["layers.1.moe.gate_up"]
+    e, f2, _ = gate_up["shape"]
+    # 8 experts: 2 FSDP pieces of rows x 2 ETP pieces of each of the gate and up halves
+    assert sorted(tuple(p["offset"][:2]) for p in gate_up["pieces"]) == sorted(
+        (r, h * f2 // 2 + t * f2 // 4) for r in (0, e // 2) for h in (0, 1) for t in (0, 1))
     assert _close(_resumed_in_one_process(tmp_path, tmp_path / "fsdp"), one[2:])

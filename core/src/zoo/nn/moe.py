@@ -313,6 +313,8 @@ class MoE(nn.Module):
         # Set from outside (zoo.parallel.engine); read only here.
         self.ep_group: Any = None
         self.ep_size, self.ep_rank = 1, 0
+        self.etp_group: Any = None  # expert tensor parallelism: each expert's MLP split over these ranks
+        self.etp_size = 1
         self.dispatcher: Literal["alltoall", "allgather"] = "alltoall"
         self.stats_group: Any = None
         self.stats_scale = 1.0
@@ -346,7 +348,7 @@ class MoE(nn.Module):
             token = order // k
             picked = gates.reshape(-1)[order]  # gate of each kept assignment (gradients reach the router)
             xs = flat.index_select(0, token)
-            ys = self._dispatch(xs, counts) if self.ep_size > 1 else self._experts(xs, counts, self.gate_up, self.down)
+            ys = self._dispatch(xs, counts) if self.ep_size > 1 else self._split_experts(xs, counts)
             ys = (ys.float() * picked[:, None]).to(x.dtype)
             # summed into a (B, T, D) tensor, not viewed as one: a module under FSDP must not return a view
             out = x.new_zeros(b, t, d)
@@ -400,9 +402,29 @@ class MoE(nn.Module):
         recv = _AllToAll.apply(xs, out_splits, in_splits, self.ep_group)  # (source rank, expert) order
         local_expert = torch.arange(el, device=xs.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
         perm = torch.argsort(local_expert, stable=True)  # -> expert-major
-        ys = self._experts(recv.index_select(0, perm), recv_counts.sum(0), self.gate_up, self.down)
+        ys = self._split_experts(recv.index_select(0, perm), recv_counts.sum(0))
         back = torch.empty_like(ys).index_copy(0, perm, ys) if ys.shape[0] else ys
         return _AllToAll.apply(back, in_splits, out_splits, self.ep_group)
+
+    def _split_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`_experts` on this rank's experts; under expert tensor parallelism (Megatron's ETP) each
+        expert's MLP is split over ``etp_group`` (gate/up by rows, down by columns): the ranks'
+        rows are gathered, each computes its part of every row (regrouped by expert), and the
+        partial outputs are summed back to the rows' own rank (an all-to-all each way)."""
+        if self.etp_size == 1:
+            return self._experts(xs, counts, self.gate_up, self.down)
+        from zoo.parallel import comm
+
+        t, n = self.etp_size, xs.shape[0]
+        sizes = comm.all_gather(counts, self.etp_group, 0).view(t, -1)  # (etp rank, local expert): rows
+        totals = sizes.sum(1).tolist()
+        rows = _AllToAll.apply(xs.repeat(t, 1), totals, [n] * t, self.etp_group)  # every rank's rows, rank-major
+        expert = torch.arange(counts.numel(), device=xs.device).repeat(t).repeat_interleave(sizes.reshape(-1))
+        perm = torch.argsort(expert, stable=True)  # -> expert-major
+        ys = self._experts(rows.index_select(0, perm), sizes.sum(0), self.gate_up, self.down)
+        back = torch.empty_like(ys).index_copy(0, perm, ys) if ys.shape[0] else ys
+        partial = _AllToAll.apply(back, [n] * t, totals, self.etp_group)  # each rank's part of this rank's rows
+        return partial.view(t, n, -1).sum(0)
 
     def _gather_dispatch(self, flat: torch.Tensor, gates: torch.Tensor, flat_e: torch.Tensor,
                          order: torch.Tensor) -> torch.Tensor:
@@ -429,15 +451,23 @@ class MoE(nn.Module):
         return comm.reduce_scatter_seq(out, self.ep_group, 0)
 
     @torch.no_grad()
-    def shard_experts(self, group: Any, size: int, rank: int) -> None:
-        """Keep experts ``[rank * E/size, (rank + 1) * E/size)`` (called by the core before training)."""
+    def shard_experts(self, group: Any, size: int, rank: int, *, etp_group: Any = None, etp: int = 1,
+                      etp_rank: int = 0) -> None:
+        """Keep experts ``[rank * E/size, (rank + 1) * E/size)``, and of each expert's MLP the
+        ``etp_rank``-th of ``etp`` parts (gate/up rows, down columns) (called by the core before training)."""
         if self.num_experts % size:
             raise ValueError(f"ep={size} does not divide the {self.num_experts} experts")
         el = self.num_experts // size
-        for name in ("gate_up", "down"):
-            full = getattr(self, name)
-            setattr(self, name, nn.Parameter(full[rank * el:(rank + 1) * el].clone(), requires_grad=full.requires_grad))
+        ffn = self.down.shape[2]
+        if ffn % etp:
+            raise ValueError(f"etp={etp} does not divide the experts' hidden width {ffn}")
+        cols = slice(etp_rank * ffn // etp, (etp_rank + 1) * ffn // etp)
+        gate_up = self.gate_up[rank * el:(rank + 1) * el]
+        gate_up = (gate_up.unflatten(1, (2, ffn))[:, :, cols].flatten(1, 2) if self.gated else gate_up[:, cols])
+        for name, piece in (("gate_up", gate_up), ("down", self.down[rank * el:(rank + 1) * el, :, cols])):
+            setattr(self, name, nn.Parameter(piece.clone(), requires_grad=getattr(self, name).requires_grad))
         self.ep_group, self.ep_size, self.ep_rank = group, size, rank
+        self.etp_group, self.etp_size = etp_group, etp
 
 
 def _by_expert_then_gate(experts: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from zoo.parallel.grid import ProcessGrid
 from zoo.parallel.layout import Layout
 from zoo.parallel.materialize import InitRecord, allocate, replay, tensor_refs
 from zoo.parallel.pipeline import Pipeline, Stages, _tied, build_stages, gather_objects, gather_state, sync_tied_grads
-from zoo.parallel.sharding import EPShard, FSDPChunk, Placement, Placements, local
+from zoo.parallel.sharding import EPShard, ExpertShard, FSDPChunk, Placement, Placements, local
 
 StepFn = Callable[[nn.Module, dict[str, Any]], tuple[Any, Any]]
 
@@ -182,28 +182,34 @@ class Parallel:
         """Every MoE layer (a module with ``shard_experts``, `zoo.nn.moe.MoE`): its routing
         statistics summed over the ranks holding other tokens of the same sequences (TP under
         sequence parallelism, CP; averaged over CP afterwards, hence the gradient scale), and with
-        ep > 1 its experts cut to this rank's over the expert grid's EP group. Returns the experts' splits."""
+        ep > 1 its experts cut to this rank's over the expert grid's EP group, with etp > 1 each
+        expert's MLP split over its ETP group. Returns the experts' splits."""
         layers = [(n, m) for n, m in model.named_modules() if hasattr(m, "shard_experts")]
-        self.ep_group = self.edp_group = None
+        self.ep_group = self.edp_group = self.expert_mp_group = None  # (expert_mp: ep x etp, for norms)
         self.ep_rank = self.edp_rank = 0
         stats = self.grid.group("tp", "cp") if self.sequence_parallel else self.grid.group("cp")
         self._bias_group = self.grid.group("tp", "cp", "dp") if self.sequence_parallel else self.dp_cp_group
         for _, m in layers:
             m.stats_group, m.stats_scale = stats, float(self.cp)
-        if self.layout.ep == 1 or not layers:
+        ep, etp = self.layout.ep, self.layout.etp
+        if ep == etp == 1 or not layers:
             return {}
         from zoo.parallel.grid import expert_grid
 
-        eg = expert_grid(self.grid, etp=1, ep=self.layout.ep, order=self.layout.order.split("-"))
+        eg = expert_grid(self.grid, etp=etp, ep=ep, order=self.layout.order.split("-"))
         self.ep_group, self.edp_group = eg.group("ep"), eg.group("edp")
         self.ep_rank, self.edp_rank = eg.index("ep"), eg.index("edp")
-        out = {}
+        self.expert_mp_group = eg.group("etp", "ep")
+        etp_group, etp_rank = eg.group("etp"), eg.index("etp")
+        out: dict[str, EPShard] = {}
         for name, m in layers:
             with torch.device("meta") if meta else contextlib.nullcontext():
-                m.shard_experts(self.ep_group, self.layout.ep, self.ep_rank)
+                m.shard_experts(self.ep_group, ep, self.ep_rank, etp_group=etp_group, etp=etp, etp_rank=etp_rank)
             m.dispatcher = self.layout.ep_dispatcher
-            for pname in ("gate_up", "down"):
-                out[f"{name}.{pname}"] = EPShard("rows", self.layout.ep, self.ep_rank, group=self.ep_group)
+            for pname, dim in (("gate_up", 1), ("down", 2)):
+                out[f"{name}.{pname}"] = EPShard("rows", ep, self.ep_rank, group=self.ep_group) if etp == 1 else \
+                    ExpertShard("rows", ep * etp, eg.index("etp", "ep"), group=self.expert_mp_group, etp=etp, dim=dim,
+                                gated=dim == 1 and m.gated)
         return out
 
     def make_buckets(self, bucket_size: int, *, shard: bool) -> Any:
@@ -422,7 +428,7 @@ class Parallel:
         """Clip to ``max_norm`` by the whole model's gradient norm, which is returned (on the device)."""
         return tp_apply.clip_grad_norm(self.model, self.placements, max_norm, self.tp_group, self.pp_group,
                                        device=self.device, dp_group=self.fsdp_group if self.fsdp_roots else None,
-                                       ep_group=self.ep_group, edp_group=self.edp_group if self.fsdp_roots else None,
+                                       ep_group=self.expert_mp_group, edp_group=self.edp_group if self.fsdp_roots else None,
                                        fsdp=bool(self.fsdp_roots))
 
     def grad_norm_squared(self, pairs: Any, dp_group: Any = None) -> torch.Tensor:
@@ -430,7 +436,7 @@ class Parallel:
         parameter)`` pairs (the distributed optimizer's pieces)."""
         return tp_apply.grad_norm_squared(((g, self.placements.of(p)) for g, p in pairs), tp_group=self.tp_group,
                                           pp_group=self.pp_group, dp_group=dp_group, device=self.device,
-                                          ep_group=self.ep_group, edp_group=self.edp_group)
+                                          ep_group=self.expert_mp_group, edp_group=self.edp_group)
 
     # --------------------------------------------------------------- full-tensor state (tests, checkpoints)
 

@@ -53,7 +53,7 @@ def apply(par: Parallel, device: Any) -> None:
     pipe = par.family.pipeline
     expert_mesh = DeviceMesh.from_group(par.edp_group, kind) if par.edp_group is not None else None
     for chunk in par.chunks:
-        ignored = _shard_experts(par, chunk, mesh, expert_mesh, mp) if par.ep_group is not None else set()
+        ignored = _shard_experts(par, chunk, mesh, expert_mesh, mp) if par.expert_mp_group is not None else set()
         # FSDP cannot shard a 0-d parameter (CLIP's logit scale): it stays whole on every rank
         ignored = ignored | {p for p in chunk.parameters() if p.dim() == 0} or None
         for block in getattr(chunk, pipe.layers) if pipe is not None else ():

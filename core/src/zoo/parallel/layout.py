@@ -79,12 +79,12 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
             f"parallel: world size {world_size} is not divisible by tp*cp*pp = {p.tp}*{p.cp}*{p.pp} = {model_parallel}"
         )
     dp = world_size // model_parallel
-    # Experts are whole on every rank that holds them (torchtitan removed expert TP; Megatron
-    # recommends ETP=1 with EP): a layer's experts are sharded over parallel.ep only.
+    # Experts are whole on every rank that holds them unless parallel.etp splits each expert's MLP
+    # (Megatron's expert tensor parallelism; its default is etp = tp, zoo's 1: torchtitan removed
+    # expert TP, and Megatron recommends ETP=1 with EP for fine-grained experts).
     etp = p.etp if p.etp is not None else 1
-    if etp != 1:
-        raise ConfigError(f"parallel: etp={etp}: expert tensor parallelism is not supported; experts are sharded "
-                          "whole over parallel.ep (leave etp unset)")
+    if etp > 1 and p.ep_dispatcher == "allgather":
+        raise ConfigError(f"parallel: etp={etp} runs with ep_dispatcher=alltoall only")
     if world_size % (etp * p.ep * p.pp):
         raise ConfigError(f"parallel: world size {world_size} is not divisible by etp*ep*pp = {etp}*{p.ep}*{p.pp}")
     expert_dp = world_size // (etp * p.ep * p.pp)
@@ -135,6 +135,10 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
         raise ConfigError(f"parallel: tp={p.tp} and model.num_kv_heads={kv_heads} must divide one another")
     if vocab is not None and vocab % p.tp:
         raise ConfigError(f"parallel: tp={p.tp} does not divide model.vocab_size={vocab} (pad the vocabulary)")
+    expert_ffn = field("moe_ffn_hidden_size") or field("ffn_hidden_size")
+    if experts is not None and etp > 1 and expert_ffn is not None and expert_ffn % etp:
+        raise ConfigError(f"parallel: etp={etp} does not divide the experts' hidden width {expert_ffn} (model."
+                          f"{'moe_ffn_hidden_size' if field('moe_ffn_hidden_size') else 'ffn_hidden_size'})")
     if experts is not None and experts % p.ep:
         raise ConfigError(f"parallel: ep={p.ep} does not divide model.num_experts={experts}")
     if p.ep > 1 and experts is None:

@@ -124,6 +124,48 @@ class EPShard(TPShard):
 
 
 @dataclass(frozen=True)
+class ExpertShard(EPShard):
+    """Experts split over EP (dim 0) and each expert's MLP over expert tensor parallelism (ETP):
+    ``gate_up`` (E, [gate; up] or F, D) by its rows ``dim=1`` (each half of a gated one split
+    alike), ``down`` (E, D, F) by its columns ``dim=2``. ``size``/``rank``/``group`` are the
+    expert model-parallel group's (ep x etp ranks, etp varying faster: piece ``ep_rank * etp +
+    etp_rank``), so `TPShard.cut` and `gather` hold; ``etp`` is the inner split."""
+
+    etp: int = 1
+    dim: int = 1
+    gated: bool = False
+
+    def local_shape(self, global_shape: Sequence[int]) -> tuple[int, ...]:
+        shape, ep = list(global_shape), self.size // self.etp
+        if shape[0] % ep or shape[self.dim] % (self.etp * (2 if self.gated else 1)):
+            raise ValueError(f"{tuple(global_shape)} does not split over ep={ep} (dim 0) and etp={self.etp} "
+                             f"(dim {self.dim})")
+        shape[0] //= ep
+        shape[self.dim] //= self.etp
+        return tuple(shape)
+
+    def global_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
+        shape = list(local_shape)
+        shape[0] *= self.size // self.etp
+        shape[self.dim] *= self.etp
+        return tuple(shape)
+
+    def regions(self, local_shape: Sequence[int], rank: int | None = None) -> list[Region]:
+        r = self.rank if rank is None else rank
+        e, t = divmod(r, self.etp)
+        shape = tuple(local_shape)
+        inner = shape[self.dim] // (2 if self.gated else 1)  # one half's (or the whole) local width
+        out = []
+        for half in range(2 if self.gated else 1):
+            sl = [slice(None)] * len(shape)
+            sl[self.dim] = slice(half * inner, (half + 1) * inner)
+            offset = [0] * len(shape)
+            offset[0], offset[self.dim] = e * shape[0], half * inner * self.etp + t * inner
+            out.append((tuple(sl), tuple(offset)))
+        return out
+
+
+@dataclass(frozen=True)
 class FSDPChunk:
     """FSDP's split of a (tensor-parallel local) parameter over ``size`` data-parallel ranks:
     ``torch.chunk`` along dim 0 of its ``rows`` rows, this rank holding chunk ``rank`` (possibly
@@ -286,5 +328,5 @@ class Placements(Mapping[str, Placement]):
         return Placements(model, {n: Placement(n) for n, _ in model.named_parameters()})
 
 
-__all__ = ["STYLES", "EPShard", "FSDPChunk", "Placement", "Placements", "Region", "Split", "Style", "TPShard", "aliases", "like", "local",
+__all__ = ["STYLES", "EPShard", "ExpertShard", "FSDPChunk", "Placement", "Placements", "Region", "Split", "Style", "TPShard", "aliases", "like", "local",
            "regions"]
