@@ -138,7 +138,7 @@ def test_dropless_dispatch_equals_the_per_token_formula(router):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-autocast", "bf16-params"])
 def test_expert_gradients_equal_the_per_token_formulas(precision):
-    """The experts' hand-written backward (`zoo.nn.moe._ExpertMLPs`) against autograd through the
+    """The experts' hand-written backward (`zoo.nn.moe_experts.ExpertMLPs`) against autograd through the
     token-by-token formula in fp32: exact in fp32; under bf16 autocast (weights cast one expert at
     a time, gradients made in bf16 and kept in the weights' fp32) and with bf16 parameters (tiles
     summed in fp32, rounded once) within bf16's rounding."""

@@ -190,10 +190,10 @@ def save(root: Path, *, state: TrainState, run: RunConfig, par: Parallel, items:
 def _writes(par: Parallel, split: TPShard | Split | None) -> bool:
     """Whether this rank writes a tensor: one replica of every piece. Data- and context-parallel
     ranks replicate everything except FSDP's pieces (each rank's own, sharded over both; under
-    HSDP the first group of sharding ranks writes them); TP
-    ranks hold their own pieces of split tensors and replicas of the rest; expert-parallel experts
-    are written by the first of their expert-data-parallel replicas, or under FSDP, whose pieces
-    of them no rank replicates, by every rank."""
+    HSDP the first group of sharding ranks writes them); TP ranks hold their own pieces of split
+    tensors and replicas of the rest; expert-parallel experts are written by the first of their
+    expert-data-parallel replicas, or under FSDP, whose pieces of them no rank replicates, by
+    every rank."""
     from zoo.parallel.sharding import EPShard
 
     if isinstance(split, EPShard):
