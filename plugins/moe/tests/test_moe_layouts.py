@@ -97,6 +97,8 @@ def test_bad_layouts_fail_with_one_clear_line():
         layout_for(fam, 3, etp=3)
     with pytest.raises(ConfigError, match="etp=2 runs with ep_dispatcher=alltoall only"):
         layout_for(fam, 2, etp=2, ep_dispatcher="allgather")
+    with pytest.raises(ConfigError, match="etp=2 needs tp before ep in parallel.order"):
+        layout_for(fam, 4, etp=2, ep=2, order="ep-tp-cp-dp-pp")
 
 
 def _zoo(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:

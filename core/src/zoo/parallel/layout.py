@@ -85,6 +85,9 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
     etp = p.etp if p.etp is not None else 1
     if etp > 1 and p.ep_dispatcher == "allgather":
         raise ConfigError(f"parallel: etp={etp} runs with ep_dispatcher=alltoall only")
+    axes = p.order.split("-")
+    if etp > 1 and axes.index("ep") < axes.index("tp"):  # (ExpertShard numbers pieces ETP-minor)
+        raise ConfigError(f"parallel: etp={etp} needs tp before ep in parallel.order={p.order!r} (ETP ranks neighbours)")
     if world_size % (etp * p.ep * p.pp):
         raise ConfigError(f"parallel: world size {world_size} is not divisible by etp*ep*pp = {etp}*{p.ep}*{p.pp}")
     expert_dp = world_size // (etp * p.ep * p.pp)
