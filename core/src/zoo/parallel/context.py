@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zoo.parallel import comm
+
 # Apart from pipeline tags (2 * stage + direction).
 _TAG_KV, _TAG_DKV, _TAG_SEG = 1 << 20, (1 << 20) + 1, (1 << 20) + 2
 
@@ -99,24 +101,6 @@ def local_positions(seq_len: int, cp: int, rank: int, device: Any = None) -> tor
     return torch.cat([torch.arange(a, a + c, device=device), torch.arange(b, b + c, device=device)])
 
 
-class _AllToAll(torch.autograd.Function):
-    """Piece ``j`` of ``x`` (dim 0, one per rank of ``group``) goes to rank ``j``; piece ``i`` of
-    the result came from rank ``i``. Its gradient is the same exchange of the output's gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
-        return out, None
-
-
 def _chunk_order(seq_len: int, cp: int, device: Any) -> torch.Tensor:
     """The global positions of the CP ranks' tokens, rank after rank."""
     return torch.cat([local_positions(seq_len, cp, r, device) for r in range(cp)])
@@ -127,7 +111,7 @@ def to_channel_shards(pieces: torch.Tensor, group: Any) -> torch.Tensor:
     ``j``'s channels of this rank's tokens. Returns (B, T, C): this rank's channels over the whole
     sequence, in position order. Differentiable (an all-to-all each way)."""
     cp, b, tl, c = pieces.shape
-    got = _AllToAll.apply(pieces, group)  # got[i]: this rank's channels of rank i's tokens
+    got = comm.exchange(pieces, group, 0, 0)  # got[i]: this rank's channels of rank i's tokens
     full = got.permute(1, 0, 2, 3).reshape(b, cp * tl, c)
     return full.index_select(1, torch.argsort(_chunk_order(cp * tl, cp, full.device)))
 
@@ -139,7 +123,7 @@ def to_sequence_shards(full: torch.Tensor, group: Any) -> torch.Tensor:
     cp = dist.get_world_size(group)
     b, t, c = full.shape
     pieces = full.index_select(1, _chunk_order(t, cp, full.device)).view(b, cp, t // cp, c).transpose(0, 1)
-    got = _AllToAll.apply(pieces, group)  # got[i]: rank i's channels of this rank's tokens
+    got = comm.exchange(pieces, group, 0, 0)  # got[i]: rank i's channels of this rank's tokens
     return got.permute(1, 2, 0, 3).reshape(b, t // cp, cp * c)
 
 

@@ -166,13 +166,10 @@ class Parallel:
         out = {}
         for name, p in self.model.named_parameters():
             canon = st.canonical.get(name, name) if st is not None else name
-            chunk = None
-            if not self.fsdp_roots or not fsdp.sharded(p):  # (what FSDP leaves whole: `zoo.parallel.fsdp`)
-                pass
-            elif isinstance(shards.get(canon), EPShard):  # sharded over the expert-data-parallel ranks
-                chunk = FSDPChunk(edp, self.edp_rank, p.shape[0])
-            else:
-                chunk = FSDPChunk(self.layout.fsdp * self.cp, fsdp_rank, p.shape[0])
+            chunk = None  # (what FSDP leaves whole has none: `zoo.parallel.fsdp`)
+            if self.fsdp_roots and fsdp.sharded(p):  # experts over the expert-data-parallel ranks, the rest over fsdp x cp
+                chunk = FSDPChunk(edp, self.edp_rank, p.shape[0]) if isinstance(shards.get(canon), EPShard) \
+                    else FSDPChunk(self.layout.fsdp * self.cp, fsdp_rank, p.shape[0])
             out[name] = Placement(canon, shard=shards.get(canon), sequence_parallel=canon in on_shards,
                                   tied=st is not None and name in st.tied,
                                   duplicate=st is not None and name in st.duplicates, fsdp=chunk)
