@@ -185,7 +185,8 @@ def _overflow_rank() -> dict:
     import torch.distributed as dist
 
     from zoo.parallel.data_parallel import GradBuckets
-    from zoo.parallel.zero import DistributedOptimizer, DynamicLossScale
+    from zoo.parallel.zero import DistributedOptimizer
+    from zoo.training.loss_scale import DynamicLossScale
 
     model = _model().to(torch.float16)
     buckets = GradBuckets(model, dist.group.WORLD, bucket_size=500, shard=True)

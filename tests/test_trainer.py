@@ -234,3 +234,66 @@ def _fit_and_probe(run_dir: str, overrides: list[str], flushed: bool) -> None:
 def test_flush_denormal_sets_the_processs_float_mode(tmp_path, flush):
     run_distributed(_fit_and_probe, 1, str(tmp_path), [*COMMON, "train.steps=1", "train.eval_interval=0",
                                                          f"train.flush_denormal={str(flush).lower()}"], flush, timeout=240)
+
+
+def test_fp16_loss_scale_skips_the_same_steps_in_every_layout(tmp_path):
+    """fp16 with a loss scale too large at first: one process skips the steps whose gradients
+    overflow and halves the scale, then doubles it after two clean steps (the policy, checked from
+    the logged norms); tp2, pp2 and fsdp2 (all refused before: torch's GradScaler decided per rank)
+    and dp2 with ZeRO-1 skip the same steps with the same scale and follow the same curve, and a
+    resume of fsdp2's checkpoint under tp2 continues it, scale included. The EMA moves only on
+    steps that updated."""
+    import math
+    import shutil
+
+    fp16 = ("train.precision=fp16", "train.initial_loss_scale=3e6", "train.loss_scale_window=2")
+    ref = _train(tmp_path / "one", 1, *fp16)
+    scale, clean, expected = 3e6, 0, []
+    for r in ref:
+        if math.isfinite(r["grad_norm"]):
+            clean += 1
+            if clean == 2:
+                scale, clean = scale * 2, 0
+        else:
+            scale, clean = scale / 2, 0
+        expected.append(scale)
+    assert [r["loss_scale"] for r in ref] == expected
+    skipped = [r["skipped_steps"] for r in ref]
+    assert skipped[-1] == sum(not math.isfinite(r["grad_norm"]) for r in ref)
+    assert 0 < skipped[-1] < len(ref) and max(expected) > min(expected) * 2  # both ways taken
+
+    def same_scales(got: list[dict], ref: list[dict]) -> None:
+        assert [(r["loss_scale"], math.isfinite(r["grad_norm"])) for r in got] == \
+               [(r["loss_scale"], math.isfinite(r["grad_norm"])) for r in ref]
+        for a, b in zip(got, ref):  # fp16 partial sums rounded per rank: within fp16's precision
+            assert abs(a["loss"] - b["loss"]) <= 1e-3 * b["loss"], (a["step"], a["loss"], b["loss"])
+
+    for name, world, layout in (("tp2", 2, ("parallel.tp=2",)), ("pp2", 2, ("parallel.pp=2",)),
+                                ("fsdp2", 2, ("parallel.fsdp=2",)), ("dp2-zero", 2, ("parallel.zero=1",))):
+        got = _train(tmp_path / name, world, *fp16, *layout)
+        same_scales(got, ref)
+        assert [r["skipped_steps"] for r in got] == skipped, name
+    cont = tmp_path / "fsdp2-to-tp2"
+    (cont / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "fsdp2" / "checkpoints" / "step_00000003", cont / "checkpoints" / "step_00000003")
+    same_scales(_train(cont, 2, *fp16, "parallel.tp=2"), ref[3:])
+    # at this scale steps 1-3 all overflow: the step-3 checkpoint's EMA is still the initial weights
+    assert not any(math.isfinite(r["grad_norm"]) for r in ref[:3])
+    ema = _tensors(tmp_path / "one" / "checkpoints" / "step_00000003")
+    for name, t in _initial().state_dict().items():
+        assert name.startswith("embed.") or torch.equal(ema[f"ema/{name}"], t), name  # (embed: frozen, no EMA)
+
+
+def test_a_grad_scaler_state_from_before_resumes_into_the_loss_scale():
+    """Runs without a distributed optimizer saved torch GradScaler's state; it loads."""
+    from zoo.training.loss_scale import DynamicLossScale
+
+    old = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
+    state = old.state_dict()
+    state["_growth_tracker"] = 5
+    scale = DynamicLossScale(2.0**16, 7)
+    scale.load_state_dict(state)
+    assert (scale.scale_value, scale.clean_steps) == (1024.0, 5)
+    scale.update(found_inf=False)
+    scale.update(found_inf=False)
+    assert (scale.scale_value, scale.clean_steps) == (2048.0, 0)  # torch's policy: the 7th clean step doubles

@@ -133,7 +133,7 @@ def test_recomputation_changes_memory_not_results(tmp_path, corpus_cache, mode):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6), (a, b)
 
 
-# fp16 with fp32 parameters (torch's GradScaler path). bf16 autocast over fp32 parameters trains as
+# fp16 with fp32 parameters (the loss scale without a distributed optimizer). bf16 autocast over fp32 parameters trains as
 # the reference run of test_parallel_layouts' fp32-masters test, which compares its curve.
 @pytest.mark.parametrize("precision", ["fp16"])
 def test_low_precision_trains(tmp_path, corpus_cache, precision):

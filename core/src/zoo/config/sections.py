@@ -148,6 +148,11 @@ class TrainConfig:
     # rank it shards nothing; needs the same train.precision; Megatron's --bf16 / --fp16). fp16
     # adds dynamic loss scaling.
     param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # fp16's dynamic loss scale (`zoo.training.loss_scale`, every layout): the loss is multiplied by it
+    # before backward; a step whose gradients overflow is skipped and halves it, loss_scale_window
+    # clean steps in a row double it (Megatron's --initial-loss-scale / --loss-scale-window).
+    initial_loss_scale: float = 65536.0
+    loss_scale_window: int = 2000
     seed: int = 1234
     # Activation recomputation (`zoo.nn.recompute`): elementwise recomputes norm and activation outputs
     # (bitwise exact, a few percent of step time), selective adds the attention core, full whole blocks.

@@ -48,6 +48,10 @@ def apply(par: Parallel, device: Any) -> None:
                                      mesh_dim_names=("replicate", "shard"))
     else:
         mesh = DeviceMesh.from_group(par.dp_cp_group, kind)
+    # bf16: parameters gathered and computed in bf16, gradients reduced in fp32. fp16 gathers fp32 and
+    # leaves the casts to autocast, as one process does: FSDP accumulates a step's micro-batches in
+    # the gathered dtype, and fp16 gradients would overflow at a lower loss scale than the same run
+    # without FSDP (the layout would change which steps are skipped)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if lay.fsdp_dtype == "bf16" else MixedPrecisionPolicy()
     pipe = par.family.pipeline

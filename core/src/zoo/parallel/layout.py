@@ -168,9 +168,6 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
     if p.fsdp > 1 and p.zero:
         raise ConfigError("parallel: fsdp and zero=1 both shard the optimizer state over DP; choose one "
                           "(FSDP also shards parameters and gradients)")
-    if p.fsdp > 1 and train.precision == "fp16":
-        raise ConfigError("parallel: fsdp with train.precision=fp16 is not supported (use bf16: FSDP computes in "
-                          "bf16 and reduces gradients in fp32)")
     accum = gbs // per_step
     if p.vpp > 1 and accum % p.pp:
         raise ConfigError(f"parallel: vpp={p.vpp} (interleaved 1F1B) needs the micro-batches per step ({accum}) to be a "
@@ -198,9 +195,6 @@ def _check_family(run: RunConfig, fam: Family) -> None:
     if p.cp > 1 and fam.sequence is None:
         raise ConfigError(f"parallel.cp={p.cp}: family {fam.name!r} does not support context parallelism "
                           "(it declares no sequence spec); use cp=1")
-    if run.train.precision == "fp16" and (p.tp > 1 or p.pp > 1) and not p.zero:
-        raise ConfigError("train.precision=fp16 with parallel.tp > 1 or pp > 1 needs parallel.zero=1 (its overflow "
-                          "check is all-reduced over every parallel group; torch's GradScaler checks one rank)")
     dtype = run.train.param_dtype
     if dtype != "fp32" and run.train.precision != dtype:
         raise ConfigError(f"train.param_dtype={dtype} needs train.precision={dtype} (the parameters are stored in "

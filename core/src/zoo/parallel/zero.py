@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,9 @@ from torch import nn
 
 from zoo.parallel.data_parallel import GradBuckets
 from zoo.parallel.sharding import groups_by_param, optimizer_state
+
+if TYPE_CHECKING:
+    from zoo.training.loss_scale import DynamicLossScale
 
 # (gradient, parameter) pairs and the data-parallel group -> the model's squared gradient norm
 NormSquared = Callable[[list[tuple[torch.Tensor, nn.Parameter]], Any], torch.Tensor]
@@ -76,7 +79,7 @@ class DistributedOptimizer:
         makes the norm infinite on every rank, and every rank then skips the update and lowers the
         scale alike. ``skip(norm)`` True leaves the parameters as they are (a non-finite norm,
         `zoo.training.guard`)."""
-        inv = 1.0 / loss_scale.scale_value if loss_scale is not None else 1.0
+        inv = 1.0 / loss_scale.factor if loss_scale is not None else 1.0
         for b, a, n, master, _, _ in self.pieces:
             # this rank's reduced gradient slice, unscaled: a float32 buffer's own memory (the step
             # reads it before the buffer is reused for the parameters below), a bf16/fp16 one's copy
@@ -185,34 +188,3 @@ class DistributedOptimizer:
                 st[field] = optimizer_state(groups[id(master)], master, field, piece.clone())
             if st:
                 self.optimizer.state[master] = st
-
-
-class DynamicLossScale:
-    """fp16 loss scaling for the distributed optimizer (GradScaler's policy: halve on overflow,
-    double after ``growth_interval`` clean steps). The overflow check is the all-reduced gradient
-    norm, so every rank of every parallel group decides the same."""
-
-    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
-        self.scale_value, self.growth_interval, self.clean_steps = init_scale, growth_interval, 0
-
-    def is_enabled(self) -> bool:
-        return True
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scale_value
-
-    def update(self, *, found_inf: bool) -> None:
-        if found_inf:
-            self.scale_value, self.clean_steps = self.scale_value / 2, 0
-        else:
-            self.clean_steps += 1
-            if self.clean_steps == self.growth_interval:
-                self.scale_value, self.clean_steps = self.scale_value * 2, 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale_value, "clean_steps": self.clean_steps, "growth_interval": self.growth_interval}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale_value, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
-        self.growth_interval = int(state.get("growth_interval", self.growth_interval))
-

@@ -40,6 +40,7 @@ from zoo.training import cpu, optim
 from zoo.training.ema import EMA
 from zoo.training.guard import NonFiniteGuard
 from zoo.training.instruments import Instruments
+from zoo.training.loss_scale import DynamicLossScale
 from zoo.training.metrics import MetricsLog, log_fields, measured_peak_flops, work_of
 from zoo.training.progress import Progress
 from zoo.training.run_control import Preemption, resume_point, run_token
@@ -172,12 +173,9 @@ class Trainer:
         else:
             self.opt = adamw(optim.param_groups(self.model, run.optimizer.weight_decay, rules=self.rules,
                                                 placements=par.placements))
-        if self.zero is not None and run.train.precision == "fp16":
-            from zoo.parallel.zero import DynamicLossScale
-
-            self.scaler: Any = DynamicLossScale()  # overflow decided on the all-reduced norm, by every rank alike
-        else:
-            self.scaler = torch.amp.GradScaler(self.dev_type, enabled=run.train.precision == "fp16")
+        # fp16: overflow decided on the global gradient norm, by every rank of every layout alike
+        self.scaler = DynamicLossScale(run.train.initial_loss_scale, run.train.loss_scale_window,
+                                       enabled=run.train.precision == "fp16", ranks=self.layout.dp * self.layout.cp)
         self.ema = EMA(self.model, par.placements, run.train.ema) if run.train.ema > 0 else None
         if run.train.cuda_graph:  # (after the buckets: gradients that are their views stay so)
             par.graphs = cuda_graphs.GraphedMicroBatches(list(self.model.parameters()), note=lambda m: print(m, flush=True))
@@ -250,14 +248,15 @@ class Trainer:
         if self.zero is not None:  # clips over the shards, updates them, gathers the parameters
             grad_norm = self.zero.step(max_norm=run.optimizer.grad_clip, norm_squared=self.par.grad_norm_squared,
                                        loss_scale=self.scaler if fp16 else None, skip=skip)
-            updated = skip is None or math.isfinite(float(grad_norm))
+            updated = math.isfinite(float(grad_norm))  # (an overflow or a skip left the parameters as they were)
         else:
-            self.scaler.unscale_(self.opt)
+            if fp16:
+                self.scaler.unscale_(p.grad for p in self.model.parameters())
             grad_norm = self.par.clip(run.optimizer.grad_clip)
-            updated = skip is None or not skip(grad_norm)
+            updated = self.scaler.settle(grad_norm) if skip is None else not skip(grad_norm)
             if updated:
-                self.scaler.step(self.opt)
-                self.scaler.update()
+                self.opt.step()
+        self.guard.skipped += fp16 and not updated  # (the loss scale's skips, counted as the guard's are)
         if self.buckets is not None:
             self.buckets.zero_grad()  # gradients are views into the buckets: zero, never free
         else:
@@ -398,6 +397,8 @@ class Trainer:
         record: dict[str, Any] = {"step": self.state.step, "loss": metrics.pop("loss"), "lr": lr,
                                   "grad_norm": float(grad_norm), "skipped_steps": self.guard.skipped,
                                   f"{unit}_per_s": rate, "flops_per_s": achieved, "mfu": achieved / self.peak, **metrics}
+        if self.scaler.is_enabled():
+            record["loss_scale"] = self.scaler.scale_value
         if val is not None:
             record["val_loss"] = float(val.metrics["loss"])
             record.update({f"val_{k}": float(v) for k, v in val.metrics.items() if k != "loss"})
