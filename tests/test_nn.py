@@ -91,6 +91,29 @@ def test_linear_cross_entropy_is_exact_where_the_labels_probability_underflows()
         assert abs(linear_cross_entropy(hb, wb, labels).item() - exact.item()) / exact.item() < 1e-6
 
 
+@pytest.mark.parametrize("scale", [2.0**10, 2.0**16])
+def test_linear_cross_entropy_in_fp16_under_a_loss_scale_keeps_its_gradients(scale):
+    """fp16 under autocast with a loss scale: the gradients, unscaled, match float64's to fp16's
+    precision (3e-4 here). The fused loss forms them before the scale reaches them: formed as
+    (softmax - one_hot) / tokens they were at fp16's smallest subnormal (1e-4 / 2,048 tokens; 2.4%
+    off at 2^10), and a scale above fp16's largest number (torch's initial 2^16) became inf when
+    cast to fp16 (every gradient NaN)."""
+    torch.manual_seed(0)
+    n, v, d = 2048, 8192, 32
+    h, w = torch.randn(n, d), torch.randn(v, d) * 0.05
+    labels = torch.randint(0, v, (n,))
+    hh = h.half().requires_grad_(True)
+    ww = w.clone().requires_grad_(True)  # an fp32 parameter, its product in fp16 as autocast does
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = linear_cross_entropy(hh, ww, labels)
+    (loss * scale).backward()
+    h64, w64 = hh.detach().double().requires_grad_(True), w.double().requires_grad_(True)
+    F.cross_entropy(h64 @ w64.t(), labels).backward()
+    assert torch.isfinite(hh.grad).all() and torch.isfinite(ww.grad).all()
+    for got, ref in ((hh.grad.double() / scale, h64.grad), (ww.grad.double() / scale, w64.grad)):
+        assert float((got - ref).norm() / ref.norm()) < 2e-3
+
+
 def test_linear_cross_entropy_of_a_fully_masked_batch_is_zero_with_zero_gradients():
     h = torch.randn(6, 4, requires_grad=True)
     w = torch.randn(5, 4, requires_grad=True)

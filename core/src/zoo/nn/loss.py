@@ -40,6 +40,12 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
     the forward pass (softmax minus one-hot), so backward only scales them by the incoming
     gradient: no logits, no log-softmax and no recomputation are kept (the idea of Liger-Kernel's
     fused linear cross entropy, here in plain PyTorch).
+
+    In fp16 those gradients are formed before the loss scale reaches them: ``(softmax - one_hot) /
+    tokens`` would sit in fp16's subnormal range (a probability of 1e-3 over 256 tokens is 4e-6),
+    so they are kept per token (|d| <= 1) and divided by the token count in float32, in backward
+    together with the incoming gradient (the loss scale, which exceeds fp16's largest number
+    whenever it is above 65,504: torch's initial 2^16 is).
     """
 
     @staticmethod
@@ -52,6 +58,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         block = _LOGITS_BLOCK if hidden.device.type == "cpu" else _LOGITS_BLOCK_ACCELERATOR
         chunk = max(1, min(chunk, block // weight.shape[0]))
         denom = mask.sum().clamp(min=1)
+        per_token = hidden.dtype == torch.float16  # (see above: fp16's range)
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -67,7 +74,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                 total -= (torch.log_softmax(logits.float(), -1).gather(1, lab[:, None]).squeeze(1) * m).sum()
                 continue
             # the rows' losses, and d loss / d logits in w's dtype (one cast for both GEMMs)
-            nll, d = fused.cross_entropy_grad(logits, lab, m / denom)
+            nll, d = fused.cross_entropy_grad(logits, lab, m if per_token else m / denom)
             total += (nll * m).sum()
             gemm.mm(d, w, grad_h[s:s + chunk])
             if h.dtype == torch.float32 and not gemm.onednn_for(h):  # no (V, D) temporary
@@ -76,18 +83,24 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                 torch.addmm(grad_w, d.t(), h, out_dtype=torch.float32, out=grad_w)
             else:
                 grad_w += gemm.mm(d.t(), h).float()
+        inv = (1.0 / denom.float()) if per_token else None
         if need:
-            ctx.save_for_backward(grad_h, grad_w)
+            if per_token:
+                grad_w.mul_(inv)
+            ctx.save_for_backward(grad_h, grad_w, inv)
         ctx.weight_dtype = weight.dtype
         return total / denom
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        grad_h, grad_w = ctx.saved_tensors
+        grad_h, grad_w, inv = ctx.saved_tensors
+        # fp16: grad_h per token, scaled in float32 (a value the scale takes past fp16's range is a
+        # real overflow, inf, for the loss scale to see)
+        dh = grad_h * grad.to(grad_h.dtype) if inv is None else (grad_h.float() * (grad * inv)).to(grad_h.dtype)
         # In place: the saved fp32 (V, D) gradient is used once, and a scaled copy would double the
         # largest transient of the step (1.6 GB for a 128k x 3k vocabulary). A second backward
         # (retain_graph) is refused by autograd's version check on the saved tensor.
-        return grad_h * grad.to(grad_h.dtype), grad_w.mul_(grad).to(ctx.weight_dtype), None, None, None, None
+        return dh, grad_w.mul_(grad).to(ctx.weight_dtype), None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, head: nn.Module | torch.Tensor, labels: torch.Tensor,

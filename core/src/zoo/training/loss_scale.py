@@ -15,8 +15,9 @@ extra: the trainer reads the norm once a step anyway.
 The scale is also the same number in every layout. Each data-parallel (and context-parallel) rank
 backpropagates its share of the step's micro-batches with a loss weighted to average correctly over
 ``ranks`` = dp x cp ranks, so its per-token gradients are ``ranks`` times one process's; it
-multiplies by ``scale / ranks``, and the values its fp16 backward carries are one process's: a
-layout does not change which steps overflow.
+multiplies by ``scale / ranks``, and the values its fp16 backward carries are one process's: data
+and context parallelism do not change which steps overflow (tensor parallelism's split sums round
+differently, so near fp16's largest number it may overflow a step earlier or later).
 """
 
 from __future__ import annotations
