@@ -54,6 +54,7 @@ LAYOUTS = [
     # Expert tensor parallelism (Megatron's ETP): each expert's MLP split over the TP ranks, its
     # experts over ep2; tokens gathered over ETP and the partial outputs summed back
     (4, {"tp": 2, "sequence_parallel": True, "ep": 2, "etp": 2}, "qwen2-moe", True),
+    (4, {"tp": 2, "sequence_parallel": True, "etp": 2, "pp": 2}, "mixtral", False),  # ETP x PP: a grid per stage
 ]
 
 
