@@ -261,6 +261,10 @@ def test_fp16_loss_scale_skips_the_same_steps_in_every_layout(tmp_path):
     skipped = [r["skipped_steps"] for r in ref]
     assert skipped[-1] == sum(not math.isfinite(r["grad_norm"]) for r in ref)
     assert 0 < skipped[-1] < len(ref) and max(expected) > min(expected) * 2  # both ways taken
+    from zoo.training.metrics import log_fields
+
+    shown = log_fields(ref[-1], FAMILY)  # the console line, as Megatron's shows scale and skips
+    assert shown["loss scale"] == f"{expected[-1]:g}" and shown["skipped"] == str(skipped[-1])
 
     def same_scales(got: list[dict], ref: list[dict]) -> None:
         assert [(r["loss_scale"], math.isfinite(r["grad_norm"])) for r in got] == \

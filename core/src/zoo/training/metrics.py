@@ -100,6 +100,10 @@ def log_fields(record: Mapping[str, Any], family: Any) -> dict[str, str]:
     fields.update({m.name: f"{record[m.name]:.4g}" for m in family.metrics if m.name in record})
     if "val_loss" in record:
         fields["val"] = f"{record['val_loss']:.4f}"
+    if "loss_scale" in record:  # fp16 (Megatron's line shows it too)
+        fields["loss scale"] = f"{record['loss_scale']:g}"
+    if record.get("skipped_steps"):
+        fields["skipped"] = str(record["skipped_steps"])
     if detail := Instruments.detail(record):
         fields["time"] = detail
     return fields
