@@ -147,6 +147,19 @@ def test_bad_values_name_key_and_expected_type(override, message):
         resolve(overrides=[override])
 
 
+@pytest.mark.parametrize(("override", "message"), [
+    ("train.initial_loss_scale=0", "initial_loss_scale=0.0 must be a positive finite number"),
+    ("train.initial_loss_scale=inf", "initial_loss_scale=inf must be a positive finite number"),
+    ("train.loss_scale_window=0", "loss_scale_window=0 must be at least 1"),
+])
+def test_bad_loss_scale_settings_fail_when_the_config_resolves(override, message):
+    """Caught with the configuration (a dry run shows them), not when the trainer is built."""
+    with pytest.raises(ConfigError, match=f"train: {message}.*command line"):
+        resolve(overrides=[override])
+    ok = resolve(overrides=["train.initial_loss_scale=1024"])
+    assert ok.train.initial_loss_scale == 1024.0
+
+
 def test_values_are_converted_losslessly():
     run = resolve(overrides=[
         "train.steps=1e3", "optimizer.lr=3e-4", "optimizer.weight_decay=0", "train.global_batch_size=null",

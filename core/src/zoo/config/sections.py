@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -201,7 +202,10 @@ class TrainConfig:
     cuda_graph: bool = False
 
     def __post_init__(self) -> None:
-        check_sizes(self, "steps", "micro_batch_size", "seq_length")
+        check_sizes(self, "steps", "micro_batch_size", "seq_length", "loss_scale_window")
+        if not (self.initial_loss_scale > 0 and math.isfinite(self.initial_loss_scale)):
+            raise ValueError(f"initial_loss_scale={self.initial_loss_scale} must be a positive finite number "
+                             "(2**16 is torch's default)")
         if not 0.0 <= self.ema < 1.0:
             raise ValueError(f"ema={self.ema} must be a decay in [0, 1) (0 disables the moving average)")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:

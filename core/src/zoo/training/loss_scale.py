@@ -28,17 +28,11 @@ from typing import Any
 
 import torch
 
-from zoo.errors import ConfigError
-
 
 class DynamicLossScale:
     def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000, *, enabled: bool = True,
                  ranks: int = 1) -> None:
-        if not (init_scale > 0 and math.isfinite(init_scale)):
-            raise ConfigError(f"train.initial_loss_scale={init_scale}: expected a positive finite number (2**16 is "
-                              "torch's default)")
-        if growth_interval < 1:
-            raise ConfigError(f"train.loss_scale_window={growth_interval}: expected 1 or more clean steps")
+        # (train.initial_loss_scale and train.loss_scale_window are checked with the configuration)
         self.scale_value, self.growth_interval, self.clean_steps = float(init_scale), growth_interval, 0
         self.enabled, self.ranks = enabled, ranks
 
