@@ -239,10 +239,10 @@ def test_flush_denormal_sets_the_processs_float_mode(tmp_path, flush):
 def test_fp16_loss_scale_skips_the_same_steps_in_every_layout(tmp_path):
     """fp16 with a loss scale too large at first: one process skips the steps whose gradients
     overflow and halves the scale, then doubles it after two clean steps (the policy, checked from
-    the logged norms); tp2, pp2 and fsdp2 (all refused before: torch's GradScaler decided per rank)
-    and dp2 with ZeRO-1 skip the same steps with the same scale and follow the same curve, and a
-    resume of fsdp2's checkpoint under tp2 continues it, scale included. The EMA moves only on
-    steps that updated."""
+    the logged norms); tp2 and fsdp2 (both refused before: torch's GradScaler decided per rank)
+    and dp2 with ZeRO-1 skip the same steps with the same scale and follow the same curve, and pp2
+    resuming fsdp2's checkpoint continues it, scale and skips included. The EMA moves only on steps
+    that updated."""
     import math
     import shutil
 
@@ -272,15 +272,18 @@ def test_fp16_loss_scale_skips_the_same_steps_in_every_layout(tmp_path):
         for a, b in zip(got, ref):  # fp16 partial sums rounded per rank: within fp16's precision
             assert abs(a["loss"] - b["loss"]) <= 1e-3 * b["loss"], (a["step"], a["loss"], b["loss"])
 
-    for name, world, layout in (("tp2", 2, ("parallel.tp=2",)), ("pp2", 2, ("parallel.pp=2",)),
-                                ("fsdp2", 2, ("parallel.fsdp=2",)), ("dp2-zero", 2, ("parallel.zero=1",))):
+    for name, world, layout in (("tp2", 2, ("parallel.tp=2",)), ("fsdp2", 2, ("parallel.fsdp=2",)),
+                                ("dp2-zero", 2, ("parallel.zero=1",))):
         got = _train(tmp_path / name, world, *fp16, *layout)
         same_scales(got, ref)
         assert [r["skipped_steps"] for r in got] == skipped, name
-    cont = tmp_path / "fsdp2-to-tp2"
+    # pp2 takes over fsdp2's step-3 checkpoint (scale and clean-step count resharded with it)
+    cont = tmp_path / "fsdp2-to-pp2"
     (cont / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "fsdp2" / "checkpoints" / "step_00000003", cont / "checkpoints" / "step_00000003")
-    same_scales(_train(cont, 2, *fp16, "parallel.tp=2"), ref[3:])
+    pp2 = _train(cont, 2, *fp16, "parallel.pp=2")
+    same_scales(pp2, ref[3:])
+    assert [r["skipped_steps"] for r in pp2] == [n - skipped[2] for n in skipped[3:]]  # (counted per process)
     # at this scale steps 1-3 all overflow: the step-3 checkpoint's EMA is still the initial weights
     assert not any(math.isfinite(r["grad_norm"]) for r in ref[:3])
     ema = _tensors(tmp_path / "one" / "checkpoints" / "step_00000003")
