@@ -13,7 +13,6 @@ gives each parameter its optimizer group's options, as it does for the plain opt
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -94,12 +93,11 @@ class DistributedOptimizer:
         else:
             total = norm_squared(pairs, self.group)
         norm = total.sqrt()
-        if loss_scale is not None:  # fp16: whether to skip is a host decision (one read per step)
-            finite = math.isfinite(float(norm))
-            loss_scale.update(found_inf=not finite)
-            if not finite:  # skip this step everywhere; the parameters stay as they are
-                self.buckets.zero_grad()
-                return norm
+        # fp16: whether to skip is a host decision (one read per step); an overflow skips the step
+        # everywhere, the parameters stay as they are
+        if loss_scale is not None and not loss_scale.settle(norm):
+            self.buckets.zero_grad()
+            return norm
         if skip is not None and skip(norm):
             self.buckets.zero_grad()
             return norm

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from zoo.parallel.sharding import local
+
 
 class DynamicLossScale:
     def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000, *, enabled: bool = True,
@@ -50,9 +52,9 @@ class DynamicLossScale:
     def unscale_(self, grads: Iterable[torch.Tensor | None]) -> None:
         """Divide gradients (averaged over the ranks) by the factor in place (a DTensor's local
         piece: FSDP's shards)."""
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads if g is not None]
-        if local:
-            torch._foreach_mul_(local, 1.0 / self.factor)
+        pieces = [local(g) for g in grads if g is not None]
+        if pieces:
+            torch._foreach_mul_(pieces, 1.0 / self.factor)
 
     def settle(self, grad_norm: torch.Tensor) -> bool:
         """Whether the step may update, from the global norm of its unscaled gradients; lowers
