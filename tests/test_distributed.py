@@ -31,6 +31,37 @@ def test_all_ranks_run_and_return_their_results(world):
     assert results == [(r, world, expected) for r in range(world)]
 
 
+def _what_a_rank_inherits(path: str) -> tuple[str | None, int, int]:
+    import torch.distributed as dist
+
+    for fd, name in ((1, "stdout"), (2, "stderr")):  # (one write a line: the ranks' lines do not interleave)
+        os.write(fd, f"rank {dist.get_rank()} to {name}\n".encode())
+    with open(f"{path}.{dist.get_rank()}", "w"):
+        pass
+    return os.environ.get("ZOO_TEST_INHERITED"), os.stat(f"{path}.{dist.get_rank()}").st_mode & 0o777, os.getppid()
+
+
+@pytest.mark.parametrize("start", ["forkserver", "spawn"])
+def test_ranks_get_the_callers_environment_umask_and_output(tmp_path, monkeypatch, capfd, start):
+    """Ranks forked from the preloaded server see what a spawned child of the caller would: the
+    caller's environment now (not the server's when it started), its umask and its file
+    descriptors (output a test captures)."""
+    monkeypatch.setenv("ZOO_TEST_START", start)
+    for value, mask in (("a", 0o027), ("b", 0o002)):  # (the second call reuses the server started by the first)
+        monkeypatch.setenv("ZOO_TEST_INHERITED", value)
+        old = os.umask(mask)
+        try:
+            got = run_distributed(_what_a_rank_inherits, 2, str(tmp_path / value), timeout=90)
+        finally:
+            os.umask(old)
+        assert [g[:2] for g in got] == [(value, 0o666 & ~mask)] * 2
+        assert all((g[2] == os.getpid()) == (start == "spawn") for g in got)  # forkserver: the server's children
+        out, err = capfd.readouterr()
+        for text, name in ((out, "stdout"), (err, "stderr")):
+            assert sorted(line for line in text.split("\n") if line.startswith("rank")) == \
+                [f"rank 0 to {name}", f"rank 1 to {name}"]
+
+
 def _fail_on_rank_one() -> None:
     import torch.distributed as dist
 
