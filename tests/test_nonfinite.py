@@ -73,5 +73,10 @@ def test_too_many_non_finite_steps_in_a_row_stop_naming_the_step_and_its_samples
         _fit(str(tmp_path / "run"), 1, [*COMMON, "train.steps=5", "train.skip_nonfinite=1"],
              _stream(nan_at=(9, 20)))
     assert "step 2 skipped" in capfd.readouterr().err
+    # Stopped after that skip and resumed, the run still counts it: step 3 is the second in a row
+    resumed = str(tmp_path / "resumed")
+    _fit(resumed, 1, [*COMMON, "train.steps=2", "train.skip_nonfinite=1"], _stream(nan_at=(9, 20)))
+    with pytest.raises(ZooError, match=r"step 3: gradient norm nan \(2 non-finite step\(s\) in a row"):
+        _fit(resumed, 1, [*COMMON, "train.steps=5", "train.skip_nonfinite=1"], _stream(nan_at=(9, 20)))
     with pytest.raises(ZooError, match="step 2: gradient norm nan"):  # 0: the first one stops
         _fit(str(tmp_path / "first"), 1, [*COMMON, "train.steps=5", "train.skip_nonfinite=0"], _stream(nan_at=(9,)))

@@ -51,7 +51,8 @@ def describe(path: Path) -> list[str]:
     meta = md.meta
     state = read_json(path / "state.json") if (path / "state.json").is_file() else {}
     lines = [f"{path}", f"  family {meta.get('family')}, flavor {meta.get('flavor')}, kind {meta.get('kind', 'model')}, "
-             f"step {state.get('step', meta.get('step', '?'))}, consumed samples {state.get('consumed_samples', '?')}",
+             f"step {state.get('step', meta.get('step', '?'))}, consumed samples {state.get('consumed_samples', '?')}"
+             + (f", skipped steps {state['skipped_steps']}" if state.get("skipped_steps") else ""),
              f"  format version {meta.get('format_version')} ({'sharded' if meta.get('sharded') else 'single file'}); "
              f"saved by {_world(path)} under {_layout(path, _ranks(path))}"]
     tensors = list(_tensors(path, md))

@@ -44,10 +44,14 @@ from zoo.parallel.sharding import Split, TPShard
 @dataclass
 class TrainState:
     """Where the loop is: optimizer steps taken and samples consumed from the global data stream
-    (so the data loader continues exactly where it stopped)."""
+    (so the data loader continues exactly where it stopped), and the steps skipped so far (a
+    non-finite gradient norm or an fp16 overflow), so a resumed run's count and its limit on
+    skips in a row go on from where they were."""
 
     step: int = 0
     consumed_samples: int = 0
+    skipped_steps: int = 0
+    skipped_in_a_row: int = 0
 
 
 class Stateful(Protocol):
@@ -111,10 +115,13 @@ class Checkpoint:
 
     def train_state(self) -> TrainState:
         with reading(self.path / "state.json", CheckpointError):
-            step, consumed = self.json["step"], self.json["consumed_samples"]
-            if not (type(step) is int and type(consumed) is int and step >= 0 and consumed >= 0):
-                raise ValueError(f"step {step!r} and consumed_samples {consumed!r} must be non-negative integers")
-            return TrainState(step=step, consumed_samples=consumed)
+            # (checkpoints written before the skip counts were saved hold none: 0)
+            values = {k: self.json.get(k, 0) if k.startswith("skipped") else self.json[k]
+                      for k in ("step", "consumed_samples", "skipped_steps", "skipped_in_a_row")}
+            bad = {k: v for k, v in values.items() if not (type(v) is int and v >= 0)}
+            if bad:
+                raise ValueError(", ".join(f"{k} {v!r}" for k, v in bad.items()) + " must be non-negative integers")
+            return TrainState(**values)
 
     def rng(self) -> rng_mod.RNGState:
         """This rank's random states; under another world size rank 0's, without the
@@ -154,7 +161,8 @@ def save(root: Path, *, state: TrainState, run: RunConfig, par: Parallel, items:
                     rng={"tp_stream": par.tp_rng.state()})
     dst = step_dir(root, state.step)
     tmp = root / f".{dst.name}.partial-{token}"
-    state_json = {"step": state.step, "consumed_samples": state.consumed_samples,
+    state_json = {"step": state.step, "consumed_samples": state.consumed_samples, "skipped_steps": state.skipped_steps,
+                  "skipped_in_a_row": state.skipped_in_a_row,
                   **{item.key: item.state_json() for item in items}}
     meta = {"format": "zoo", "family": run.family, "flavor": run.flavor, "model_config": plain(run.model),
             "ties": ties, "kind": "train", "step": state.step}

@@ -31,7 +31,7 @@ class NonFiniteGuard:
         self.limit, self.announce, self.batch, self.stream = limit, announce, batch, stream
         self.data = data  # a stateful dataset's `DataPosition`, which names the samples of the step
         self.in_a_row = 0
-        self.skipped = 0  # over the run (this process's part of it), logged as skipped_steps
+        self.skipped = 0  # over the run, logged as skipped_steps (both counts carried by checkpoints)
         self.unchecked: list[tuple[int, float, torch.Tensor]] = []  # (step, lr, loss) not yet read
 
     def loss(self, step: int, lr: float, loss: torch.Tensor) -> None:

@@ -362,6 +362,7 @@ class Trainer:
         self.guard = NonFiniteGuard(run.train.skip_nonfinite, announce=env.is_main, batch=self.layout.global_batch_size,
                                     stream=f"the train stream of dataset {self.dataset.name!r}",
                                     data=self.data_position)
+        self.guard.skipped, self.guard.in_a_row = self.state.skipped_steps, self.state.skipped_in_a_row  # (resumed)
 
     def close_outputs(self) -> None:
         self.preempt.restore()
@@ -381,7 +382,8 @@ class Trainer:
         # the files are written now or in the background, one save in flight at most.
         self.saved_step, self.saved_at = self.state.step, time.monotonic()
         run, env = self.run, self.env
-        path = save(self.ckpt_root, state=TrainState(self.state.step, self.state.consumed_samples), run=run, par=self.par,
+        state = TrainState(self.state.step, self.state.consumed_samples, self.guard.skipped, self.guard.in_a_row)
+        path = save(self.ckpt_root, state=state, run=run, par=self.par,
                     items=self.stateful(), ties=self.ties, saver=self.saver, token=self.token,
                     tokenizer_dir=self.tokenizer_dir, keep_last=run.checkpoint.keep_last, rank=env.rank,
                     world_size=env.world_size, timeout_s=run.parallel.timeout_s)
