@@ -51,6 +51,9 @@ LAYOUTS = [
     # FSDP x EP with ep = dp: no rank replicates an expert and FSDP leaves them whole, the shared
     # expert and router FSDP units of their own (sharded experts: the FSDP test from Hugging Face below)
     (2, {"fsdp": 2, "ep": 2}, "qwen2-moe", False),
+    # HSDP x EP: dense units sharded over 2 ranks and replicated twice, each expert sharded over its
+    # 2 expert-data-parallel ranks
+    (4, {"fsdp": 2, "ep": 2}, "mixtral", False),
     # Expert tensor parallelism (Megatron's ETP): each expert's MLP split over the TP ranks, its
     # experts over ep2; tokens gathered over ETP and the partial outputs summed back
     (4, {"tp": 2, "sequence_parallel": True, "ep": 2, "etp": 2}, "qwen2-moe", True),
