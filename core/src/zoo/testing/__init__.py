@@ -111,9 +111,15 @@ def _context() -> Any:
 
 
 def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+    """The caller's umask, read where Linux shows it (setting it to read it back would briefly
+    change it for the caller's other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 class _CallersFd:
