@@ -103,7 +103,7 @@ _PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.fs
 
 
 def _context() -> Any:
-    if os.environ.get("ZOO_TEST_START", "forkserver") == "spawn":
+    if os.environ.get("ZOO_TEST_START", "forkserver") == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
