@@ -174,6 +174,33 @@ def test_resume_across_layouts_reshards_ema_and_frozen_state(runs, tmp_path):
     _same(other_t, _tensors(runs["root"] / "one" / "checkpoints" / "step_00000006"))
 
 
+def test_a_restart_within_the_same_second_still_hides_the_earlier_runs_tensorboard_points(tmp_path):
+    """TensorBoard orders event files by name (start second, host, pid): an earlier run's file from
+    the second this run starts in, with a pid that sorts later, would be read after the purge and
+    its points shown. The log starts its file in a later second."""
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from zoo.training.metrics import MetricsLog
+
+    tb = tmp_path / "tensorboard"
+    with SummaryWriter(str(tb)) as old:
+        for step in range(1, 4):
+            old.add_scalar("loss", 9.0, step)
+    (old_file,) = tb.iterdir()
+    # named as a writer started in the coming second by a process whose pid sorts after any other
+    host = old_file.name.split(".")[4:-2]
+    old_file.rename(tb / ".".join(["events", "out", "tfevents", str(int(time.time()) + 1), *host, "999999999", "0"]))
+    log = MetricsLog(tmp_path, resume_step=0, tensorboard=True)
+    log.log({"step": 1, "loss": 0.5})
+    log.close(plot=None, title="", log_scale=False)
+    seen = EventAccumulator(str(tb))
+    seen.Reload()
+    assert [(e.step, e.value) for e in seen.Scalars("loss")] == [(1, 0.5)]
+
+
 def test_a_fresh_run_refuses_a_run_directory_holding_another_runs_checkpoints(runs, tmp_path):
     """checkpoint.dir elsewhere and nothing there to resume: the run would start fresh and rewrite the
     run directory's metrics and config, which describe the checkpoints still in it. Refused, one

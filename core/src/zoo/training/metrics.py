@@ -171,6 +171,20 @@ def measured_peak_flops(device: str, dtype: Any) -> float:
     return _PEAK[key]
 
 
+def _after_earlier_event_files(tb_dir: Path) -> None:
+    """TensorBoard reads a directory's event files in name order, and a file's name starts with
+    the second its writer started, then host and pid: a file of a run begun in this same second
+    (a restart within it) could sort after this run's by pid, and its points would outlive the purge.
+    Waits for the second after it then (at most 2 s; a name from a clock further ahead is left)."""
+    latest = 0
+    for f in tb_dir.glob("events.out.tfevents.*"):
+        with contextlib.suppress(IndexError, ValueError):
+            latest = max(latest, int(f.name.split(".")[3]))
+    now = time.time()
+    if int(now) <= latest <= now + 1:
+        time.sleep(latest + 1 - now)
+
+
 class MetricsLog:
     """metrics.jsonl, TensorBoard and previews of one run (written by global rank 0 only)."""
 
@@ -198,6 +212,7 @@ class MetricsLog:
                 self.tb_dir = run_dir / "tensorboard"
                 # TensorBoard drops the earlier files' points from this step on, as metrics.jsonl
                 # does above: a resumed run's from a run that died, a fresh start's (step 1) all
+                _after_earlier_event_files(self.tb_dir)
                 self.tb = SummaryWriter(str(self.tb_dir), purge_step=resume_step + 1)
 
     def log(self, record: dict[str, Any]) -> None:
