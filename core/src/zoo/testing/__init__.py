@@ -47,15 +47,15 @@ def _worker(
     results: Any,
     backend: str,
     pg_timeout: float,
-    env: Mapping[str, str],
-    parent_env: Mapping[str, str],
+    environ: Mapping[str, str],
     stdio: tuple[int, int],
     umask: int,
 ) -> None:
     # A forkserver child inherits the server's environment and output, not the caller's: the
-    # caller's, as a spawned child has them (a test's monkeypatched variables, its captured output)
+    # caller's (with ``env``), as a spawned child has them (a test's monkeypatched variables, its
+    # captured output)
     os.environ.clear()
-    os.environ.update(parent_env)
+    os.environ.update(environ)
     os.umask(umask)
     for fd, target in zip(stdio, (1, 2), strict=True):
         if fd != target:  # (a spawned child gets the caller's under their own numbers)
@@ -73,7 +73,6 @@ def _worker(
         # Every collective checks its tensors' devices against the group's backend (gloo here:
         # CPU only), so a tensor left on the wrong device fails here rather than on a GPU cluster.
         ZOO_CHECK_COLLECTIVES=os.environ.get("ZOO_CHECK_COLLECTIVES", "1"),
-        **env,
     )
     import torch
 
@@ -164,8 +163,8 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, args, kwargs, rank, world_size, store.port, results, backend, pg_timeout, dict(env or {}),
-                  dict(os.environ), (_CallersFd(1), _CallersFd(2)), _umask()),
+            args=(fn, args, kwargs, rank, world_size, store.port, results, backend, pg_timeout,
+                  {**os.environ, **(env or {})}, (_CallersFd(1), _CallersFd(2)), _umask()),
             name=f"zoo-rank{rank}",
             daemon=True,
         )
