@@ -184,7 +184,7 @@ SURFACE = {
     "prepare": ["what"],
     "data": ["what"],
     "generate": ["--checkpoint", "--greedy", "--max-new-tokens", "--no-cache", "--prompt", "--seed", "--temperature",
-                 "--tokenizer", "--top-k", "--top-p", "--weights", "--model", "--device",
+                 "--tokenizer", "--top-k", "--top-p", "--weights", "--model", "--device", "--dtype",
                  # image-text models (CLIP, LLaVA)
                  "--image", "--labels",
                  # diffusion models (DFM's snake_case spellings are the aliases listed last)

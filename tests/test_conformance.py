@@ -53,11 +53,20 @@ def test_conforming_fake_family_passes(plugin_root):
                     "        with torch.no_grad():\n            for p, s in zip(self.parameters(), self.snap):\n                p.copy_(s)\n"
                     "        x = self.embed(tokens)"),
          "did not lower the loss"),
+        # A table of angles kept as a buffer: in bf16 it is rounded (RoPE's frequencies were such a table).
+        ("rounded", [("self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size)",
+                      "self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size)\n"
+                      "        self.register_buffer('phase', torch.arange(cfg.hidden_size) * 97.3, persistent=False)"),
+                     ("        x = self.embed(tokens)",
+                      "        x = self.embed(tokens) + 10 * torch.sin(self.phase.float())")],
+         "with bf16 parameters"),
     ],
 )
 def test_suite_catches_faults(plugin_root, fault, replace, message):
-    old, new = replace
-    assert old in MODEL_MODULE
-    reg = _family_with_model(plugin_root, f"bad{fault}", MODEL_MODULE.replace(old, new))
+    source = MODEL_MODULE
+    for old, new in replace if isinstance(replace, list) else [replace]:
+        assert old in source
+        source = source.replace(old, new)
+    reg = _family_with_model(plugin_root, f"bad{fault}", source)
     with pytest.raises(AssertionError, match=message):
         check_family(f"bad{fault}", registry=reg)

@@ -265,12 +265,12 @@ def test_bf16_on_a_cpu_without_bf16_instructions_gets_a_note_and_a_quick_peak(mo
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
     if flags and "avx512f" not in flags and platform.machine() == "x86_64":
-        assert "train.precision=fp32" in cpu.precision_note(train)
+        assert "train.precision=fp32" in cpu.precision_note(train.precision)
     if flags & {"avx512_bf16", "amx_bf16"}:
-        assert cpu.precision_note(train) is None
+        assert cpu.precision_note(train.precision) is None
     monkeypatch.setattr(gemm, "bf16_is_native", lambda: False)
-    assert "train.precision=fp32" in cpu.precision_note(train)
-    assert cpu.precision_note(TrainConfig(precision="fp32")) is None
+    assert "train.precision=fp32" in cpu.precision_note(train.precision)
+    assert cpu.precision_note(TrainConfig(precision="fp32").precision) is None
 
     calls: list[int] = []
     real_mm = gemm.mm

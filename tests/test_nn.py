@@ -257,6 +257,31 @@ def test_modulated_layer_norm_matches_formula_gradcheck_and_recomputes(per_token
     assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads["elementwise"]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rope_tables_keep_float32_frequencies_when_the_model_is_cast(dtype):
+    """A model cast to bf16/fp16 (`train.param_dtype`, `zoo generate --dtype`) keeps RoPE's
+    inverse frequencies in float32: its cos/sin tables equal the formula's in float64 to float32
+    accuracy out to 8,192 positions (bf16 frequencies put them off by up to ~2 there), and equal
+    the uncast module's bit for bit. Llama 3.1's scaled frequencies included."""
+    from zoo.nn import Rotary
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    for theta, scale in ((10000.0, None), (500000.0, scaling)):
+        rope = Rotary(128, theta, scale)
+        pos = torch.arange(8192)
+        ref = rope(pos)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), rope).to(dtype)
+        assert model[0].weight.dtype == dtype and rope.inv_freq.dtype == torch.float32
+        cos, sin = rope(pos)
+        assert torch.equal(cos, ref[0]) and torch.equal(sin, ref[1])
+        if scale is None:  # the paper's frequencies, in float64
+            inv = theta ** -(torch.arange(0, 128, 2, dtype=torch.float64) / 128)
+            angle = pos.double()[:, None] * torch.cat([inv, inv])
+            assert (cos.double() - angle.cos()).abs().max() < 2e-3
+            assert (sin.double() - angle.sin()).abs().max() < 2e-3
+
+
 @pytest.mark.parametrize("causal,gqa,packed", [(False, False, False), (True, True, False), (True, False, True)])
 def test_a_last_layer_computing_only_kept_positions_equals_the_full_layer_there(causal, gqa, packed):
     """`run_layers(..., keep=)`: the last layer computes K of T positions; outputs and every

@@ -47,10 +47,12 @@ def list_families() -> list[str]:
     return sorted(get_registry().families)
 
 
-def load_model(path: str, *, device: str = "cpu", weights: str = "auto") -> object:
+def load_model(path: str, *, device: str = "cpu", weights: str = "auto", dtype: object = None) -> object:
     """Load a zoo checkpoint or a Hugging Face model directory; language models map
     ``model(input_ids)`` to logits ``(batch, seq, vocab)``. ``weights``: ``auto`` takes a training
-    checkpoint's moving average of the parameters when it has one, ``raw`` the parameters."""
+    checkpoint's moving average of the parameters when it has one, ``raw`` the parameters.
+    ``dtype`` (``torch.bfloat16``, ``torch.float16``): parameters in that type, as
+    ``train.param_dtype`` holds them; run the model under ``torch.autocast`` of the same type."""
     from zoo.checkpoint.external import load_model as _load
 
-    return _load(path, device=device, weights=weights)
+    return _load(path, device=device, weights=weights, dtype=dtype)

@@ -15,17 +15,40 @@ def _registry(args: argparse.Namespace) -> Any:
     return get_registry(only=getattr(args, "plugins", None))
 
 
+# --dtype: the parameters' type and autocast's (None: float32, no autocast)
+_DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    import contextlib
+
     import torch
 
     from zoo.checkpoint.external import load
     from zoo.checkpoint.state import resolve_checkpoint
-    from zoo.data.tokenizer import load_tokenizer
-    from zoo.family import resolve
     from zoo.parallel.distributed import pick_device
+    from zoo.training.cpu import precision_note
 
     path = resolve_checkpoint(args.checkpoint)
-    loaded = load(path, device=pick_device(args.device, what="--device"), weights=args.weights)
+    device = pick_device(args.device, what="--device")
+    dtype = None if _DTYPES[args.dtype] is None else getattr(torch, _DTYPES[args.dtype])
+    if torch.device(device).type == "cpu" and (note := precision_note(args.dtype, asked="--dtype bf16",
+                                                                        fast="--dtype fp32")):
+        print(note, flush=True)
+    loaded = load(path, device=device, weights=args.weights, dtype=dtype)
+    # bf16/fp16 as a training run with train.param_dtype computes: parameters in that type, under
+    # autocast (norms, softmax and the losses' reductions in float32; the families' own float32 parts stay)
+    compute = torch.autocast(torch.device(device).type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    with compute:
+        return _generate(args, path, loaded)
+
+
+def _generate(args: argparse.Namespace, path: Any, loaded: Any) -> int:
+    import torch
+
+    from zoo.data.tokenizer import load_tokenizer
+    from zoo.family import resolve
+
     entry = _registry(args).get(loaded.family)
     fam = entry.family
     if args.model is not None and _registry(args).get(args.model).family.name != fam.name:
@@ -96,6 +119,9 @@ def add_generate_parser(sub: Any) -> None:
                         "same samples on either")
     p.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
                    help="sample with the moving average of the weights (train.ema) or the raw ones; auto: the average if kept")
+    p.add_argument("--dtype", choices=list(_DTYPES), default="fp32",
+                   help="the parameters' type: bf16/fp16 hold them in half the memory of fp32 and compute under "
+                        "autocast, as train.param_dtype trains")
     v = p.add_argument_group("image-text models (CLIP, LLaVA)")
     v.add_argument("--image", nargs="+", help="image file(s): LLaVA answers --prompt about one, CLIP classifies each")
     v.add_argument("--labels", help="CLIP zero-shot: comma-separated label texts, e.g. 'a 0,a 1,a 2'")

@@ -239,6 +239,19 @@ def test_expert_bias_moves_against_the_load_and_only_steers_the_choice():
     assert torch.allclose(gates, unbiased / unbiased.sum(-1, keepdim=True))  # gates are the unbiased scores
 
 
+def test_expert_bias_stays_float32_and_keeps_moving_when_the_layer_is_cast_to_bf16():
+    """`train.param_dtype=bf16` casts the model: the bias is no parameter (no fp32 master behind it),
+    and in bf16 a 1e-3 step from 0.6 rounds back to where it was. The expected values are float32
+    arithmetic on the same numbers."""
+    layer = _layer(MoESpec(expert=SWIGLU, router="sigmoid_topk"), expert_bias=True).to(torch.bfloat16)
+    assert layer.router.weight.dtype == torch.bfloat16 and layer.router.expert_bias.dtype == torch.float32
+    layer.router.expert_bias.fill_(0.6)
+    layer.router.tokens_per_expert = torch.tensor([9.0, 0.0, 3.0, 3.0, 3.0, 0.0])  # mean 3
+    layer.router.update_bias(1e-3)
+    start = torch.full((6,), 0.6)
+    assert torch.equal(layer.router.expert_bias, start + 1e-3 * torch.tensor([-1.0, 1.0, 0.0, 0.0, 0.0, 1.0]))
+
+
 def test_bad_moe_configs_fail_with_one_clear_line():
     from zoo_moe.plugin import mixtral_tiny
 

@@ -81,20 +81,34 @@ class Loaded:
     tokenizer_dir: Path | None
 
 
-def _materialize(entry: FamilyEntry, config: Any, state: Mapping[str, Any], *, device: str, what: str) -> Any:
-    """Build the model (under a forked RNG, so loading never disturbs the caller's seed) and fill it."""
+def _materialize(entry: FamilyEntry, config: Any, state: Mapping[str, Any], *, device: str, what: str,
+                 dtype: Any = None) -> Any:
+    """Build the model (under a forked RNG, so loading never disturbs the caller's seed) and fill it.
+    ``dtype`` (bf16, fp16): the parameters are made in it (torch's default dtype during the build:
+    no float32 copy of the whole model on the way) and the model is then cast as
+    ``train.param_dtype`` casts it (buffers the model keeps in float32 stay so, `zoo.nn.Float32Buffers`);
+    the stored values are rounded to it as they are loaded."""
     import torch
 
+    default = torch.get_default_dtype()
     with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
-        model = build_empty(entry, config, device=device)
+        try:
+            if dtype is not None:
+                torch.set_default_dtype(dtype)
+            model = build_empty(entry, config, device=device)
+        finally:
+            torch.set_default_dtype(default)
+    if dtype is not None:
+        model.to(dtype)
     load_into(model, state, what=what)
     return model
 
 
-def load(path: str | os.PathLike[str], *, device: str = "cpu", weights: str = "auto") -> Loaded:
+def load(path: str | os.PathLike[str], *, device: str = "cpu", weights: str = "auto", dtype: Any = None) -> Loaded:
     """Load a zoo checkpoint or model directory, or a Hugging Face directory of a known architecture.
     ``weights``: ``auto`` takes a training checkpoint's moving average of the parameters when it
-    has one (``train.ema``), ``ema`` requires it, ``raw`` takes the parameters themselves."""
+    has one (``train.ema``), ``ema`` requires it, ``raw`` takes the parameters themselves.
+    ``dtype``: a torch floating dtype to hold the parameters in (None: float32, as trained)."""
     p = resolve_checkpoint(path)  # a run directory or checkpoint root: its newest complete checkpoint
     if p.is_dir() and not (p / META).exists() and (p / "config.json").is_file():
         entry, fmt, config, _ = _hf_source(p, "diffusers" if "_class_name" in read_json(p / "config.json") else "hf")
@@ -104,13 +118,13 @@ def load(path: str | os.PathLike[str], *, device: str = "cpu", weights: str = "a
         entry = _registry().get(md.family)
         config = config_for(entry, md.meta["model_config"], source=str(p / META))
         state = read_model_state(md, weights=weights)
-    model = _materialize(entry, config, state, device=device, what=str(p))
+    model = _materialize(entry, config, state, device=device, what=str(p), dtype=dtype)
     return Loaded(model, entry.family.name, config, p if (p / "tokenizer.json").is_file() else None)
 
 
-def load_model(path: str | os.PathLike[str], *, device: str = "cpu", weights: str = "auto") -> Any:
+def load_model(path: str | os.PathLike[str], *, device: str = "cpu", weights: str = "auto", dtype: Any = None) -> Any:
     """The model stored at ``path`` (zoo or Hugging Face directory), ready for ``model(input_ids)``."""
-    return load(path, device=device, weights=weights).model
+    return load(path, device=device, weights=weights, dtype=dtype).model
 
 
 # ------------------------------------------------------------------------------------- external

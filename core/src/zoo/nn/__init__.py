@@ -263,8 +263,30 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None
     raise ValueError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
 
 
-class Rotary(nn.Module):
+class Float32Buffers(nn.Module):
+    """A module whose buffers named in ``float32_buffers`` stay float32 when the module is cast to
+    bf16 or fp16 (``model.to(torch.bfloat16)``, as ``train.param_dtype`` and ``zoo generate
+    --dtype`` do); device moves and float64 apply as usual. A buffer is no parameter: no fp32
+    master copy stands behind it, so a cast would be its only value. RoPE's inverse frequencies in
+    bf16 (8 significant bits) put the angle at position 1,024 off by up to ~1 radian; a
+    load-balancing bias moved by 1e-3 a step stops moving in bf16 once it passes 0.5."""
+
+    float32_buffers: tuple[str, ...] = ()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        before = {n: self._buffers[n] for n in self.float32_buffers if self._buffers.get(n) is not None}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new is not None and new.is_floating_point() and new.element_size() < 4 <= old.element_size():
+                self._buffers[name] = old.to(device=new.device)  # the values as they were, where the cast put them
+        return self
+
+
+class Rotary(Float32Buffers):
     """cos/sin tables for positions, rotate-half layout (as in HF), float32."""
+
+    float32_buffers = ("inv_freq",)
 
     def __init__(self, head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None) -> None:
         super().__init__()

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.nn import Float32Buffers
 from zoo.nn.moe_experts import ExpertMLPs, grouped_mm_works
 from zoo.spec import MoESpec
 
@@ -82,12 +83,13 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
-class Router(nn.Module):
+class Router(Float32Buffers):
     """Token-choice top-k router: ``logits = x W^T`` (in fp32, autocast or not), scores by softmax or sigmoid over all
     experts, top-k chosen on the scores (plus ``expert_bias`` when aux-loss-free balancing is on),
     gates = the chosen unbiased scores, renormalised to sum to one when ``normalize``."""
 
     force: tuple[int, ...] | None = None  # tests: every token goes to these experts (idle experts on purpose)
+    float32_buffers = ("expert_bias",)  # (its own state: a bf16 copy would stop moving, see Float32Buffers)
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, *, score: str, normalize: bool,
                  expert_bias: bool = False) -> None:

@@ -15,7 +15,9 @@ can learn at all). And what the family declares for the trainer (`check_declarat
 declared metric is returned as a finite scalar and every auxiliary loss carries a gradient; the
 throughput hooks count positive units and FLOPs; a preview returns a `zoo.media.Artifact`; a
 pipeline spec's stages, run one after the other in one process, give the whole model's loss, with
-exactly the tensors the spec carries crossing the boundary.
+exactly the tensors the spec carries crossing the boundary. And bf16 parameters (`check_low_precision`):
+loaded as ``zoo generate --dtype bf16`` loads them, every parameter is bf16 and the loss under bf16
+autocast is the float32 model's to bf16 accuracy.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["build_tiny", "check_declarations", "check_family", "installed_families"]
+__all__ = ["build_tiny", "check_declarations", "check_family", "check_low_precision", "installed_families"]
 
 
 def installed_families() -> list[str]:
@@ -135,6 +137,35 @@ def check_family(name: str, *, flavor: str = "tiny", registry: Any = None) -> No
     end = measure()
     assert end < start, f"{name}: 10 AdamW steps on one batch did not lower the loss ({start:.4f} -> {end:.4f})"
     check_declarations(name, flavor=flavor, registry=registry)
+    check_low_precision(name, flavor=flavor, registry=registry)
+
+
+def check_low_precision(name: str, *, flavor: str = "tiny", registry: Any = None) -> None:
+    """The model loaded with bf16 parameters, as ``zoo generate --dtype bf16`` loads a checkpoint
+    (built under a bf16 default dtype, cast, the float32 values rounded in), holds every parameter in
+    bf16, and under bf16 autocast gives the float32 model's loss on the example batch to within 2%
+    (both under the same autocast: what differs is only the parameters' rounding)."""
+    import torch
+
+    from zoo.checkpoint.external import _materialize
+    from zoo.registry import get_registry
+
+    fam, cfg, spec, build, loss_fn, example = _parts(name, flavor, registry)
+    torch.manual_seed(0)
+    model = build(cfg, spec)
+    low = _materialize((registry or get_registry()).get(name), cfg, model.state_dict(), device="cpu",
+                       what=f"family {name!r}", dtype=torch.bfloat16)
+    wide = [n for n, p in low.named_parameters() if p.is_floating_point() and p.dtype != torch.bfloat16]
+    assert not wide, f"{name}: parameters {wide[:4]} are not bf16 after a bf16 load"
+    batch = example(cfg, batch_size=2, seq_length=_seq_length(fam, flavor), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for m in (model, low):
+        torch.manual_seed(1)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(float(loss_fn(m, batch)[0]))
+    full, half = losses
+    assert math.isfinite(half) and abs(half - full) <= 2e-2 * max(1.0, abs(full)), \
+        f"{name}: loss {half} with bf16 parameters, {full} with float32 ones (both under bf16 autocast)"
 
 
 def check_declarations(name: str, *, flavor: str = "tiny", registry: Any = None) -> None:

@@ -14,17 +14,19 @@ def configure(train: Any, announce: bool = False) -> list[str]:
     from zoo.training import malloc
 
     lines = [malloc.configure(train.cpu_malloc), gemm.configure(train.cpu_gemm), fused.configure(train.cpu_fused)]
-    if announce and (note := precision_note(train)):
+    if announce and (note := precision_note(train.precision)):
         print(note, flush=True)
     return lines
 
 
-def precision_note(train: Any) -> str | None:
-    """A note for a bf16 run on a CPU where oneDNN has no bf16 products (`zoo.gemm.bf16_is_native`:
-    an AVX2-only CPU), so torch's bf16 products are fallbacks far slower than float32; else None."""
+def precision_note(precision: str, *, asked: str = "train.precision=bf16", fast: str = "train.precision=fp32"
+                   ) -> str | None:
+    """A note for bf16 computation (``asked``: how the user chose it) on a CPU where oneDNN has no bf16
+    products (`zoo.gemm.bf16_is_native`: an AVX2-only CPU), so torch's bf16 products are fallbacks
+    far slower than float32; else None."""
     from zoo import gemm
 
-    if train.precision != "bf16" or gemm.bf16_is_native():
+    if precision != "bf16" or gemm.bf16_is_native():
         return None
-    return ("note: train.precision=bf16 on a CPU without bf16 products (no AVX-512 BF16, AMX or AVX-512): they "
-            "run 10-400x slower than float32 here; train.precision=fp32 is the fast choice")
+    return (f"note: {asked} on a CPU without bf16 products (no AVX-512 BF16, AMX or AVX-512): they "
+            f"run 10-400x slower than float32 here; {fast} is the fast choice")
