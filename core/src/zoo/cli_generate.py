@@ -123,7 +123,8 @@ def add_generate_parser(sub: Any) -> None:
                    help="the parameters' type: bf16/fp16 hold them in half the memory of fp32 and compute under "
                         "autocast, as train.param_dtype trains")
     v = p.add_argument_group("image-text models (CLIP, LLaVA)")
-    v.add_argument("--image", nargs="+", help="image file(s): LLaVA answers --prompt about one, CLIP classifies each")
+    v.add_argument("--image", nargs="+", help="image file(s), any size (resized and centre-cropped as CLIP's processor "
+                                              "does): LLaVA answers --prompt about one, CLIP classifies each")
     v.add_argument("--labels", help="CLIP zero-shot: comma-separated label texts, e.g. 'a 0,a 1,a 2'")
     d = p.add_argument_group("diffusion models (DiT); DFM's argument names are accepted")
     d.add_argument("--class", dest="classes", type=int, nargs="+", help="class(es) to draw, one sample each")

@@ -220,3 +220,32 @@ def test_llava_files_written_by_released_transformers_load_with_their_logits(rel
         assert torch.allclose(model(ids, images=ref["pixel_values"]), ref["logits"], atol=1e-5, rtol=0)
         loss = model(ids[:, :-1], images=ref["pixel_values"], labels=labels[:, 1:])
         assert abs(loss.item() - ref["loss"].item()) <= 1e-5
+
+
+def test_generate_fits_other_image_sizes_as_clips_image_processor_does(tmp_path):
+    """`zoo generate --image`: a file of another size reaches the tower as HF's `CLIPImageProcessor`
+    makes it (shorter side resized bicubic, centre crop, OpenAI's normalisation), for wide, tall,
+    grey and RGBA images; one of the tower's own size is decoded as the training data is."""
+    import numpy as np
+    from PIL import Image
+    from transformers import CLIPImageProcessor
+    from zoo_vlm.data import image_tensor
+    from zoo_vlm.generate import read_images
+    from zoo_vlm.plugin import clip_tiny
+
+    from zoo.data.energon.samples import decode_part
+
+    cfg = clip_tiny()
+    s = cfg.image_size
+    proc = CLIPImageProcessor(size={"shortest_edge": s}, crop_size={"height": s, "width": s})
+    rng = np.random.default_rng(0)
+    for name, mode, shape in (("wide", "RGB", (28, 45, 3)), ("tall", "RGB", (50, 31, 3)), ("grey", "L", (37, 29)),
+                              ("rgba", "RGBA", (40, 40, 4)), ("exact", "RGB", (s, s, 3))):
+        path = tmp_path / f"{name}.png"
+        Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode).save(path)
+        ours = read_images([str(path)], cfg)
+        theirs = proc(images=Image.open(path), return_tensors="pt").pixel_values
+        assert ours.shape == (1, 3, s, s)
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0, msg=name)
+        if name == "exact":  # as training decodes a dataset's image
+            assert torch.equal(ours[0], image_tensor(decode_part("png", path.read_bytes()), cfg, name))

@@ -18,17 +18,39 @@ from zoo_vlm.plugin import CLIPConfig, LlavaConfig, VisionFields
 
 
 def read_images(paths: list[str], cfg: VisionFields) -> torch.Tensor:
-    """Image files -> (n, C, S, S), decoded as the datasets' images and normalised as in training."""
-    from zoo.data.energon.samples import decode_part
+    """Image files -> (n, C, S, S), normalised as in training. An image of another size is brought
+    to the tower's S x S as CLIP's image processor does it: the shorter side resized to S (bicubic,
+    the longer in proportion, rounded down), then the centre S x S cut out; a transparent image is
+    laid over white first. (Training data of the
+    wrong size is refused instead, `image_tensor`: a dataset should hold what the model was set up for.)"""
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
 
     out = []
     for p in paths:
         path = Path(p)
         if not path.is_file():
             raise UsageError(f"--image {p}: no such file")
-        ext = path.suffix.lower().lstrip(".").replace("jpeg", "jpg")
         try:
-            out.append(image_tensor(decode_part(ext, path.read_bytes(), where=str(path)), cfg, str(path)))
+            with Image.open(path) as img:
+                if img.mode not in ("L", "RGB"):  # transparency over white, as the processor (and a viewer) shows it
+                    rgba = img.convert("RGBA")
+                    img = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
+                w, h = img.size
+                s = cfg.image_size
+                if (w, h) != (s, s):
+                    short, long = min(w, h), max(w, h)
+                    size = (s, int(s * long / short)) if w <= h else (int(s * long / short), s)
+                    img = img.resize(size, Image.Resampling.BICUBIC)
+                    left, top = (img.size[0] - s) // 2, (img.size[1] - s) // 2
+                    img = img.crop((left, top, left + s, top + s))
+                pixels = np.asarray(img, dtype=np.uint8)
+        except (OSError, UnidentifiedImageError) as e:
+            raise UsageError(f"--image {p}: not an image Pillow can read ({e})") from None
+        x = torch.from_numpy(pixels.astype(np.float32) / 255.0)
+        x = x[None] if x.dim() == 2 else x.permute(2, 0, 1)
+        try:
+            out.append(image_tensor(x, cfg, str(path)))
         except ValueError as e:
             raise UsageError(str(e)) from None
     return torch.stack(out)
