@@ -294,12 +294,13 @@ def test_cuda_graphs_replay_the_trainers_eager_steps_and_resume_exactly(tmp_path
 
 
 @pytest.mark.parametrize("model, extra", [("llama", ()), ("mamba2", ()), ("dit", ()),
-                                          ("llama", ("train.precision=bf16", "train.param_dtype=bf16"))],
+                                          ("llama", ("train.precision=bf16", "train.param_dtype=bf16",
+                                                     "train.grad_dtype=bf16"))],
                          ids=["llama", "mamba2", "dit", "llama-bf16-params"])
 def test_cuda_graphs_train_a_familys_eager_curve_under_zoo_train(capsys, tmp_path, model, extra):
     """`zoo train --model M train.cuda_graph=true` captures the family's step (no fallback to eager)
-    and trains the eager run's curve; with bf16 parameters the gradients are views into the
-    distributed optimizer's buckets, which the graph accumulates into."""
+    and trains the eager run's curve; with bf16 parameters and gradients the gradients are views
+    into the distributed optimizer's buckets, which the graph accumulates into."""
     from zoo.parallel.cuda_graphs import WARMUP
     from zoo.testing import run_zoo
 

@@ -223,3 +223,43 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank():
         # 1024 -> halved on the overflow -> two clean steps double it back.
         assert r["scale"] == {"scale": 1024.0, "clean_steps": 0, "growth_interval": 2}
     assert all(torch.equal(p, q) for p, q in zip(a["skip"], b["skip"]))  # the ranks still agree
+
+
+def test_bf16_parameters_accumulate_their_gradients_in_float32():
+    """`train.grad_dtype=fp32`, the default with bf16 parameters (Megatron's ``main_grad``): eight
+    micro-batches' bf16 gradients add up in a float32 bucket to the float64 sum of the same
+    gradients within float32 rounding, where adding them in bf16 is off by a percent. ``.grad``
+    stays None (each gradient is added in and dropped); `grad_of` reads the bucket."""
+    import contextlib
+    import copy
+
+    from zoo.parallel.data_parallel import GradBuckets, grad_of
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8)).to(torch.bfloat16)
+    alone = copy.deepcopy(model)
+    xs = [torch.randn(16, 64).bfloat16() for _ in range(8)]
+    each = []  # every micro-batch's own bf16 gradients, from a model without buckets
+    for x in xs:
+        alone.zero_grad(set_to_none=True)
+        alone(x).square().sum().backward()
+        each.append([p.grad.clone() for p in alone.parameters()])
+    buckets = GradBuckets(model, None, shard=True, grad_dtype=torch.float32)
+    for i, x in enumerate(xs):
+        with buckets.no_sync() if i < len(xs) - 1 else contextlib.nullcontext():
+            model(x).square().sum().backward()
+            assert all(p.grad is None for p in model.parameters())
+    buckets.finish()
+    worst_bf16 = 0.0
+    for j, p in enumerate(model.parameters()):
+        main = grad_of(p)
+        assert main is p.main_grad and main.dtype == torch.float32 and p.grad is None
+        exact = sum(g[j].double() for g in each)
+        assert (main.double() - exact).abs().max() <= 1e-6 * exact.abs().max()
+        summed = each[0][j].clone()
+        for g in each[1:]:
+            summed += g[j]
+        worst_bf16 = max(worst_bf16, float((summed.double() - exact).abs().max() / exact.abs().max()))
+    assert worst_bf16 > 1e-3, worst_bf16  # (what the float32 buckets are for)
+    buckets.zero_grad()
+    assert all(float(grad_of(p).abs().sum()) == 0 for p in model.parameters())

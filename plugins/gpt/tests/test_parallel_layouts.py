@@ -192,3 +192,17 @@ def test_low_precision_parameters_with_fp32_masters_train_and_resume_exactly(tmp
         assert zero.returncode == 0 and _curve(tmp_path / "zero") == got[:3]  # the same optimizer, asked for
         bad = zoo(*small_run(tmp_path / "bad", corpus_cache, f"train.param_dtype={dtype}"))
         assert bad.returncode == 2 and f"needs train.precision={dtype}" in bad.stderr
+        # float32 gradients (train.grad_dtype's default) reduce-scattered over dp2, the bf16 parameters
+        # gathered in bf16: bit for bit one process accumulating the same two micro-batches
+        from _gpt_helpers import torchrun
+
+        batch = ("train.steps=3", "train.global_batch_size=16", "train.micro_batch_size=8")
+        acc = zoo(*small_run(tmp_path / "acc", corpus_cache, *args, *batch))
+        dp2 = torchrun(2, *small_run(tmp_path / "dp2", corpus_cache, *args, *batch))
+        assert acc.returncode == 0 and dp2.returncode == 0, acc.stderr + dp2.stderr
+        assert _curve(tmp_path / "dp2") == _curve(tmp_path / "acc")
+        narrow = zoo(*small_run(tmp_path / "narrow", corpus_cache, *args, "train.grad_dtype=bf16", "train.steps=3"))
+        assert narrow.returncode == 0, narrow.stderr  # bf16 buckets (what train.cuda_graph needs): the same run
+        assert all(abs(a - b) < 5e-3 * b for a, b in zip(_curve(tmp_path / "narrow"), got))
+        bad = zoo(*small_run(tmp_path / "bad", corpus_cache, *args, "train.grad_dtype=fp16"))
+        assert bad.returncode == 2 and "gradients are kept in float32 or in the parameters' own type" in bad.stderr

@@ -144,11 +144,16 @@ class TrainConfig:
     global_batch_size: int | None = None  # None: micro_batch_size x dp (no accumulation)
     seq_length: int = 256
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # compute: bf16/fp16 autocast over fp32 parameters
-    # Parameter storage: bf16/fp16 keep parameters and gradients in that type and fp32 master
-    # weights in the distributed optimizer (used whatever parallel.zero says: on one data-parallel
-    # rank it shards nothing; needs the same train.precision; Megatron's --bf16 / --fp16). fp16
-    # adds dynamic loss scaling.
+    # Parameter storage: bf16/fp16 keep parameters in that type and fp32 master weights in the
+    # distributed optimizer (used whatever parallel.zero says: on one data-parallel rank it shards
+    # nothing; needs the same train.precision; Megatron's --bf16 / --fp16). fp16 adds dynamic loss
+    # scaling.
     param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # The gradient buckets' type, where gradients accumulate over micro-batches and are reduced over
+    # data-parallel ranks: fp32 (Megatron's --accumulate-allreduce-grads-in-fp32, which its --bf16
+    # turns on), or the parameters' own bf16/fp16 (half the bucket memory and reduction bytes, each
+    # sum rounded to 8 or 11 bits).
+    grad_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     # fp16's dynamic loss scale (`zoo.training.loss_scale`, every layout): the loss is multiplied by it
     # before backward; a step whose gradients overflow is skipped and halves it, loss_scale_window
     # clean steps in a row double it (Megatron's --initial-loss-scale / --loss-scale-window).

@@ -45,10 +45,15 @@ WARMUP = 2  # eager micro-batches of a shape before it is captured
 MicroBatch = Callable[[dict[str, Any], torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
 
-def check(*, enabled: bool, device: str, layout: Layout, precision: str) -> None:
+def check(*, enabled: bool, device: str, layout: Layout, precision: str, main_grads: bool = False) -> None:
     """Refuse ``train.cuda_graph=true`` where a replay would not do what the eager step does."""
     if not enabled:
         return
+    if main_grads:
+        raise ConfigError("train.cuda_graph=true with float32 gradients of low-precision parameters: each "
+                          "gradient is added into its float32 bucket by a hook that drops it, and a replay "
+                          "writes into gradients that exist before the capture; set train.grad_dtype to "
+                          "train.param_dtype's type")
     if not device.startswith("cuda"):
         raise ConfigError(f"train.cuda_graph=true needs a CUDA device; this run is on {device!r}")
     over = [f"parallel.{name}={getattr(layout, name)}" for name in ("tp", "cp", "pp", "ep", "dp")

@@ -8,6 +8,12 @@ micro-batch of an accumulation) nothing is launched and gradients simply accumul
 buffers. Buckets hold at least ``bucket_size`` elements (Megatron's default is 40M), so a step
 issues ``ceil(parameters / bucket_size)`` all-reduces at most.
 
+Parameters held in bf16/fp16 (``train.param_dtype``) get float32 buckets by default (``grad_dtype``,
+``train.grad_dtype``), as Megatron keeps ``main_grad`` for bf16: gradients accumulate over
+micro-batches and are reduced over ranks in float32. Autograd gives a parameter's gradient in the
+parameter's own type, so there ``.grad`` is not a view: each parameter's ``main_grad`` is, and the
+post-accumulate hook adds the new ``.grad`` into it and drops it (`grad_of` reads either).
+
 Reductions average over the data-parallel group, so with gradient accumulation the result equals
 one large batch when each micro-batch loss is a mean scaled by ``1 / accumulation``. A partition
 of the parameters can be reduced over another group with another divisor: expert-parallel experts
@@ -44,14 +50,23 @@ class _Bucket:
         self.handle: Any = None
 
 
+def grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    """A parameter's accumulated gradient: its float32 ``main_grad`` where `GradBuckets` keeps one,
+    else ``.grad``."""
+    main = getattr(p, "main_grad", None)
+    return main if main is not None else p.grad
+
+
 class GradBuckets:
     def __init__(self, module: nn.Module, group: Any, *, bucket_size: int = 40_000_000, shard: bool = False,
-                 partitions: Sequence[tuple[set[int], Any, int]] = ()) -> None:
+                 partitions: Sequence[tuple[set[int], Any, int]] = (), grad_dtype: torch.dtype | None = None) -> None:
         """``shard``: reduce-scatter instead of all-reduce; each rank then owns 1/DP of every bucket
         (ZeRO-1, `zoo.parallel.zero`), and only that shard of the buffer holds reduced values.
         ``partitions``: ``(parameter ids, group, divisor)``: those parameters are bucketed apart and
-        summed over their own group, then divided by ``divisor`` (expert parallelism)."""
-        self.module, self.group, self.shard = module, group, shard
+        summed over their own group, then divided by ``divisor`` (expert parallelism).
+        ``grad_dtype``: the buckets' type (None: each parameter's own); a wider one than the
+        parameters' makes ``main_grad`` views (module docstring)."""
+        self.module, self.group, self.shard, self.grad_dtype = module, group, shard, grad_dtype
         self.size = 1 if group is None else dist.get_world_size(group)
         params = [p for p in module.parameters() if p.requires_grad]
         self.buckets: list[_Bucket] = []
@@ -63,7 +78,11 @@ class GradBuckets:
         for b in self.buckets:
             offset = 0
             for p in b.params:
-                p.grad = b.buffer[offset:offset + p.numel()].view_as(p)
+                view = b.buffer[offset:offset + p.numel()].view_as(p)
+                if view.dtype == p.dtype:
+                    p.grad = view
+                else:  # autograd's gradient comes in p's type; `_ready` adds it in
+                    p.grad, p.main_grad = None, view  # type: ignore[attr-defined]
                 offset += p.numel()
                 self._bucket_of[id(p)] = b
                 p.register_post_accumulate_grad_hook(self._ready)
@@ -84,12 +103,17 @@ class GradBuckets:
             current.append(p)
             count += p.numel()
             if count >= bucket_size:
-                self.buckets.append(_Bucket(current, current[0].dtype, current[0].device, group, divisor))
+                self.buckets.append(_Bucket(current, self.grad_dtype or current[0].dtype, current[0].device, group,
+                                            divisor))
                 current, count = [], 0
         if current:
-            self.buckets.append(_Bucket(current, current[0].dtype, current[0].device, group, divisor))
+            self.buckets.append(_Bucket(current, self.grad_dtype or current[0].dtype, current[0].device, group, divisor))
 
     def _ready(self, p: torch.Tensor) -> None:
+        main = getattr(p, "main_grad", None)
+        if main is not None:  # (in float32, every micro-batch)
+            main.add_(p.grad)
+            p.grad = None
         if not self.sync:  # accumulating: nothing to launch (a pipeline sets `sync` per chunk)
             return
         b = self._bucket_of[id(p)]

@@ -209,7 +209,7 @@ class Parallel:
                                 gated=dim == 1 and m.gated)
         return out
 
-    def make_buckets(self, bucket_size: int, *, shard: bool) -> Any:
+    def make_buckets(self, bucket_size: int, *, shard: bool, grad_dtype: Any = None) -> Any:
         """Gradient buckets over the data x context group; with ``shard`` (the distributed
         optimizer) also for a single data-parallel rank, where they hold the fp32-master
         optimizer's gradients without reducing anything. Expert-parallel experts are bucketed apart,
@@ -222,7 +222,7 @@ class Parallel:
 
         partitions = [(experts, self.edp_group, self.dp * self.cp)] if experts else []
         self.buckets = GradBuckets(self.model, self.dp_cp_group, bucket_size=bucket_size, shard=shard,
-                                   partitions=partitions)
+                                   partitions=partitions, grad_dtype=grad_dtype)
         return self.buckets
 
     # -------------------------------------------------------------------------------- step
@@ -442,12 +442,15 @@ class Parallel:
         and debugging)."""
         if self.buckets is not None:
             self.buckets.unshard()
+        from zoo.parallel.data_parallel import grad_of
+
         out = {}
         for name, p in self.model.named_parameters():
             placement = self.placements[name]
-            if p.grad is None or placement.duplicate:
+            grad = grad_of(p)
+            if grad is None or placement.duplicate:
                 continue
-            out[placement.name] = _full(p.grad, placement)
+            out[placement.name] = _full(grad, placement)
         return gather_state(out, self.pp_group) if self.stages is not None else out
 
     def full_state(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

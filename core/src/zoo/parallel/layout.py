@@ -199,6 +199,10 @@ def _check_family(run: RunConfig, fam: Family) -> None:
     if dtype != "fp32" and run.train.precision != dtype:
         raise ConfigError(f"train.param_dtype={dtype} needs train.precision={dtype} (the parameters are stored in "
                           f"{dtype}, so the compute is too)")
+    grads = run.train.grad_dtype
+    if grads != "fp32" and grads != dtype:
+        raise ConfigError(f"train.grad_dtype={grads} with train.param_dtype={dtype}: gradients are kept in float32 or "
+                          "in the parameters' own type")
     if dtype != "fp32" and p.fsdp > 1:
         raise ConfigError(f"train.param_dtype={dtype} with parallel.fsdp: FSDP keeps fp32 parameters and computes in "
                           "train.precision itself; leave train.param_dtype=fp32")

@@ -145,11 +145,13 @@ def build_stages(model: nn.Module, spec: PipelineSpec, *, pp: int, vpp: int, ran
 
 def sync_tied_grads(params: Sequence[nn.Parameter], group: Any) -> None:
     """Sum the gradients of tied embeddings over the first and last stage (Megatron's embedding group)."""
+    from zoo.parallel.data_parallel import grad_of
+
     if group is None:
         return
-    for p in params:
-        if p.grad is not None:
-            dist.all_reduce(local(p.grad), group=group)  # (an FSDP gradient: this rank's shard)
+    for g in map(grad_of, params):
+        if g is not None:
+            dist.all_reduce(local(g), group=group)  # (an FSDP gradient: this rank's shard)
 
 
 # ------------------------------------------------------------------------------------ schedules

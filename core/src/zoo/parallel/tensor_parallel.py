@@ -174,7 +174,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 def reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], group: Any) -> None:
     """Sum over TP the gradients of parameters applied to sequence shards (norm weights, row
     biases), all in one all-reduce of their concatenation."""
-    grads = [local(p.grad) for p in params if p.grad is not None]  # (an FSDP gradient: this rank's shard)
+    from zoo.parallel.data_parallel import grad_of
+
+    grads = [local(g) for g in map(grad_of, params) if g is not None]  # (an FSDP gradient: this rank's shard)
     if not grads or comm._size(group) == 1:
         return
     flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)

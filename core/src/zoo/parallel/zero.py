@@ -81,7 +81,7 @@ class DistributedOptimizer:
         inv = 1.0 / loss_scale.factor if loss_scale is not None else 1.0
         for b, a, n, master, _, _ in self.pieces:
             # this rank's reduced gradient slice, unscaled: a float32 buffer's own memory (the step
-            # reads it before the buffer is reused for the parameters below), a bf16/fp16 one's copy
+            # reads it before the buffer may be reused for the parameters below), a bf16/fp16 one's copy
             grad = b.buffer[a:a + n].float()
             master.grad = grad.mul_(inv) if inv != 1.0 else grad
         pairs = [(piece[3].grad, piece[4]) for piece in self.pieces]
@@ -106,15 +106,20 @@ class DistributedOptimizer:
 
             scale_grads([piece[3].grad for piece in self.pieces], norm, max_norm)
         self.optimizer.step()
+        # the parameters are gathered in their own type: through the gradient buffer where it has
+        # that type, else (float32 gradients of bf16 parameters) a buffer of the parameters' type
+        flats = {id(b): b.buffer if b.buffer.dtype == b.params[0].dtype else
+                 b.buffer.new_empty(b.buffer.numel(), dtype=b.params[0].dtype)
+                 for b in self.buckets.buckets if b.size > 1}
         for b, a, n, master, p, at in self.pieces:
             if b.size == 1:  # nothing to gather: straight into the parameter (one cast copy, not two)
                 p.detach().view(-1)[at:at + n].copy_(master)
             else:
-                b.buffer[a:a + n].copy_(master)  # (cast on the way) reuse the grad buffer to gather params
+                flats[id(b)][a:a + n].copy_(master)  # (cast on the way)
         for b in self.buckets.buckets:
             if b.size == 1:
                 continue
-            full = self._gather(b.buffer, b)
+            full = self._gather(flats[id(b)], b)
             offset = 0
             for p in b.params:
                 p.copy_(full[offset:offset + p.numel()].view_as(p))
@@ -153,7 +158,7 @@ class DistributedOptimizer:
             if step is not None:
                 for p in b.params:
                     out[f"{names[id(p)]}::step"] = torch.as_tensor(step).clone()
-            if b.buffer.dtype != torch.float32:  # low-precision parameters: the fp32 masters are the truth
+            if b.params[0].dtype != torch.float32:  # low-precision parameters: the fp32 masters are the truth
                 flat = torch.zeros(b.buffer.numel(), dtype=torch.float32, device=b.buffer.device)
                 for pb, a, n, master, _, _ in self.pieces:
                     if pb is b:

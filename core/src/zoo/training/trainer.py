@@ -118,7 +118,8 @@ class Trainer:
         self.dev_type = "cuda" if env.device.startswith("cuda") else "cpu"
         if self.dev_type == "cpu":
             cpu.configure(run.train, announce=env.is_main)  # allocator, float32 products, fused kernels
-        cuda_graphs.check(enabled=run.train.cuda_graph, device=env.device, layout=self.layout, precision=run.train.precision)
+        cuda_graphs.check(enabled=run.train.cuda_graph, device=env.device, layout=self.layout, precision=run.train.precision,
+                          main_grads=run.train.param_dtype != "fp32" and run.train.grad_dtype == "fp32")
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.train.precision)
         full, record = self._model_on_meta()
         self.n_params = sum(p.numel() for p in full.parameters())
@@ -161,7 +162,8 @@ class Trainer:
             self.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[run.train.param_dtype])
 
         adamw = optim.adamw_factory(run.optimizer, note=lambda m: print(m, flush=True) if self.env.is_main else None)
-        self.buckets = par.make_buckets(run.parallel.bucket_size, shard=bool(self.layout.zero))
+        self.buckets = par.make_buckets(run.parallel.bucket_size, shard=bool(self.layout.zero),
+                                        grad_dtype=torch.float32 if run.train.grad_dtype == "fp32" else None)
         self.zero = None
         if self.layout.zero:
             from zoo.parallel.zero import DistributedOptimizer
