@@ -108,9 +108,10 @@ def time_training(model, loss_of, args: argparse.Namespace, *, bf16_params: bool
                   cuda_graph: bool = False) -> dict:
     """Median step time of AdamW training on one fixed batch (``args``: vocab, batch, seq, precision,
     warmup, steps): tokens/s, the last loss and peak RSS. Also used by benchmarks/moe_vs_hf.py.
-    ``bf16_params``: zoo's `train.param_dtype=bf16` path: bf16 parameters and gradients (autocast
-    then re-casts nothing), fp32 master weights and Adam state in zoo's distributed optimizer, which
-    on one rank shards nothing (`zoo.parallel.zero`, over `zoo.parallel.data_parallel.GradBuckets`).
+    ``bf16_params``: zoo's `train.param_dtype=bf16` path: bf16 parameters (autocast then re-casts
+    nothing), float32 gradient buckets (`train.grad_dtype=fp32`), fp32 master weights and Adam state
+    in zoo's distributed optimizer, which on one rank shards nothing (`zoo.parallel.zero`, over
+    `zoo.parallel.data_parallel.GradBuckets`).
     ``cuda_graph``: zoo's `train.cuda_graph=true` path: forward and backward replayed from a CUDA graph
     (`zoo.parallel.cuda_graphs`, driven as the trainer drives it), the optimizer step eager."""
     import torch
@@ -125,7 +126,7 @@ def time_training(model, loss_of, args: argparse.Namespace, *, bf16_params: bool
         from zoo.parallel.zero import DistributedOptimizer
 
         model.to(torch.bfloat16)
-        buckets = GradBuckets(model, None, shard=True)
+        buckets = GradBuckets(model, None, shard=True, grad_dtype=torch.float32)
         opt = DistributedOptimizer(buckets, make_opt, group_of=lambda p: {"weight_decay": 0.0})
     else:
         opt = make_opt(model.parameters())
