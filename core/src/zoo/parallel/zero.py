@@ -106,20 +106,21 @@ class DistributedOptimizer:
 
             scale_grads([piece[3].grad for piece in self.pieces], norm, max_norm)
         self.optimizer.step()
-        # the parameters are gathered in their own type: through the gradient buffer where it has
-        # that type, else (float32 gradients of bf16 parameters) a buffer of the parameters' type
-        flats = {id(b): b.buffer if b.buffer.dtype == b.params[0].dtype else
-                 b.buffer.new_empty(b.buffer.numel(), dtype=b.params[0].dtype)
-                 for b in self.buckets.buckets if b.size > 1}
-        for b, a, n, master, p, at in self.pieces:
-            if b.size == 1:  # nothing to gather: straight into the parameter (one cast copy, not two)
-                p.detach().view(-1)[at:at + n].copy_(master)
-            else:
-                flats[id(b)][a:a + n].copy_(master)  # (cast on the way)
+        mine: dict[int, list[Any]] = {}
+        for piece in self.pieces:
+            mine.setdefault(id(piece[0]), []).append(piece)
         for b in self.buckets.buckets:
-            if b.size == 1:
+            if b.size == 1:  # nothing to gather: straight into the parameters (one cast copy, not two)
+                for _, _, n, master, p, at in mine.get(id(b), []):
+                    p.detach().view(-1)[at:at + n].copy_(master)
                 continue
-            full = self._gather(flats[id(b)], b)
+            # gathered in the parameters' type: through the gradient buffer where it has that type,
+            # else (float32 gradients of bf16 parameters) one bucket's buffer of it at a time
+            flat = b.buffer if b.buffer.dtype == b.params[0].dtype else b.buffer.new_empty(b.buffer.numel(),
+                                                                                           dtype=b.params[0].dtype)
+            for _, a, n, master, _, _ in mine.get(id(b), []):
+                flat[a:a + n].copy_(master)  # (cast on the way)
+            full = self._gather(flat, b)
             offset = 0
             for p in b.params:
                 p.copy_(full[offset:offset + p.numel()].view_as(p))
