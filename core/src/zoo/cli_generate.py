@@ -4,6 +4,7 @@ zero-shot labels from image-text models; each family's own entry does the work."
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from zoo.errors import UsageError, at_least_one
@@ -34,7 +35,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     dtype = None if _DTYPES[args.dtype] is None else getattr(torch, _DTYPES[args.dtype])
     if torch.device(device).type == "cpu" and (note := precision_note(args.dtype, asked="--dtype bf16",
                                                                         fast="--dtype fp32")):
-        print(note, flush=True)
+        print(note, file=sys.stderr, flush=True)  # (stdout is the generated text)
     loaded = load(path, device=device, weights=args.weights, dtype=dtype)
     # bf16/fp16 as a training run with train.param_dtype computes: parameters in that type, under
     # autocast (norms, softmax and the losses' reductions in float32; the families' own float32 parts stay)
