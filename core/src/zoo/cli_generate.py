@@ -16,10 +16,6 @@ def _registry(args: argparse.Namespace) -> Any:
     return get_registry(only=getattr(args, "plugins", None))
 
 
-# --dtype: the parameters' type and autocast's (None: float32, no autocast)
-_DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     import contextlib
 
@@ -27,12 +23,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from zoo.checkpoint.external import load
     from zoo.checkpoint.state import resolve_checkpoint
+    from zoo.config import torch_dtype
     from zoo.parallel.distributed import pick_device
     from zoo.training.cpu import precision_note
 
     path = resolve_checkpoint(args.checkpoint)
     device = pick_device(args.device, what="--device")
-    dtype = None if _DTYPES[args.dtype] is None else getattr(torch, _DTYPES[args.dtype])
+    dtype = torch_dtype(args.dtype) if args.dtype != "fp32" else None  # (None: float32, no autocast)
     if torch.device(device).type == "cpu" and (note := precision_note(args.dtype, asked="--dtype bf16",
                                                                         fast="--dtype fp32")):
         print(note, file=sys.stderr, flush=True)  # (stdout is the generated text)
@@ -120,7 +117,7 @@ def add_generate_parser(sub: Any) -> None:
                         "same samples on either")
     p.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
                    help="sample with the moving average of the weights (train.ema) or the raw ones; auto: the average if kept")
-    p.add_argument("--dtype", choices=list(_DTYPES), default="fp32",
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="the parameters' type: bf16/fp16 hold them in half the memory of fp32 and compute under "
                         "autocast, as train.param_dtype trains")
     v = p.add_argument_group("image-text models (CLIP, LLaVA)")

@@ -30,6 +30,7 @@ from zoo.checkpoint.model_dir import (
 )
 from zoo.checkpoint.reader import Shape, lazy_model_state, read_model_state
 from zoo.checkpoint.tensorio import CheckpointError, ShardStream, copy_tokenizer_files, read_dir, read_json
+from zoo.config import torch_dtype
 from zoo.errors import UsageError, ZooError
 from zoo.io import make_dir_like_user
 
@@ -197,8 +198,6 @@ def import_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.Pa
 
 def export_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
                     max_shard_bytes: int = 5 * 2**30, dtype: str | None = None, weights: str = "auto") -> Path:
-    import torch
-
     from zoo.io import atomic_write_text
 
     src, dst = Path(src), Path(dst)
@@ -221,7 +220,7 @@ def export_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.Pa
         check_shapes(build_empty(entry, config, device="meta").state_dict(), shapes, what=str(src))
     except MappingError as e:
         raise CheckpointError(str(e)) from None
-    target = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype] if dtype else None
+    target = torch_dtype(dtype) if dtype else None
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = make_dir_like_user(Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.partial-")))
     try:

@@ -17,8 +17,9 @@ from zoo.config.sections import (
     TrainConfig,
     check_sizes,
     plain,
+    torch_dtype,
 )
 
 __all__ = ["AXES", "MAX_PARAMETERS", "SECTIONS", "CheckpointConfig", "DataConfig", "Layers", "LoggingConfig",
            "OptimizerConfig", "ParallelConfig", "RunConfig", "ScheduleConfig", "TrainConfig", "check_sizes",
-           "config_from_dict", "parse_override", "plain", "read_yaml", "resolve"]
+           "config_from_dict", "parse_override", "plain", "read_yaml", "resolve", "torch_dtype"]

@@ -137,6 +137,14 @@ class ScheduleConfig:
     min_lr_ratio: float = 0.1  # final lr as a fraction of the peak
 
 
+def torch_dtype(name: str) -> Any:
+    """The torch dtype of a configuration's precision name (``fp32``, ``bf16``, ``fp16``), as
+    ``train.precision``, ``train.param_dtype``, ``zoo generate --dtype`` and ``zoo convert --dtype`` spell them."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     steps: int = 200

@@ -28,6 +28,7 @@ from zoo.errors import PluginError
 from zoo.family import Family
 from zoo.parallel import apply as tp_apply
 from zoo.parallel import comm, context, fsdp
+from zoo.parallel.data_parallel import grad_of
 from zoo.parallel.grid import ProcessGrid
 from zoo.parallel.layout import Layout
 from zoo.parallel.materialize import InitRecord, allocate, replay, tensor_refs
@@ -442,8 +443,6 @@ class Parallel:
         and debugging)."""
         if self.buckets is not None:
             self.buckets.unshard()
-        from zoo.parallel.data_parallel import grad_of
-
         out = {}
         for name, p in self.model.named_parameters():
             placement = self.placements[name]

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zoo.family import PipelineSpec
+from zoo.parallel.data_parallel import grad_of
 from zoo.parallel.sharding import aliases, local
 
 
@@ -145,8 +146,6 @@ def build_stages(model: nn.Module, spec: PipelineSpec, *, pp: int, vpp: int, ran
 
 def sync_tied_grads(params: Sequence[nn.Parameter], group: Any) -> None:
     """Sum the gradients of tied embeddings over the first and last stage (Megatron's embedding group)."""
-    from zoo.parallel.data_parallel import grad_of
-
     if group is None:
         return
     for g in map(grad_of, params):

@@ -18,6 +18,7 @@ from torch import nn
 
 from zoo import gemm
 from zoo.parallel import comm
+from zoo.parallel.data_parallel import grad_of
 from zoo.parallel.sharding import TPShard, local
 
 
@@ -174,8 +175,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 def reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], group: Any) -> None:
     """Sum over TP the gradients of parameters applied to sequence shards (norm weights, row
     biases), all in one all-reduce of their concatenation."""
-    from zoo.parallel.data_parallel import grad_of
-
     grads = [local(g) for g in map(grad_of, params) if g is not None]  # (an FSDP gradient: this rank's shard)
     if not grads or comm._size(group) == 1:
         return

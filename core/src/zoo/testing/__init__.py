@@ -24,6 +24,8 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from zoo import io as zoo_io
+
 __all__ = ["DistributedTestError", "assert_same_training", "compiled_kernels", "layout_for", "run_distributed", "run_zoo",
            "train_layout"]
 
@@ -109,18 +111,6 @@ def _context() -> Any:
     return ctx
 
 
-def _umask() -> int:
-    """The caller's umask, read where Linux shows it (setting it to read it back would briefly
-    change it for the caller's other threads)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    except (OSError, StopIteration):
-        mask = os.umask(0o022)
-        os.umask(mask)
-        return mask
-
-
 class _CallersFd:
     """One of the caller's file descriptors, handed to the child as it is started (pickled while
     the child is being launched, when multiprocessing can pass descriptors: `DupFd`)."""
@@ -164,7 +154,7 @@ def run_distributed(
         ctx.Process(
             target=_worker,
             args=(fn, args, kwargs, rank, world_size, store.port, results, backend, pg_timeout,
-                  {**os.environ, **(env or {})}, (_CallersFd(1), _CallersFd(2)), _umask()),
+                  {**os.environ, **(env or {})}, (_CallersFd(1), _CallersFd(2)), zoo_io.umask()),
             name=f"zoo-rank{rank}",
             daemon=True,
         )

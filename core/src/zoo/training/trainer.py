@@ -28,7 +28,7 @@ import torch
 from zoo import gemm
 from zoo.checkpoint.sharded import Saver
 from zoo.checkpoint.state import Stateful, TrainState
-from zoo.config import RunConfig
+from zoo.config import RunConfig, torch_dtype
 from zoo.data.energon.training import path_kind
 from zoo.errors import ConfigError
 from zoo.family import DatasetSpec, Family, resolve
@@ -120,7 +120,7 @@ class Trainer:
             cpu.configure(run.train, announce=env.is_main)  # allocator, float32 products, fused kernels
         cuda_graphs.check(enabled=run.train.cuda_graph, device=env.device, layout=self.layout, precision=run.train.precision,
                           main_grads=run.train.param_dtype != "fp32" and run.train.grad_dtype == "fp32")
-        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.train.precision)
+        self.amp_dtype = torch_dtype(run.train.precision) if run.train.precision != "fp32" else None
         full, record = self._model_on_meta()
         self.n_params = sum(p.numel() for p in full.parameters())
         self.work = work_of(fam.throughput, full, run, owner=self.owner)  # batch -> (units, FLOPs)
@@ -159,7 +159,7 @@ class Trainer:
         """After the weights are in place: ZeRO-1 copies them into its fp32 masters."""
         run, par = self.run, self.par
         if run.train.param_dtype != "fp32":
-            self.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[run.train.param_dtype])
+            self.model.to(torch_dtype(run.train.param_dtype))
 
         adamw = optim.adamw_factory(run.optimizer, note=lambda m: print(m, flush=True) if self.env.is_main else None)
         self.buckets = par.make_buckets(run.parallel.bucket_size, shard=bool(self.layout.zero),
