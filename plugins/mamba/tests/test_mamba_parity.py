@@ -160,7 +160,7 @@ def test_ssd_state_passing_over_many_chunks_equals_the_recurrence():
 
 
 
-def _assert_gradients_match(scan, recurrence, inputs, chunk, g):
+def _assert_gradients_match(scan, recurrence, inputs, chunk, g, tol=1e-5):
     """The scan's gradients of (x, dt, A, B, C, entering state) from both outputs (y and the last
     state, weighted at random) against autograd through the float64 recurrence."""
     ref_y, ref_h = recurrence(*inputs)
@@ -169,7 +169,7 @@ def _assert_gradients_match(scan, recurrence, inputs, chunk, g):
     y, h = scan(*inputs[:-1], state=inputs[-1], chunk=chunk)
     got = torch.autograd.grad((y * wy).sum() + (h * wh).sum(), inputs)
     for name, gv, wv in zip(["x", "dt", "A", "B", "C", "h0"], got, want):
-        assert (gv - wv).norm() <= 1e-5 * wv.norm(), name
+        assert (gv - wv).norm() <= tol * wv.norm(), name
     return wy
 
 
@@ -256,7 +256,9 @@ def test_a_chunk_that_forgets_too_much_takes_the_decay_matrices(monkeypatch):
     wide = []
     within = ssd._within_by_matrices
     monkeypatch.setattr(ssd, "_within_by_matrices", lambda x, *v: wide.append(x.shape[0]) or within(x, *v))
-    _assert_gradients_match(ssd_scan, _recurrence_mamba2, (x, dt, a, b, c, h0), 16, g)
+    # (A's gradient sums dt-weighted terms of a chunk spanning e^-600 in float32: 2.2e-5 of its norm
+    # off on an Intel Xeon with MKL's AVX-512 kernels, under 1e-5 on AMD hosts)
+    _assert_gradients_match(ssd_scan, _recurrence_mamba2, (x, dt, a, b, c, h0), 16, g, tol=5e-5)
     assert wide == [1, 1]  # one chunk by decay matrices, forward and backward
     monkeypatch.setattr(ssd, "MAX_SPAN", float("inf"))
     assert not torch.isfinite(ssd_scan(x, dt, a, b, c, state=h0, chunk=16)[0]).all()
