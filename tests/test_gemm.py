@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from _core_helpers import run_zoo
 
 from zoo import gemm
+from zoo.testing import threads
 
 
 @pytest.fixture
@@ -234,12 +235,8 @@ def test_tanh_gelu_through_onednn_is_torchs_formula_and_reproducible():
             assert (y.double() - ref).abs().max().item() <= max(2 * own, tol)
             assert not torch.equal(y, F.gelu(x, approximate="tanh")) or dtype == torch.bfloat16  # oneDNN's, not torch's
             assert torch.equal(gemm.gelu_tanh(x[100:107].contiguous()), y[100:107])
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
+            with threads(1):
                 assert torch.equal(gemm.gelu_tanh(x), y)
-            finally:
-                torch.set_num_threads(threads)
         x = torch.randn(32, 16, requires_grad=True)
         assert type(gemm.gelu_tanh(x).grad_fn).__name__ == "GeluBackward0"  # autograd: torch's op
         xt = torch.randn(16, 32).t()

@@ -197,16 +197,10 @@ def test_low_precision_parameters_with_fp32_masters_train_and_resume_exactly(tmp
         from _gpt_helpers import torchrun
 
         batch = ("train.steps=3", "train.global_batch_size=16", "train.micro_batch_size=8")
-        # (one thread, as each torchrun rank has: oneDNN's bf16 products, AMX ones included, may split
-        # their sums differently over two threads than over one, which changes their last bits)
-        import torch
+        from zoo.testing import threads
 
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with threads(1):  # as each torchrun rank has (oneDNN's AMX bf16 products split sums by threads)
             acc = zoo(*small_run(tmp_path / "acc", corpus_cache, *args, *batch))
-        finally:
-            torch.set_num_threads(threads)
         dp2 = torchrun(2, *small_run(tmp_path / "dp2", corpus_cache, *args, *batch))
         assert acc.returncode == 0 and dp2.returncode == 0, acc.stderr + dp2.stderr
         assert _curve(tmp_path / "dp2") == _curve(tmp_path / "acc")

@@ -15,6 +15,7 @@ collective fails the test instead of hanging CI.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -27,7 +28,7 @@ from typing import Any
 from zoo import io as zoo_io
 
 __all__ = ["DistributedTestError", "assert_same_training", "compiled_kernels", "layout_for", "run_distributed", "run_zoo",
-           "train_layout"]
+           "threads", "train_layout"]
 
 
 # After the first failure, how long to wait for messages still in flight (an earlier failure's
@@ -335,3 +336,18 @@ def compiled_kernels() -> Any:
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("ZOO_BACKENDS", raising=False)
         yield
+
+
+@contextlib.contextmanager
+def threads(n: int) -> Any:
+    """torch's intra-op thread count ``n`` for the duration (restored after): a comparison of bits
+    with a run on another thread count (a torchrun rank has one) must split its products' sums the
+    same way (oneDNN's bf16 and AMX kernels split by thread count)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
