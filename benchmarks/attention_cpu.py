@@ -4,7 +4,7 @@ backward time, and the error of each against float64, at the shapes of the bench
 
 Both sides get the same (B, H, T, hd) queries and (B, KV, T, hd) keys and values in the memory
 layout the attention layers pass (sequence-major), in bf16 (where `zoo.nn.attention` takes the
-blocked path) and fp32 (where it takes it for causal attention with grouped KV heads only), causal
+blocked path, on a CPU with AMX below 1,024 keys) and fp32 (where it takes it for causal attention with grouped KV heads only), causal
 and not. The median of 7 timed calls after 2 warm-up ones; the same thread count.
 
     python benchmarks/attention_cpu.py
@@ -84,8 +84,8 @@ def main() -> None:
                       f"{row['zoo'][0]:>8.1f} {row['torch'][0] / row['zoo'][0]:>5.2f}x {row['torch'][1]:>10.1e} "
                       f"{row['zoo'][1]:>9.1e}")
     print("# times: forward + backward; err: the largest relative error (norm) of the output and the three "
-          "gradients against float64. On a CPU zoo.nn.attention takes the blocked path for bf16/fp16, and for "
-          "fp32 causal attention with grouped KV heads.")
+          "gradients against float64. On a CPU zoo.nn.attention takes the blocked path for bf16/fp16 (over "
+          "fewer than 1,024 keys on a CPU with AMX), and for fp32 causal attention with grouped KV heads.")
 
 
 if __name__ == "__main__":

@@ -153,3 +153,25 @@ def test_packed_cross_attention_keeps_torch_kernel():
     assert not ops.blocked_supported(q.bfloat16(), k.bfloat16(), causal=False, segment_ids=seg,
                                      kv_segment_ids=seg.clone())
     assert ops.blocked_supported(q.bfloat16(), k.bfloat16(), causal=False, segment_ids=seg, kv_segment_ids=seg)
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
+def test_long_keys_on_an_amx_cpu_take_torchs_kernel(monkeypatch, amx):
+    """On a CPU with AMX torch's kernel computes bf16/fp16 attention with it and is the faster one
+    from 1,024 keys on: the blocked path stops there (and only there); the attention is the same
+    either way."""
+    monkeypatch.setattr(ops, "has_amx", lambda: amx)
+    calls = []
+    real = ops.blocked_attention
+    monkeypatch.setattr(ops, "blocked_attention", lambda *a, **kw: calls.append(kw["causal"]) or real(*a, **kw))
+    for keys in (ops._AMX_TORCH_KEYS - 1, ops._AMX_TORCH_KEYS):
+        q, k, v, _ = _inputs(1, 2, 1, 4, keys, 8)
+        ref = _reference(q.double(), k.double(), v.double(), causal=False)
+        for dtype in (torch.bfloat16, torch.float16):
+            calls.clear()
+            out = attention(q.to(dtype), k.to(dtype), v.to(dtype), causal=False)
+            assert calls == ([False] if keys < ops._AMX_TORCH_KEYS or not amx else [])
+            assert _rel(out.double(), ref) < 1e-2
+        calls.clear()
+        attention(q, k, v, causal=True, offset=keys - 4)  # fp32 causal, grouped: blocked whatever the CPU
+        assert calls == [True]

@@ -28,6 +28,7 @@ autocast linear wherever oneDNN has bf16 products. "blas" turns both off.
 
 from __future__ import annotations
 
+import functools
 import platform
 from typing import Any, Literal
 
@@ -125,6 +126,13 @@ def _cpu_vendor() -> str:
 def has_avx512() -> bool:
     """Whether this CPU has AVX-512 (the foundation instructions), from /proc/cpuinfo."""
     return "avx512f" in _cpuinfo("flags").split()
+
+
+@functools.cache
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later), from /proc/cpuinfo: torch's
+    CPU flash-attention kernel then computes its bf16/fp16 blocks with oneDNN's AMX brgemm."""
+    return "amx_tile" in _cpuinfo("flags").split()
 
 
 def blas_is_generic() -> bool:

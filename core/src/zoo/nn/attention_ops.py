@@ -1,6 +1,7 @@
 """How the attention core is computed: torch's `scaled_dot_product_attention` with zoo's masks,
-or, on a CPU, blocks of batched GEMMs (`blocked_attention`) where those are faster: bf16/fp16, and
-fp32 causal attention with grouped KV heads.
+or, on a CPU, blocks of batched GEMMs (`blocked_attention`) where those are faster: bf16/fp16 (over
+fewer than 1,024 keys on a CPU with AMX, where torch's kernel uses it), and fp32 causal attention
+with grouped KV heads.
 
 torch's CPU flash-attention kernel (what `scaled_dot_product_attention` picks on a CPU) spends most
 of its time outside matrix products in bf16: on a 2-core AVX-512 machine whose bf16 GEMMs run at
@@ -33,6 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from zoo.gemm import has_amx
+
 # A block is a chunk of (batch x KV head) matrices times a block of query rows: enough rows for
 # the GEMMs to run near the peak, few enough elements that the block's scores stay in cache for the
 # elementwise passes over them (masking, softmax, its backward). bf16/fp16 over long keys takes
@@ -44,17 +47,26 @@ _BLOCK_ELEMENTS = 1 << 20
 _LONG_KEYS = 2048
 _LONG_BLOCK_ROWS = 512
 _LONG_BLOCK_ELEMENTS = 1 << 22
+# On a CPU with AMX, torch's kernel computes bf16/fp16 attention with AMX tiles and is the faster
+# one from 1,024 keys on: forward and backward on a 2-core Emerald Rapids, torch against blocked,
+# (1, 16, 2,048, 64) bf16 causal 191 / 247 ms, full 247 / 411, fp16 229 / 375, packed (4 samples)
+# 285 / 398; (2, 16, 1,024, 64) 81 / 99 and 154 / 173; at 512-768 keys the blocked path still wins
+# (LLaMA's (4, 8 / 2, 512, 64) causal 1.81x, DiT's 256 tokens 1.9x, (2, 8 / 2, 768, 64) 1.03-1.06x).
+# Decided from the CPU's flags, not timed, so every process of a run computes the same way.
+_AMX_TORCH_KEYS = 1024
 
 
 def blocked_supported(q: torch.Tensor, k: torch.Tensor, *, causal: bool, segment_ids: torch.Tensor | None,
                       kv_segment_ids: torch.Tensor | None) -> bool:
-    """Whether `attend` takes the blocked path: on a CPU, bf16/fp16 (or autocast to them), or fp32
-    causal attention with grouped KV heads; more than one query (a decoding step is a
+    """Whether `attend` takes the blocked path: on a CPU, bf16/fp16 (or autocast to them) except over
+    1,024 keys or more on a CPU with AMX, or fp32 causal attention with grouped KV heads; more than one query (a decoding step is a
     matrix-vector product either way); self-attention or cross-attention without packed keys."""
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
     if q.device.type != "cpu" or q.shape[2] < 2:
         return False
     if dtype not in (torch.bfloat16, torch.float16) and not (dtype == torch.float32 and causal and q.shape[1] > k.shape[1]):
+        return False
+    if dtype != torch.float32 and k.shape[2] >= _AMX_TORCH_KEYS and has_amx():
         return False
     if kv_segment_ids is not None and kv_segment_ids is not segment_ids:
         return False  # packed cross-attention can leave a query no key: SDPA's path handles it
