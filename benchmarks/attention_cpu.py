@@ -4,8 +4,8 @@ backward time, and the error of each against float64, at the shapes of the bench
 
 Both sides get the same (B, H, T, hd) queries and (B, KV, T, hd) keys and values in the memory
 layout the attention layers pass (sequence-major), in bf16 (where `zoo.nn.attention` takes the
-blocked path, on a CPU with AMX below 1,024 keys) and fp32 (where it takes it for causal attention with grouped KV heads only), causal
-and not. The median of 7 timed calls after 2 warm-up ones; the same thread count.
+blocked path; on a CPU with AMX below 1,024 keys only) and fp32 (where it takes it for causal
+attention with grouped KV heads only), causal and not. The median of 7 timed calls after 2 warm-up ones; the same thread count.
 
     python benchmarks/attention_cpu.py
 """

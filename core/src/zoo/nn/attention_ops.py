@@ -59,8 +59,9 @@ _AMX_TORCH_KEYS = 1024
 def blocked_supported(q: torch.Tensor, k: torch.Tensor, *, causal: bool, segment_ids: torch.Tensor | None,
                       kv_segment_ids: torch.Tensor | None) -> bool:
     """Whether `attend` takes the blocked path: on a CPU, bf16/fp16 (or autocast to them) except over
-    1,024 keys or more on a CPU with AMX, or fp32 causal attention with grouped KV heads; more than one query (a decoding step is a
-    matrix-vector product either way); self-attention or cross-attention without packed keys."""
+    1,024 keys or more on a CPU with AMX, or fp32 causal attention with grouped KV heads; more than
+    one query (a decoding step is a matrix-vector product either way); self-attention or
+    cross-attention without packed keys."""
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
     if q.device.type != "cpu" or q.shape[2] < 2:
         return False
