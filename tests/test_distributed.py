@@ -46,7 +46,7 @@ def test_ranks_get_the_callers_environment_umask_and_output(tmp_path, monkeypatc
     """Ranks forked from the preloaded server see what a spawned child of the caller would: the
     caller's environment now (not the server's when it started), its umask and its file
     descriptors (output a test captures)."""
-    monkeypatch.setenv("ZOO_TEST_START", start)
+    monkeypatch.setenv("ZOO_START_METHOD", start)
     for value, mask in (("a", 0o027), ("b", 0o002)):  # (the second call reuses the server started by the first)
         monkeypatch.setenv("ZOO_TEST_INHERITED", value)
         old = os.umask(mask)

@@ -690,3 +690,38 @@ def test_a_cooker_not_marked_stateless_draws_the_callers_streams(tmp_path):
     np.random.seed(0)
     random.seed(0)
     assert len(log) >= 15 and log == [_draw() for _ in log]
+
+
+_ORPHANING = """
+import os, signal, sys
+from zoo.data.energon import WorkerConfig, get_loader, get_train_dataset
+ds = get_train_dataset(sys.argv[1], worker_config=WorkerConfig(rank=0, world_size=1, num_workers=2), batch_size=4,
+                       shuffle_buffer_size=None, max_samples_per_sequence=None)
+loader = get_loader(ds)
+next(iter(loader))
+print(" ".join(str(p.pid) for p in loader._procs), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no cleanup: the workers must notice by themselves
+"""
+
+
+def test_workers_of_a_killed_loader_exit_by_themselves(digits):
+    """Workers are forked from a server process, not from the loader's: when the loader's process
+    is killed they still notice (their next full queue) and exit, leaving nothing behind."""
+    import time
+
+    out = subprocess.run([sys.executable, "-c", _ORPHANING, str(digits)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -9, out.stderr[-2000:]
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 2
+
+    def running(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(running(p) for p in pids), [p for p in pids if running(p)]

@@ -4,7 +4,8 @@ conformance checks every model family must pass (`zoo.testing.conformance`).
 `run_distributed` starts ``world_size`` processes exactly as `torchrun` would describe them
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so the code under test goes through
 `zoo.parallel.distributed.init` like a real job. They are forked from a server process that has
-imported torch once, and get the caller's environment, umask and output as spawned ones would. The
+imported torch once, and get the caller's environment, umask and output as spawned ones would
+(`zoo.procs`). The
 rendezvous store is hosted by the calling process on a port the OS picks, and ranks join it as
 clients (torchrun's agent-store mode): no fixed port and no window in which another test can take
 the port. Collectives are checked for tensors on a device their backend does not serve
@@ -16,7 +17,6 @@ collective fails the test instead of hanging CI.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from zoo import io as zoo_io
+from zoo import procs as zoo_procs
 
 __all__ = ["DistributedTestError", "assert_same_training", "compiled_kernels", "layout_for", "run_distributed", "run_zoo",
            "threads", "train_layout"]
@@ -50,20 +50,12 @@ def _worker(
     results: Any,
     backend: str,
     pg_timeout: float,
-    environ: Mapping[str, str],
-    stdio: tuple[int, int],
-    umask: int,
+    caller: Any,
 ) -> None:
     # A forkserver child inherits the server's environment and output, not the caller's: the
     # caller's (with ``env``), as a spawned child has them (a test's monkeypatched variables, its
     # captured output)
-    os.environ.clear()
-    os.environ.update(environ)
-    os.umask(umask)
-    for fd, target in zip(stdio, (1, 2), strict=True):
-        if fd != target:  # (a spawned child gets the caller's under their own numbers)
-            os.dup2(fd, target)
-            os.close(fd)
+    zoo_procs.adopt(caller)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -96,39 +88,6 @@ def _worker(
         distributed.shutdown()
 
 
-# Modules the ranks' forkserver imports once; each rank is then forked from it with them loaded
-# (torch, its compiler front end that every optimizer imports, its distributed package), instead
-# of spending ~3 s of CPU importing them in every rank (most of a short test's time). The server
-# is a fresh process that has only imported modules, so no caller threads or torch state are
-# copied, the reason fork itself is not used. ZOO_TEST_START=spawn starts every rank afresh.
-_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp"]
-
-
-def _context() -> Any:
-    if os.environ.get("ZOO_TEST_START", "forkserver") == "spawn" or "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
-
-
-class _CallersFd:
-    """One of the caller's file descriptors, handed to the child as it is started (pickled while
-    the child is being launched, when multiprocessing can pass descriptors: `DupFd`)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> Any:
-        from multiprocessing import reduction
-
-        return _detach, (reduction.DupFd(self.fd),)
-
-
-def _detach(dup: Any) -> int:
-    return dup.detach()
-
-
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -147,7 +106,7 @@ def run_distributed(
     """
     import torch.distributed as dist
 
-    ctx = _context()
+    ctx = zoo_procs.context()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     pg_timeout = collective_timeout if collective_timeout is not None else max(5.0, timeout * 0.8)
     results = ctx.Queue()
@@ -155,7 +114,7 @@ def run_distributed(
         ctx.Process(
             target=_worker,
             args=(fn, args, kwargs, rank, world_size, store.port, results, backend, pg_timeout,
-                  {**os.environ, **(env or {})}, (_CallersFd(1), _CallersFd(2)), zoo_io.umask()),
+                  zoo_procs.callers(dict(env or {}))),
             name=f"zoo-rank{rank}",
             daemon=True,
         )

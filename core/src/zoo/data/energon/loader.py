@@ -7,7 +7,8 @@ last batch it handed to the caller. `save_state_rank()` is therefore the positio
 trainer consumed, never of what prefetching workers produced, with no snapshots and no replay
 (Energon keeps periodic worker snapshots and replays from them).
 
-Workers are `spawn`ed processes (safe beside threads, and on every OS; Energon forks), consumed
+Workers are started from a server process that imported torch once (`zoo.procs`: forkserver, with
+the caller's environment, umask and output; safe beside threads, unlike Energon's fork), consumed
 round-robin from the loader's next worker; a worker that dies or makes no batch within the
 watchdog timeout stops the loader with an error naming the worker and the shard and sample it
 was reading. A worker whose parent is gone exits by itself.
@@ -25,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from zoo import procs as zoo_procs
 from zoo.data.energon.metadataset import is_metadataset, load_metadataset
 from zoo.data.energon.pipeline import Leaf, Pipeline, PipelineConfig
 from zoo.data.energon.task_encoder import DefaultTaskEncoder, TaskEncoder
@@ -120,14 +122,17 @@ _BLOB_BYTES = 256 << 10
 
 
 def _worker_main(cfg: PipelineConfig, g: int, G: int, state: dict[str, Any] | None, q: Any, status: Any,
-                 parent: int) -> None:
+                 parent: int, caller: Any) -> None:
+    zoo_procs.adopt(caller)
+    starter = os.getppid()  # the loader's process, or the forkserver it started (which exits with it)
+
     def put(item: Any) -> bool:
         while True:
             try:
                 q.put(item, timeout=1.0)
                 return True
             except queue_mod.Full:
-                if os.getppid() != parent:  # the loader's process is gone: nobody will read this
+                if os.getppid() != starter or not zoo_procs.alive(parent):  # nobody will read this
                     return False
 
     def say(text: str) -> None:
@@ -228,13 +233,14 @@ class Loader:
         if self.dataset.worker_config.num_workers == 0:
             self._pipes = [Pipeline(cfg, self.gids[0], self.G, state=self.states[0])]
             return
-        import torch.multiprocessing as mp
+        import torch.multiprocessing  # noqa: F401 - registers the shared-memory pickling of tensors
 
-        ctx = mp.get_context("spawn")
+        ctx = zoo_procs.context()
         for i, g in enumerate(self.gids):
             q = ctx.Queue(maxsize=self.prefetch)
             status = ctx.Array("c", 1024, lock=False)
-            p = ctx.Process(target=_worker_main, args=(cfg, g, self.G, self.states[i], q, status, os.getpid()),
+            p = ctx.Process(target=_worker_main, args=(cfg, g, self.G, self.states[i], q, status, os.getpid(),
+                                                       zoo_procs.callers()),
                             daemon=True, name=f"zoo-data-worker-{g}")
             p.start()
             self._procs.append(p)
