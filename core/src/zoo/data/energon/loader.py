@@ -11,7 +11,7 @@ Workers are started from a server process that imported torch once (`zoo.procs`:
 the caller's environment, umask and output; safe beside threads, unlike Energon's fork), consumed
 round-robin from the loader's next worker; a worker that dies or makes no batch within the
 watchdog timeout stops the loader with an error naming the worker and the shard and sample it
-was reading. A worker whose parent is gone exits by itself.
+was reading. A worker whose loader's process is gone (even a zombie not yet reaped) exits by itself.
 """
 
 from __future__ import annotations
@@ -124,7 +124,10 @@ _BLOB_BYTES = 256 << 10
 def _worker_main(cfg: PipelineConfig, g: int, G: int, state: dict[str, Any] | None, q: Any, status: Any,
                  parent: int, caller: Any) -> None:
     zoo_procs.adopt(caller)
-    starter = os.getppid()  # the loader's process, or the forkserver it started (which exits with it)
+    # Spawned, this worker's parent is the loader's process and it is re-parented when that dies;
+    # forked from the server, its parent is the server, which outlives the loader while any of its
+    # children (which hold the loader's end of its "alive" pipe) does: the loader's pid is watched.
+    starter = os.getppid()
 
     def put(item: Any) -> bool:
         while True:
