@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from zoo import gemm
+from zoo import gemm, procs
 from zoo.checkpoint.sharded import Saver
 from zoo.checkpoint.state import Stateful, TrainState
 from zoo.config import RunConfig, torch_dtype
@@ -90,6 +90,8 @@ class Trainer:
                 raise ConfigError(f"the layout was planned for {self.layout.world_size} processes but this job has "
                                   f"{env.world_size} (--world-size is for --dry-run planning)")
             self.env = env
+            if run.data.num_workers > 0:  # the workers' server imports torch while the model is built
+                procs.warm()
             self.build()
             self.restore(resume_from)
             if self.state.step >= run.train.steps:
