@@ -709,19 +709,13 @@ def test_workers_of_a_killed_loader_exit_by_themselves(digits):
     is killed they still notice (their next full queue) and exit, leaving nothing behind."""
     import time
 
+    from zoo.procs import alive
+
     out = subprocess.run([sys.executable, "-c", _ORPHANING, str(digits)], capture_output=True, text=True, timeout=120)
     assert out.returncode == -9, out.stderr[-2000:]
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 2
-
-    def running(pid: int) -> bool:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-
-    deadline = time.monotonic() + 30
-    while any(running(p) for p in pids) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30  # (`alive` itself: tests/test_procs.py, against /proc's states)
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(running(p) for p in pids), [p for p in pids if running(p)]
+    assert not any(alive(p) for p in pids), [p for p in pids if alive(p)]
