@@ -61,17 +61,61 @@ def test_modulated_layer_norm_forward_and_backward_match_float64(on, dtype, per_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gelu_tanh_derivative_matches_float64(on, dtype):
+def test_gelu_tanh_and_its_derivative_match_float64(on, dtype):
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(64, 96, generator=gen) * 3).to(dtype)
-    x[0, :4] = torch.tensor([0.0, -12.0, 12.0, 1e-30])  # zero, both saturated ends, a subnormal-ish input
+    # zero, both saturated ends, a subnormal-ish input, one whose e^-2u overflows to inf
+    x[0, :5] = torch.tensor([0.0, -12.0, 12.0, 1e-30, -1e4])
     g = torch.randn(64, 96, generator=gen).to(dtype)
+    y = fused.gelu_tanh(x)
+    want_y = torch.nn.functional.gelu(x.double(), approximate="tanh")
+    assert y.dtype == dtype and torch.isfinite(y).all() and y[0, 4] == 0
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert _rel(y, want_y) <= tol
+    # element by element within two roundings of the output's type (absolute below 1: the float64
+    # reference's 1 + tanh(u) itself cancels to 0 at x < -6, where GELU is ~1e-16)
+    assert ((y.double() - want_y).abs() <= 2 * torch.finfo(dtype).eps * (want_y.abs() + 1)).all()
     got = fused.gelu_tanh_backward(g, x)
     want = torch.ops.aten.gelu_backward(g.double(), x.double(), approximate="tanh")
     eager = torch.ops.aten.gelu_backward(g, x, approximate="tanh")
     assert got.dtype == dtype and torch.isfinite(got).all()
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert _rel(got, want) <= tol and _rel(eager, want) <= tol
+
+
+def test_tanh_gelu_takes_the_compiled_kernel_where_onednns_is_not_the_faster(on, monkeypatch):
+    """`zoo.gemm.gelu_tanh`: oneDNN's kernel on an AVX-512 CPU without AMX where `configure` chose it,
+    the compiled one on a CPU with AMX or where oneDNN's is not chosen, torch's inside autograd; a
+    compiler failure falls back to oneDNN's or torch's (not back into the compiled kernel)."""
+    from zoo import gemm
+
+    x = torch.randn(64, 96)
+    calls: list[str] = []
+    monkeypatch.setattr(gemm, "_gelu_tanh", lambda t: calls.append("onednn") or torch.zeros_like(t))
+    with monkeypatch.context() as mp:
+        mp.setattr(fused, "gelu_tanh", lambda t: calls.append("compiled") or torch.ones_like(t))
+        for amx, eltwise, want in ((False, (torch.float32,), "onednn"), (True, (torch.float32,), "compiled"),
+                                   (False, (), "compiled")):
+            mp.setattr(gemm, "has_amx", lambda a=amx: a)
+            mp.setattr(gemm, "_ELTWISE", eltwise)
+            calls.clear()
+            gemm.gelu_tanh(x)
+            assert calls == [want], (amx, eltwise, calls)
+        xg = x.clone().requires_grad_(True)
+        assert torch.equal(gemm.gelu_tanh(xg), torch.nn.functional.gelu(xg, approximate="tanh"))  # autograd
+        assert calls == [want]
+
+    def broken(*_a):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(fused, "_compiled", lambda *_a: broken)
+    monkeypatch.setattr(gemm, "_ELTWISE", ())
+    with pytest.warns(RuntimeWarning, match="compiling gelu_tanh failed"):
+        got = gemm.gelu_tanh(x)
+    assert torch.equal(got, torch.nn.functional.gelu(x, approximate="tanh"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # from then on torch's, without a second warning
+        assert torch.equal(gemm.gelu_tanh(x), got)
 
 
 @pytest.mark.parametrize("family", ["dit", "llama"])

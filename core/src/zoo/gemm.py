@@ -23,7 +23,9 @@ under bf16 autocast on a CPU, `linear` is one oneDNN call with the bias fused th
 float32 weight for backward instead of autocast's bf16 copy (`_AutocastLinear`). The GELU is
 oneDNN's where its AVX-512 kernel runs ("auto"; on an AVX2-only CPU torch's is faster: 39 vs 45 ms
 for 12.6M elements) or "onednn" asks for it, in bf16 only where oneDNN computes bf16 at all; the
-autocast linear wherever oneDNN has bf16 products. "blas" turns both off.
+autocast linear wherever oneDNN has bf16 products. "blas" turns both off. On a CPU with AMX, and
+where oneDNN's GELU is not chosen, `zoo.fused`'s compiled kernel (one exponential) computes it
+instead, where the compiled kernels are on.
 """
 
 from __future__ import annotations
@@ -97,14 +99,27 @@ def bf16_is_native() -> bool:
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """``F.gelu(x, approximate="tanh")``; through oneDNN's eltwise kernel where `configure` turned it
-    on, for a contiguous float32/bf16 CPU tensor outside autograd (the activations' own backward
-    uses torch's derivative; the result is within float32 rounding of torch's, and the same bits
-    for the same input whatever the tensor's size or thread count, so a recomputed copy is exact)."""
-    if (x.dtype in _ELTWISE and x.device.type == "cpu" and x.is_contiguous()
-            and x.numel() % _EYE == 0 and x.numel() and not (x.requires_grad and torch.is_grad_enabled())):
-        return _gelu_tanh(x)
-    return F.gelu(x, approximate="tanh")
+    """``F.gelu(x, approximate="tanh")``, for a CPU tensor outside autograd (the activations' own
+    backward takes the derivative) through the fastest kernel measured for the CPU: `zoo.fused`'s
+    compiled one on a CPU with AMX (oneDNN's is slower there: float32 (2,048, 1,536) 1.9 ms against
+    2.3-3.0, bf16 1.9 against 2.8-3.2) or where oneDNN's eltwise kernel is not chosen; oneDNN's where
+    `configure` chose it (AVX-512 AMD CPUs: 2.7x torch's), for contiguous float32/bf16; else torch's.
+    Each is within float32 rounding of torch's and gives the same bits for the same input whatever
+    the tensor's size or thread count, so a recomputed copy is exact."""
+    if x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
+        return F.gelu(x, approximate="tanh")
+    if fused.wanted(x) and (not _onednn_gelu(x) or has_amx()):
+        return fused.gelu_tanh(x)
+    return gelu_tanh_unfused(x)
+
+
+def _onednn_gelu(x: torch.Tensor) -> bool:
+    return x.dtype in _ELTWISE and x.is_contiguous() and x.numel() % _EYE == 0 and x.numel() > 0
+
+
+def gelu_tanh_unfused(x: torch.Tensor) -> torch.Tensor:
+    """`gelu_tanh` without the compiled kernel: oneDNN's where chosen, else torch's (no autograd)."""
+    return _gelu_tanh(x) if _onednn_gelu(x) else F.gelu(x, approximate="tanh")
 
 
 def _cpuinfo(field: str) -> str:
@@ -131,7 +146,8 @@ def has_avx512() -> bool:
 @functools.cache
 def has_amx() -> bool:
     """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later), from /proc/cpuinfo: torch's
-    CPU flash-attention kernel then computes its bf16/fp16 blocks with oneDNN's AMX brgemm."""
+    CPU flash-attention kernel then computes its bf16/fp16 blocks with oneDNN's AMX brgemm, and
+    oneDNN's tanh-GELU is slower than `zoo.fused`'s (`gelu_tanh`)."""
     return "amx_tile" in _cpuinfo("flags").split()
 
 

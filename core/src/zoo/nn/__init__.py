@@ -224,7 +224,7 @@ def make_norm(spec: NormSpec, dim: int, eps: float) -> nn.Module:
 
 ACTIVATIONS = {
     "gelu": F.gelu,
-    "gelu_tanh": gemm.gelu_tanh,  # oneDNN's kernel on a CPU where zoo.gemm chose it
+    "gelu_tanh": gemm.gelu_tanh,  # on a CPU the compiled kernel or oneDNN's, whichever is faster there
     # x sigmoid(1.702 x) as silu(1.702 x) / 1.702: CLIP's MLP with one saved tensor, not two
     "quick_gelu": lambda x: F.silu(x * 1.702) * (1 / 1.702),
     "silu": F.silu,
