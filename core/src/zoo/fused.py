@@ -332,16 +332,11 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return (xf / (1 + torch.exp(-2 * _K * xf * (1 + _A * xf * xf)))).to(x.dtype)
 
 
-def _gelu_tanh_eager(x: torch.Tensor) -> torch.Tensor:
-    from zoo import gemm  # (which imports this module)
-
-    return gemm.gelu_tanh_unfused(x)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """``F.gelu(x, approximate="tanh")`` (within float32 rounding of it; `zoo.gemm.gelu_tanh` decides
-    where this kernel is the one to use)."""
-    return run("gelu_tanh", _gelu_tanh, _gelu_tanh_eager, x)
+def gelu_tanh(x: torch.Tensor, unfused: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``F.gelu(x, approximate="tanh")`` (within float32 rounding of it), or ``unfused(x)`` where the
+    compiler fails (`zoo.gemm.gelu_tanh` decides where this kernel is the one to use and passes its
+    other kernels)."""
+    return run("gelu_tanh", _gelu_tanh, unfused, x)
 
 
 def _gelu_tanh_backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

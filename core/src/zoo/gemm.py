@@ -109,7 +109,7 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
         return F.gelu(x, approximate="tanh")
     if fused.wanted(x) and (not _onednn_gelu(x) or has_amx()):
-        return fused.gelu_tanh(x)
+        return fused.gelu_tanh(x, gelu_tanh_unfused)
     return gelu_tanh_unfused(x)
 
 
