@@ -28,14 +28,26 @@ def test_a_zombie_is_not_alive_nor_a_reaped_process():
     assert not procs.alive(child.pid)
 
 
-def test_warm_starts_the_server_once(monkeypatch):
-    """`warm` starts the forkserver ahead of the first child (the trainer calls it before building
-    the model when the loader has workers); again, it starts nothing new."""
-    from multiprocessing import forkserver
+_WARM = """
+import os, sys
+from multiprocessing import forkserver
+from zoo import procs
+server = forkserver._forkserver
+assert server._forkserver_pid is None  # a fresh process: no server yet
+procs.warm()
+pid = server._forkserver_pid
+print(pid if pid is None else int(procs.alive(pid)))
+procs.warm()
+assert server._forkserver_pid == pid  # again: nothing new started
+"""
 
-    monkeypatch.setenv("ZOO_START_METHOD", "forkserver")
-    procs.warm()
-    pid = forkserver._forkserver._forkserver_pid
-    assert pid is not None and procs.alive(pid)
-    procs.warm()
-    assert forkserver._forkserver._forkserver_pid == pid
+
+def test_warm_starts_the_server_once_and_spawn_starts_none():
+    """`warm` starts the forkserver ahead of the first child (the trainer calls it before building
+    the model when the loader has workers), once; with ``ZOO_START_METHOD=spawn`` none. Each in a
+    fresh process, where no earlier test has started one."""
+    for method, want in (("forkserver", "1"), ("spawn", "None")):
+        env = {**os.environ, "ZOO_START_METHOD": method}
+        out = subprocess.run([sys.executable, "-c", _WARM], capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split() == [want], (method, out.stdout)
