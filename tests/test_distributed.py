@@ -160,6 +160,15 @@ def test_zoo_train_under_torchrun_data_parallel_equals_one_process(tmp_path):
     assert len(dp) == 4  # written once, by rank 0
     for a, b in zip(dp, single):
         assert abs(a - b) <= 1e-5 * abs(b), (dp, single)
+    # The suite's stand-in for torchrun (`run_zoo_ranks`: ranks forked from a server that imported
+    # torch once) is the same job to the bit, with its output and exit status.
+    from zoo.testing import run_zoo_ranks
+
+    forked = run_zoo_ranks(2, *common, "--run-dir", str(tmp_path / "forked"), "train.micro_batch_size=8")
+    assert forked.returncode == 0, forked.stdout + forked.stderr
+    assert forked.stdout.count("trained mixer") == 1 and losses(tmp_path / "forked") == dp
+    bad = run_zoo_ranks(2, *common, "--run-dir", str(tmp_path / "bad"), "train.micro_batch_sise=8")
+    assert bad.returncode == 2 and "train.micro_batch_size" in bad.stderr, bad.stderr
 
 
 def _misplaced_collective() -> str:

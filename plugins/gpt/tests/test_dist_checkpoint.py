@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from _gpt_helpers import curve, small_run, torchrun, zoo
+from _gpt_helpers import curve, ranks, small_run, zoo
 
 
 @pytest.fixture(autouse=True)
 def _zoo_in_process(capsys, monkeypatch):
     """Single-process `zoo` runs in this process (no interpreter start and torch import per run);
-    torchrun jobs and the runs a test kills are processes of their own."""
+    multi-rank jobs run on forked ranks (`ranks`), and the runs a test kills are processes of their own."""
     import functools
 
     from zoo.testing import run_zoo
@@ -38,7 +38,7 @@ def _continue(tmp_path: Path, cache: Path, src: Path, name: str, nproc: int, *la
     (run / "checkpoints").mkdir(parents=True)
     shutil.copytree(src / "checkpoints" / "step_00000003", run / "checkpoints" / "step_00000003")
     args = small_run(run, cache, *ARGS, *layout)
-    out = torchrun(nproc, *args) if nproc > 1 else zoo(*args)
+    out = ranks(nproc, *args) if nproc > 1 else zoo(*args)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "resuming from" in out.stdout
     return curve(run)
@@ -53,7 +53,7 @@ def test_resharding_between_layouts_continues_the_same_curve(tmp_path, corpus_ca
     assert one.returncode == 0, one.stderr
     ref = curve(tmp_path / "one")[3:]
     # Saved at tp2 x pp2 (no ZeRO): each of 4 ranks wrote its own shard file.
-    out = torchrun(4, *small_run(tmp_path / "tp2pp2", corpus_cache, *ARGS, "parallel.tp=2", "parallel.pp=2"))
+    out = ranks(4, *small_run(tmp_path / "tp2pp2", corpus_cache, *ARGS, "parallel.tp=2", "parallel.pp=2"))
     assert out.returncode == 0, out.stdout + out.stderr
     step3 = tmp_path / "tp2pp2" / "checkpoints" / "step_00000003"
     index = json.loads((step3 / "index.json").read_text())
@@ -68,7 +68,7 @@ def test_resharding_between_layouts_continues_the_same_curve(tmp_path, corpus_ca
     assert _close(_continue(tmp_path, corpus_cache, tmp_path / "tp2pp2", "dp2zero", 2, "parallel.zero=1"), ref)
     assert _close(_continue(tmp_path, corpus_cache, tmp_path / "tp2pp2", "single", 1), ref)
     # And the reverse: saved by dp2 with ZeRO-1 (sharded optimizer), continued at tp2 x pp2.
-    out = torchrun(2, *small_run(tmp_path / "zero", corpus_cache, *ARGS, "parallel.zero=1"))
+    out = ranks(2, *small_run(tmp_path / "zero", corpus_cache, *ARGS, "parallel.zero=1"))
     assert out.returncode == 0, out.stdout + out.stderr
     assert _close(_continue(tmp_path, corpus_cache, tmp_path / "zero", "back", 4, "parallel.tp=2", "parallel.pp=2"), ref)
 
@@ -217,7 +217,7 @@ def test_hf_export_of_a_sharded_tp_pp_checkpoint_equals_the_single_process_expor
     import zoo as zoo_api
     from zoo.checkpoint.model_dir import write_model_dir
 
-    out = torchrun(4, *small_run(tmp_path / "par", corpus_cache, "train.steps=2", "parallel.tp=2", "parallel.pp=2",
+    out = ranks(4, *small_run(tmp_path / "par", corpus_cache, "train.steps=2", "parallel.tp=2", "parallel.pp=2",
                                  "train.micro_batch_size=4", "model.num_layers=4", "train.global_batch_size=8"))
     assert out.returncode == 0, out.stdout + out.stderr
     ckpt = tmp_path / "par" / "checkpoints" / "step_00000002"
@@ -237,7 +237,7 @@ def test_hf_export_of_a_sharded_tp_pp_checkpoint_equals_the_single_process_expor
               f"checkpoint.load=hf:{tmp_path / 'hf-par'}")
     one = zoo(*small_run(tmp_path / "from-hf-1", corpus_cache, *common))
     assert one.returncode == 0, one.stderr
-    par = torchrun(4, *small_run(tmp_path / "from-hf-4", corpus_cache, *common, "parallel.tp=2", "parallel.pp=2"))
+    par = ranks(4, *small_run(tmp_path / "from-hf-4", corpus_cache, *common, "parallel.tp=2", "parallel.pp=2"))
     assert par.returncode == 0, par.stdout + par.stderr
     assert _close(curve(tmp_path / "from-hf-4"), curve(tmp_path / "from-hf-1"))
 
@@ -440,7 +440,7 @@ def test_hf_import_under_tp_reads_only_the_rows_of_each_shard(tmp_path, family):
 def test_tensor_parallel_rng_streams_are_saved_per_rank(tmp_path, corpus_cache):
     from safetensors.torch import load_file
 
-    out = torchrun(2, *small_run(tmp_path / "run", corpus_cache, "train.steps=1", "parallel.tp=2"))
+    out = ranks(2, *small_run(tmp_path / "run", corpus_cache, "train.steps=1", "parallel.tp=2"))
     assert out.returncode == 0, out.stdout + out.stderr
     shards = tmp_path / "run" / "checkpoints" / "step_00000001" / "shards"
     streams = [load_file(shards / f"rank{r:05d}.rng.safetensors")["tp_stream"] for r in range(2)]
@@ -455,7 +455,7 @@ def test_fsdp_trains_like_one_process_and_its_checkpoints_reshard_both_ways(tmp_
     continues under tp2 x pp2 and in one process, each exactly as one process continues; a
     single-process checkpoint continues the same way under HSDP (`parallel.fsdp=2` on 4 data-parallel
     ranks: 2 replicas of 2 sharding ranks), whose checkpoint holds each piece once."""
-    out = torchrun(4, *small_run(tmp_path / "fsdp", corpus_cache, *ARGS, "parallel.fsdp=2", "parallel.cp=2"))
+    out = ranks(4, *small_run(tmp_path / "fsdp", corpus_cache, *ARGS, "parallel.fsdp=2", "parallel.cp=2"))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "fsdp over dp x cp = 4 ranks" in out.stdout
     assert _close(curve(tmp_path / "fsdp"), uninterrupted)

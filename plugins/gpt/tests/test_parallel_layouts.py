@@ -72,13 +72,13 @@ def test_eight_processes_tp_pp_dp_with_sequence_parallel_and_zero():
 
 
 def test_zoo_train_curves_match_one_process_and_resume_across_layouts(tmp_path, corpus_cache):
-    """`zoo train` under torchrun: TP x PP (interleaved) with sequence parallelism, and CP x PP with
+    """`zoo train` on 4 ranks as torchrun starts them: TP x PP (interleaved) with sequence parallelism, and CP x PP with
     ZeRO-1, each follow the single-process curve for 12 steps; each resumes the other's step-6
     checkpoint and continues the same curve."""
     import shutil
 
     from _gpt_helpers import curve as _curve
-    from _gpt_helpers import small_run, torchrun, zoo
+    from _gpt_helpers import ranks, small_run, zoo
 
     args = ("train.steps=12", "checkpoint.interval=6", "optimizer.grad_clip=0.5", "train.global_batch_size=16",
             "train.micro_batch_size=4", "model.num_layers=4", "train.eval_interval=6")
@@ -88,7 +88,7 @@ def test_zoo_train_curves_match_one_process_and_resume_across_layouts(tmp_path, 
     layouts = {"a": ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.sequence_parallel=true"],
                "b": ["parallel.cp=2", "parallel.pp=2", "parallel.zero=1"]}
     for name, layout in layouts.items():
-        out = torchrun(4, *small_run(tmp_path / name, corpus_cache, *args, *layout))
+        out = ranks(4, *small_run(tmp_path / name, corpus_cache, *args, *layout))
         assert out.returncode == 0, out.stdout + out.stderr
         got = _curve(tmp_path / name)
         assert len(got) == 12
@@ -98,7 +98,7 @@ def test_zoo_train_curves_match_one_process_and_resume_across_layouts(tmp_path, 
         cont = tmp_path / f"{src}-then-{dst}"
         (cont / "checkpoints").mkdir(parents=True)
         shutil.copytree(tmp_path / src / "checkpoints" / "step_00000006", cont / "checkpoints" / "step_00000006")
-        out = torchrun(4, *small_run(cont, corpus_cache, *args, *layouts[dst]))
+        out = ranks(4, *small_run(cont, corpus_cache, *args, *layouts[dst]))
         assert out.returncode == 0, out.stdout + out.stderr
         got = _curve(cont)
         assert len(got) == 6
@@ -194,14 +194,14 @@ def test_low_precision_parameters_with_fp32_masters_train_and_resume_exactly(tmp
         assert bad.returncode == 2 and f"needs train.precision={dtype}" in bad.stderr
         # float32 gradients (train.grad_dtype's default) reduce-scattered over dp2, the bf16 parameters
         # gathered in bf16: bit for bit one process accumulating the same two micro-batches
-        from _gpt_helpers import torchrun
+        from _gpt_helpers import ranks
 
         batch = ("train.steps=3", "train.global_batch_size=16", "train.micro_batch_size=8")
         from zoo.testing import threads
 
         with threads(1):  # as each torchrun rank has (oneDNN's AMX bf16 products split sums by threads)
             acc = zoo(*small_run(tmp_path / "acc", corpus_cache, *args, *batch))
-        dp2 = torchrun(2, *small_run(tmp_path / "dp2", corpus_cache, *args, *batch))
+        dp2 = ranks(2, *small_run(tmp_path / "dp2", corpus_cache, *args, *batch))
         assert acc.returncode == 0 and dp2.returncode == 0, acc.stderr + dp2.stderr
         assert _curve(tmp_path / "dp2") == _curve(tmp_path / "acc")
         narrow = zoo(*small_run(tmp_path / "narrow", corpus_cache, *args, "train.grad_dtype=bf16", "train.steps=3"))

@@ -72,17 +72,6 @@ def test_tp2_equals_single_process(family):
             torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def _torchrun(nproc: int, *args: str):
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("ZOO_PLUGINS", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "zoo", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-
-
 def _losses(run_dir):
     import json
 
@@ -96,12 +85,12 @@ def _losses(run_dir):
     (4, ["parallel.tp=2", "train.micro_batch_size=4"]),
 ])
 def test_zoo_train_tp_matches_one_process_and_resumes_anywhere(tmp_path, corpus_cache, nproc, layout):
-    from _gpt_helpers import small_run, zoo
+    from _gpt_helpers import ranks, small_run, zoo
 
     args = ("train.steps=6", "checkpoint.interval=3", "optimizer.grad_clip=0.5", "train.global_batch_size=8")
     one = zoo(*small_run(tmp_path / "one", corpus_cache, *args))
     assert one.returncode == 0, one.stderr
-    par = _torchrun(nproc, *small_run(tmp_path / "par", corpus_cache, *args, *layout))
+    par = ranks(nproc, *small_run(tmp_path / "par", corpus_cache, *args, *layout))
     assert par.returncode == 0, par.stdout + par.stderr
     for a, b in zip(_losses(tmp_path / "par"), _losses(tmp_path / "one")):
         assert abs(a - b) <= 2e-5 * abs(b), (_losses(tmp_path / "par"), _losses(tmp_path / "one"))

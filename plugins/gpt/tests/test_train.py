@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _gpt_helpers import small_run, torchrun, zoo
+from _gpt_helpers import ranks, small_run, zoo
 
 from zoo.testing import compiled_kernels, run_zoo
 
@@ -222,7 +222,7 @@ def test_trains_on_megatron_indexed_data(tmp_path, corpus_cache):
     assert docs.returncode == 0, docs.stderr
     # Under context parallelism the documents' segment ids travel with the ring's key/value blocks:
     # the same curve as one process, which differs measurably from attention across documents.
-    docs_cp = torchrun(2, *small_run(tmp_path / "docs-cp", corpus_cache, "train.steps=2", *documents,
+    docs_cp = ranks(2, *small_run(tmp_path / "docs-cp", corpus_cache, "train.steps=2", *documents,
                                      "data.reset_attention_mask=true", "parallel.cp=2"))
     assert docs_cp.returncode == 0, docs_cp.stdout + docs_cp.stderr
     across = zoo(*small_run(tmp_path / "across", corpus_cache, "train.steps=2", *documents))

@@ -106,10 +106,15 @@ def test_bad_layouts_fail_with_one_clear_line():
 
 
 def _zoo(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
+    """``zoo ARGS`` in a process of its own, or on NPROC ranks as torchrun starts them (forked from
+    a server that imported torch once: `zoo.testing.run_zoo_ranks`)."""
+    if nproc > 1:
+        from zoo.testing import run_zoo_ranks
+
+        return run_zoo_ranks(nproc, *args)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("ZOO_PLUGINS", None)
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
-    return subprocess.run([sys.executable, *launch, "-m", "zoo", *args], capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.run([sys.executable, "-m", "zoo", *args], capture_output=True, text=True, timeout=600, env=env)
 
 
 def _run(run_dir: Path, *extra: str) -> list[str]:

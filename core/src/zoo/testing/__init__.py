@@ -28,7 +28,7 @@ from typing import Any
 from zoo import procs as zoo_procs
 
 __all__ = ["DistributedTestError", "assert_same_training", "compiled_kernels", "layout_for", "run_distributed", "run_zoo",
-           "threads", "train_layout"]
+           "run_zoo_ranks", "threads", "train_layout"]
 
 
 # After the first failure, how long to wait for messages still in flight (an earlier failure's
@@ -282,6 +282,50 @@ def run_zoo(capsys: Any, *args: str) -> Any:
     rc = main(list(args))
     out = capsys.readouterr()
     return subprocess.CompletedProcess(list(args), rc, out.out, out.err)
+
+
+def _zoo_rank(args: list[str], out_dir: str) -> int:
+    """One rank of `run_zoo_ranks`: ``zoo ARGS`` with this rank's stdout and stderr in files."""
+    import sys
+
+    from zoo.cli import main
+
+    rank = os.environ["RANK"]
+    for fd, name in ((1, "out"), (2, "err")):
+        f = os.open(os.path.join(out_dir, f"{name}.{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(f, fd)
+        os.close(f)
+    try:
+        return main(list(args))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def run_zoo_ranks(nproc: int, *args: str, timeout: float = 600.0, env: Mapping[str, str] | None = None) -> Any:
+    """``torchrun --nproc-per-node NPROC -m zoo ARGS`` as far as the command can tell (the same
+    ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables, one thread per rank), on `run_distributed`'s
+    ranks: forked from a server that imported torch once, ~4 s for 4 ranks against torchrun's ~17
+    (each of its ranks a new interpreter importing torch on a 2-core CI machine). A
+    `subprocess.CompletedProcess`: the highest rank's exit status (1 where a rank raised), every
+    rank's stdout and stderr in rank order (torchrun interleaves them), a raising rank's traceback
+    last. Tests of the launcher itself use torchrun (tests/test_distributed.py)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="zoo-ranks-") as out_dir:
+        try:
+            codes = run_distributed(_zoo_rank, nproc, list(args), out_dir, timeout=timeout,
+                                    env={"OMP_NUM_THREADS": "1", **(env or {})})
+            rc, failure = max(int(c or 0) for c in codes), ""
+        except DistributedTestError as e:
+            rc, failure = 1, f"\n{e}\n"
+
+        def read(name: str) -> str:
+            parts = [os.path.join(out_dir, f"{name}.{r}") for r in range(nproc)]
+            return "".join(open(p, encoding="utf-8", errors="replace").read() for p in parts if os.path.exists(p))
+
+        return subprocess.CompletedProcess(["zoo", *args], rc, read("out"), read("err") + failure)
 
 
 def compiled_kernels() -> Any:
