@@ -3,6 +3,7 @@ that never saw the model, `zoo generate`, exact resume (EMA and data position), 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from zoo.testing import compiled_kernels
+from zoo.testing import compiled_kernels, run_zoo
 
 # zoo train's default compiled CPU kernels (tests/conftest.py switches them off for the tests that
 # only compare layouts): this module's quality thresholds were set with them
@@ -82,8 +83,10 @@ def test_bf16_parameters_still_draw_the_asked_class(trained):
     assert accuracy >= 0.9, accuracy
 
 
-def test_generate_cli_writes_a_grid_and_refuses_bad_sizes(trained, tmp_path):
+def test_generate_cli_writes_a_grid_and_refuses_bad_sizes(trained, tmp_path, capsys):
     from PIL import Image
+
+    zoo = functools.partial(run_zoo, capsys)  # in this process: seven commands, no interpreter starts
 
     out = zoo("generate", "--checkpoint", str(trained), "--class", "7", "3", "--num-steps", "18", "--guidance", "1.5",
               "--seed", "42", "--output", str(tmp_path / "grid.png"))
@@ -104,7 +107,8 @@ def test_generate_cli_writes_a_grid_and_refuses_bad_sizes(trained, tmp_path):
     assert not (tmp_path / "d.png").exists()
 
 
-def test_resume_is_exact_including_ema_and_data_position(tmp_path):
+def test_resume_is_exact_including_ema_and_data_position(tmp_path, capsys):
+    zoo = functools.partial(run_zoo, capsys)
     args = ("train.steps=6", "checkpoint.interval=3", "train.eval_interval=0", "logging.interval=1", "train.micro_batch_size=16",
             "logging.progress=false", "logging.tensorboard=false", "logging.plot=false", "data.num_workers=1",
             f"data.cache_dir={tmp_path / 'cache'}")
@@ -125,8 +129,8 @@ def test_resume_is_exact_including_ema_and_data_position(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_wrong_latent_channels_is_one_clear_line(tmp_path):
-    out = zoo("train", "--model", "dit", "--run-dir", str(tmp_path / "r"), "model.in_channels=4", "train.steps=1",
+def test_wrong_latent_channels_is_one_clear_line(tmp_path, capsys):
+    out = run_zoo(capsys, "train", "--model", "dit", "--run-dir", str(tmp_path / "r"), "model.in_channels=4", "train.steps=1",
               f"data.cache_dir={tmp_path / 'cache'}", "logging.progress=false")
     assert out.returncode != 0
     assert "has 3 latent channels, the model takes 4 (model.in_channels)" in out.stderr
