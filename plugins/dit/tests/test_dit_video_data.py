@@ -69,21 +69,18 @@ def test_moving_digits_dataset_feeds_the_video_dit(tmp_path):
     assert torch.isfinite(value)
 
 
-def test_train_and_generate_a_clip_from_a_prompt(tmp_path):
-    import os
-    import subprocess
-    import sys
+def test_train_and_generate_a_clip_from_a_prompt(tmp_path, capsys):
+    import functools
 
     from PIL import Image
     from zoo_dit.data import prepare_moving_digits
 
+    from zoo.testing import run_zoo
+
     data = tmp_path / "mv"
     data.mkdir()
     prepare_moving_digits(data, n=60)
-    env = {k: v for k, v in os.environ.items() if k != "ZOO_PLUGINS"}
-
-    def zoo(*args):
-        return subprocess.run([sys.executable, "-m", "zoo", *args], capture_output=True, text=True, timeout=600, env=env)
+    zoo = functools.partial(run_zoo, capsys)  # in this process: no interpreter start per command
 
     run = tmp_path / "run"
     out = zoo("train", "--model", "dit-video", "--run-dir", str(run), f"data.path={data}", "train.steps=1",
