@@ -7,10 +7,23 @@ import json
 import math
 from collections import Counter
 
+import pytest
 import yaml
 from _core_helpers import run_zoo
 
 from zoo.cli import build_parser
+
+
+@pytest.fixture
+def here(capsys):
+    """`zoo` in the test's process: the same `zoo.cli.main`, exit status and output without an
+    interpreter start and torch import per command (~3 s each); the real training run, the help
+    test and tests/test_packaging.py run it as a process."""
+    import functools
+
+    from zoo.testing import run_zoo as run_here
+
+    return functools.partial(run_here, capsys)
 
 
 def _one_line(stderr: str) -> str:
@@ -20,10 +33,10 @@ def _one_line(stderr: str) -> str:
     return lines[0]
 
 
-def test_megatron_flags_are_answered_with_the_overrides_that_work():
+def test_megatron_flags_are_answered_with_the_overrides_that_work(here):
     """A Megatron-LM training command's flags: one line giving zoo's overrides with their values,
     and those overrides, pasted, are a valid run."""
-    out = run_zoo("train", "--model", "llama", "--tensor-model-parallel-size", "2", "--train-iters", "5", "--lr", "1e-3",
+    out = here("train", "--model", "llama", "--tensor-model-parallel-size", "2", "--train-iters", "5", "--lr", "1e-3",
                   "--min-lr=1e-4", "--bf16", "--num-layers", "4", "--micro-batch-size=2", "--save", "ck", "--load", "ck",
                   "--dry-run")
     forms = ("parallel.tp=2 train.steps=5 optimizer.lr=1e-3 schedule.min_lr_ratio=0.1 train.precision=bf16 "
@@ -31,31 +44,31 @@ def test_megatron_flags_are_answered_with_the_overrides_that_work():
     line = _one_line(out.stderr)
     assert out.returncode == 2 and line.endswith(f"(in zoo: {forms})"), line
     assert line.startswith("zoo: error: zoo train: unrecognized arguments: --tensor-model-parallel-size")
-    out = run_zoo("train", "--model", "llama", "--dry-run", "--world-size", "2", *forms.split())
+    out = here("train", "--model", "llama", "--dry-run", "--world-size", "2", *forms.split())
     assert out.returncode == 0, out.stderr
     assert "tp: 2" in out.stdout and "steps: 5" in out.stdout and "num_layers: 4" in out.stdout
     assert "min_lr_ratio: 0.1" in out.stdout
-    out = run_zoo("train", "--model", "clip", "--num-layers", "4", "--dry-run")  # CLIP has no model.num_layers
+    out = here("train", "--model", "clip", "--num-layers", "4", "--dry-run")  # CLIP has no model.num_layers
     assert out.returncode == 2 and "in zoo" not in _one_line(out.stderr)
-    out = run_zoo("train", "--model", "clip", "--run_dir", "x", "--dry-run")  # a misspelt option of zoo's own
+    out = here("train", "--model", "clip", "--run_dir", "x", "--dry-run")  # a misspelt option of zoo's own
     assert out.returncode == 2 and _one_line(out.stderr).endswith("--run_dir (did you mean --run-dir?)")
 
 
-def test_exit_codes_and_one_line_errors():
-    assert run_zoo("version").returncode == 0
-    out = run_zoo("frobnicate")
+def test_exit_codes_and_one_line_errors(here):
+    assert here("version").returncode == 0
+    out = here("frobnicate")
     assert out.returncode == 2 and "invalid choice" in _one_line(out.stderr)
-    out = run_zoo("train", "--model", "mixer", "train.steps=0", "--dry-run")
+    out = here("train", "--model", "mixer", "train.steps=0", "--dry-run")
     assert out.returncode == 2 and _one_line(out.stderr).startswith("zoo: error: train: steps=0 must be at least 1")
-    out = run_zoo("train", "--model", "mixer", "--flavor", "tinny", "--dry-run")
+    out = here("train", "--model", "mixer", "--flavor", "tinny", "--dry-run")
     assert out.returncode == 2 and "did you mean tiny?" in _one_line(out.stderr)
-    out = run_zoo("train", "--model", "mixer", "model.layer_spec=mixr", "--dry-run")
+    out = here("train", "--model", "mixer", "model.layer_spec=mixr", "--dry-run")
     assert out.returncode == 2 and "did you mean mixer?" in _one_line(out.stderr)
-    out = run_zoo("train", "--dry-run")
+    out = here("train", "--dry-run")
     assert out.returncode == 2 and "--model is required" in _one_line(out.stderr)
-    out = run_zoo("train", "--model", "mixer", "--config", "/nonexistent/x.yaml")
+    out = here("train", "--model", "mixer", "--config", "/nonexistent/x.yaml")
     assert out.returncode == 2 and "/nonexistent/x.yaml: config file not found" in _one_line(out.stderr)
-    out = run_zoo("train", "--model", "mixer", "--dry-run", "--world-size", "0")  # (0 was the default 1, silently)
+    out = here("train", "--model", "mixer", "--dry-run", "--world-size", "0")  # (0 was the default 1, silently)
     assert out.returncode == 2 and "argument --world-size: 0: must be at least 1" in _one_line(out.stderr)
 
 
@@ -88,8 +101,8 @@ def test_help_does_not_load_plugins_and_list_does_not_import_model_code(tmp_path
     assert list_out[-1] == "False"
 
 
-def test_dry_run_prints_config_parameters_and_layout():
-    out = run_zoo("train", "--model", "mixer", "--dry-run", "train.steps=7", "--world-size", "4", "parallel.pp=1")
+def test_dry_run_prints_config_parameters_and_layout(here):
+    out = here("train", "--model", "mixer", "--dry-run", "train.steps=7", "--world-size", "4", "parallel.pp=1")
     assert out.returncode == 0, out.stderr
     cfg = yaml.safe_load(out.stdout)
     assert cfg["family"] == "mixer" and cfg["train"]["steps"] == 7 and cfg["parallel"]["pp"] == 1
@@ -103,7 +116,7 @@ def test_dry_run_prints_config_parameters_and_layout():
     assert f"# parameters: {expected:,}" in out.stdout
     assert "# layout: world 4 = tp=1 x cp=1 x dp=4 x pp=1" in out.stdout
     # A dry run validates the layout against the family exactly as training does.
-    refused = run_zoo("train", "--model", "mixer", "--dry-run", "--world-size", "4", "parallel.tp=2")
+    refused = here("train", "--model", "mixer", "--dry-run", "--world-size", "4", "parallel.tp=2")
     assert refused.returncode == 2 and "family 'mixer' declares no tp_plan" in _one_line(refused.stderr)
 
 
@@ -141,8 +154,8 @@ def test_train_writes_run_directory_and_learns(tmp_path):
     assert yaml.safe_load(again.stdout) == resolved
 
 
-def test_nan_loss_is_reported_with_the_step(tmp_path):
-    out = run_zoo("train", "--model", "mixer", "--run-dir", str(tmp_path), "train.steps=30", "optimizer.lr=1e30",
+def test_nan_loss_is_reported_with_the_step(tmp_path, here):
+    out = here("train", "--model", "mixer", "--run-dir", str(tmp_path), "train.steps=30", "optimizer.lr=1e30",
                   "optimizer.grad_clip=0", "schedule.warmup_steps=0", "logging.progress=false")
     assert out.returncode == 1
     # Diverged: each non-finite step is skipped with a warning (train.skip_nonfinite=3), the fourth
