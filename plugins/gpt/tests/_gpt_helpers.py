@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+# ``zoo ARGS`` on N ranks as torchrun starts them, forked from a server that imported torch once
+# (~4 s for 4 ranks against torchrun's ~17 on 2 cores)
+from zoo.testing import run_zoo_ranks as ranks  # noqa: F401
+
 
 def zoo(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = {**os.environ}
@@ -28,14 +32,6 @@ def torchrun(nproc: int, *args: str, timeout: float = 600) -> subprocess.Complet
     env.pop("ZOO_PLUGINS", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "zoo", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def ranks(nproc: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """``zoo ARGS`` on NPROC ranks as torchrun would start them, forked from a server that imported
-    torch once (`zoo.testing.run_zoo_ranks`: ~4 s for 4 ranks against torchrun's ~17 on 2 cores)."""
-    from zoo.testing import run_zoo_ranks
-
-    return run_zoo_ranks(nproc, *args, timeout=timeout)
 
 
 def curve(run_dir: Path) -> list[float]:

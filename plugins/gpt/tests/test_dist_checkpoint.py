@@ -218,7 +218,7 @@ def test_hf_export_of_a_sharded_tp_pp_checkpoint_equals_the_single_process_expor
     from zoo.checkpoint.model_dir import write_model_dir
 
     out = ranks(4, *small_run(tmp_path / "par", corpus_cache, "train.steps=2", "parallel.tp=2", "parallel.pp=2",
-                                 "train.micro_batch_size=4", "model.num_layers=4", "train.global_batch_size=8"))
+                              "train.micro_batch_size=4", "model.num_layers=4", "train.global_batch_size=8"))
     assert out.returncode == 0, out.stdout + out.stderr
     ckpt = tmp_path / "par" / "checkpoints" / "step_00000002"
     assert zoo("convert", "--to", "hf", str(ckpt), str(tmp_path / "hf-par")).returncode == 0

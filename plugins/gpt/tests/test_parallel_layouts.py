@@ -72,8 +72,8 @@ def test_eight_processes_tp_pp_dp_with_sequence_parallel_and_zero():
 
 
 def test_zoo_train_curves_match_one_process_and_resume_across_layouts(tmp_path, corpus_cache):
-    """`zoo train` on 4 ranks as torchrun starts them: TP x PP (interleaved) with sequence parallelism, and CP x PP with
-    ZeRO-1, each follow the single-process curve for 12 steps; each resumes the other's step-6
+    """`zoo train` on 4 ranks as torchrun starts them: TP x PP (interleaved) with sequence
+    parallelism, and CP x PP with ZeRO-1, each follow the single-process curve for 12 steps; each resumes the other's step-6
     checkpoint and continues the same curve."""
     import shutil
 

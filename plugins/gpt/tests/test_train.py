@@ -223,7 +223,7 @@ def test_trains_on_megatron_indexed_data(tmp_path, corpus_cache):
     # Under context parallelism the documents' segment ids travel with the ring's key/value blocks:
     # the same curve as one process, which differs measurably from attention across documents.
     docs_cp = ranks(2, *small_run(tmp_path / "docs-cp", corpus_cache, "train.steps=2", *documents,
-                                     "data.reset_attention_mask=true", "parallel.cp=2"))
+                                  "data.reset_attention_mask=true", "parallel.cp=2"))
     assert docs_cp.returncode == 0, docs_cp.stdout + docs_cp.stderr
     across = zoo(*small_run(tmp_path / "across", corpus_cache, "train.steps=2", *documents))
     assert across.returncode == 0, across.stderr
