@@ -168,26 +168,26 @@ def transpose(a: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------ adaLN layer norm
 
 
-def _modulated_ln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+def _modulated_ln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, dtype: torch.dtype
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     xf = x.float()
     mean = xf.mean(-1, keepdim=True)
     xc = xf - mean
     rstd = torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps)
-    return torch.addcmul(shift.float(), xc * rstd, 1 + scale.float()).to(x.dtype), mean, rstd
+    return torch.addcmul(shift.float(), xc * rstd, 1 + scale.float()).to(dtype), mean, rstd
 
 
-def _modulated_ln_eager(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+def _modulated_ln_eager(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, dtype: torch.dtype
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     xhat, mean, rstd = torch.native_layer_norm(x.float(), x.shape[-1:], None, None, eps)
-    return torch.addcmul(shift.float(), xhat, 1 + scale.float()).to(x.dtype), mean, rstd
+    return torch.addcmul(shift.float(), xhat, 1 + scale.float()).to(dtype), mean, rstd
 
 
-def modulated_ln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(LN(x) * (1 + scale) + shift`` in x's dtype, the rows' float32 mean and 1/std)``, LN
-    without affine weights, computed in float32."""
-    return run("modulated_ln", _modulated_ln, _modulated_ln_eager, x, shift, scale, eps)
+def modulated_ln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
+                 dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(LN(x) * (1 + scale) + shift`` in ``dtype`` (default x's), the rows' float32 mean and
+    1/std)``, LN without affine weights, computed in float32."""
+    return run("modulated_ln", _modulated_ln, _modulated_ln_eager, x, shift, scale, eps, dtype or x.dtype)
 
 
 def _modulated_ln_backward(g: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor,

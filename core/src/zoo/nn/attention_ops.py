@@ -47,6 +47,13 @@ _BLOCK_ELEMENTS = 1 << 20
 _LONG_KEYS = 2048
 _LONG_BLOCK_ROWS = 512
 _LONG_BLOCK_ELEMENTS = 1 << 22
+# On a CPU with AMX, bf16/fp16 blocks of up to four times the elements whatever the length: the
+# batched GEMMs over more matrices run nearer AMX's peak and the scores still stream well. Forward
+# and backward on a 2-core Emerald Rapids (medians of 25, alternating in one process): DiT's
+# (8, 6, 256, 64) 8.1 against 9.4 ms, ViT's (8, 12, 197, 64) 13.9 against 15.1, causal LLaMA's
+# (4, 8 / 2, 512, 64) and (2, 8 / 2, 768, 64) level (20.9 / 20.6, 27.2 / 27.0); a bf16 DiT-S
+# training step 2.5% faster.
+_AMX_BLOCK_ELEMENTS = 1 << 22
 # On a CPU with AMX, torch's kernel computes bf16/fp16 attention with AMX tiles and is the faster
 # one from 1,024 keys on: forward and backward on a 2-core Emerald Rapids, torch against blocked,
 # (1, 16, 2,048, 64) bf16 causal 191 / 247 ms, full 247 / 411, fp16 229 / 375, packed (4 samples)
@@ -146,8 +153,11 @@ class _Plan:
         self.causal, self.offset = causal, offset
         # each matrix's batch row's sample ids
         self.segment_ids = None if segment_ids is None else segment_ids.repeat_interleave(kv, 0)
-        long = like.element_size() == 2 and s >= _LONG_KEYS
-        rows, elements = (_LONG_BLOCK_ROWS, _LONG_BLOCK_ELEMENTS) if long else (_BLOCK_ROWS, _BLOCK_ELEMENTS)
+        rows, elements = _BLOCK_ROWS, _BLOCK_ELEMENTS
+        if like.element_size() == 2 and s >= _LONG_KEYS:
+            rows, elements = _LONG_BLOCK_ROWS, _LONG_BLOCK_ELEMENTS
+        elif like.element_size() == 2 and like.device.type == "cpu" and has_amx():
+            elements = _AMX_BLOCK_ELEMENTS
         self.tb = max(1, min(t, rows // self.g))
         mb = max(1, elements // (self.tb * self.g * s))
         # whole batch rows of KV heads, or KV heads of one batch row: a block of matrices is then a
