@@ -61,7 +61,7 @@ def test_modulated_layer_norm_forward_and_backward_match_float64(on, dtype, per_
 
 
 @pytest.mark.parametrize("compiled", [True, False])
-def test_under_autocast_the_modulated_norm_writes_the_low_precision_its_linear_reads(compiled, monkeypatch):
+def test_under_autocast_the_modulated_norm_writes_the_low_precision_its_linear_reads(on, compiled):
     """Under bf16 autocast the adaLN norm of a float32 residual stream returns bf16 (its own pass
     rounds it), and what a linear layer then computes is bitwise what it computed from the float32
     output it used to cast itself: output, and gradients of x, shift, scale and the linear's
@@ -69,39 +69,34 @@ def test_under_autocast_the_modulated_norm_writes_the_low_precision_its_linear_r
     from zoo import gemm
     from zoo.nn import modulated_layer_norm, recompute
 
-    monkeypatch.delenv("ZOO_BACKENDS", raising=False)
-    monkeypatch.setattr(fused, "_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(fused, "_BROKEN", {})
-    fused.configure("auto" if compiled else "eager")
+    if not compiled:
+        fused.configure("eager")
     gen = torch.Generator().manual_seed(3)
     x0 = torch.randn(2, 24, 32, generator=gen) * 2
     mod0 = torch.randn(2, 1, 64, generator=gen) * 0.3
     lin = gemm.Linear(32, 48)
     g = torch.randn(2, 24, 48, generator=gen).bfloat16()
-    try:
-        results = {}
-        for mode in ("none", "elementwise"):
-            for widen in (False, True):
-                x, mod = x0.clone().requires_grad_(True), mod0.clone().requires_grad_(True)
-                lin.zero_grad()
-                with recompute.scope(mode), torch.autocast("cpu", dtype=torch.bfloat16):
-                    shift, scale = mod.chunk(2, -1)
-                    if widen:  # the former float32 output, cast by the linear
-                        with torch.autocast("cpu", enabled=False):
-                            y = modulated_layer_norm(x, shift, scale, 1e-6)
-                        assert y.dtype == torch.float32
-                    else:
+    results = {}
+    for mode in ("none", "elementwise"):
+        for widen in (False, True):
+            x, mod = x0.clone().requires_grad_(True), mod0.clone().requires_grad_(True)
+            lin.zero_grad()
+            with recompute.scope(mode), torch.autocast("cpu", dtype=torch.bfloat16):
+                shift, scale = mod.chunk(2, -1)
+                if widen:  # the former float32 output, cast by the linear
+                    with torch.autocast("cpu", enabled=False):
                         y = modulated_layer_norm(x, shift, scale, 1e-6)
-                        assert y.dtype == torch.bfloat16
-                    out = lin(y)
-                out.backward(g)
-                results[mode, widen] = [out.detach(), x.grad, mod.grad, lin.weight.grad, lin.bias.grad]
-        want = results["none", True]
-        assert want[1].dtype == torch.float32 and want[0].dtype == torch.bfloat16
-        for key, got in results.items():
-            assert all(torch.equal(a, b) for a, b in zip(got, want)), key
-    finally:
-        fused.configure("eager")
+                    assert y.dtype == torch.float32
+                else:
+                    y = modulated_layer_norm(x, shift, scale, 1e-6)
+                    assert y.dtype == torch.bfloat16
+                out = lin(y)
+            out.backward(g)
+            results[mode, widen] = [out.detach(), x.grad, mod.grad, lin.weight.grad, lin.bias.grad]
+    want = results["none", True]
+    assert want[1].dtype == torch.float32 and want[0].dtype == torch.bfloat16
+    for key, got in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), key
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
