@@ -183,11 +183,11 @@ def _modulated_ln_eager(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tenso
     return torch.addcmul(shift.float(), xhat, 1 + scale.float()).to(dtype), mean, rstd
 
 
-def modulated_ln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
-                 dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(LN(x) * (1 + scale) + shift`` in ``dtype`` (default x's), the rows' float32 mean and
-    1/std)``, LN without affine weights, computed in float32."""
-    return run("modulated_ln", _modulated_ln, _modulated_ln_eager, x, shift, scale, eps, dtype or x.dtype)
+def modulated_ln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(LN(x) * (1 + scale) + shift`` rounded to ``dtype``, the rows' float32 mean and 1/std)``,
+    LN without affine weights, computed in float32."""
+    return run("modulated_ln", _modulated_ln, _modulated_ln_eager, x, shift, scale, eps, dtype)
 
 
 def _modulated_ln_backward(g: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor,
