@@ -231,12 +231,37 @@ def test_the_compiled_transpose_is_an_exact_copy(on, dtype):
     assert got.is_contiguous() and torch.equal(got, a.t())
 
 
+def test_a_torch_without_standalone_compile_gets_torch_compiles_kernel_for_the_sizes(on, monkeypatch):
+    """zoo-core takes torch >= 2.4; ``torch._inductor.standalone_compile`` came later. Without it a
+    kernel for one signature is ``torch.compile``'s for those sizes, with the same values (the
+    norm's float32 output and the transpose exactly, the eps constant kept)."""
+    from torch import _inductor as inductor
+
+    x = torch.randn(4, 16, 48)
+    shift, scale = torch.randn(4, 1, 48), torch.randn(4, 1, 48)
+    want = fused.modulated_ln(x, shift, scale, 1e-3, torch.float32)
+    monkeypatch.delattr(inductor, "standalone_compile")
+    monkeypatch.setattr(fused, "_seen", {})
+    fused._compiled.cache_clear()
+    before = fused.built
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="zoo.fused")
+        got = fused.modulated_ln(x, shift, scale, 1e-3, torch.float32)
+        a = torch.randn(40, 24)
+        assert torch.equal(fused.transpose(a), a.t())
+    assert fused.built - before == 2 and not fused._BROKEN
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    fused._compiled.cache_clear()  # the next tests build their kernels with standalone_compile again
+
+
 def test_each_of_a_kernels_first_sizes_gets_a_kernel_of_its_own_then_one_for_any_size(on, monkeypatch):
     """A float32 step transposes one weight-gradient operand per weight shape: each of the first
     `_SIGNATURES` sizes is compiled on its own (dynamo would compile the second size of one function
     for any size, and every later one would take that slower kernel), later sizes share one kernel
     for any size, and a size seen before compiles nothing. Every result stays an exact copy."""
     monkeypatch.setattr(fused, "_seen", {})
+    monkeypatch.setattr(fused, "built", 0)
     torch._dynamo.reset()
     fused._compiled.cache_clear()
     torch._dynamo.utils.counters.clear()
@@ -248,8 +273,9 @@ def test_each_of_a_kernels_first_sizes_gets_a_kernel_of_its_own_then_one_for_any
             got = fused.transpose(a)
             assert got.is_contiguous() and torch.equal(got, a.t())
     assert [fused._variant("transpose", [torch.empty(s)]) for s in shapes] == [*range(fused._SIGNATURES), -1, -1]
-    # one graph per size of its own, one for the rest; no recompilation
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == fused._SIGNATURES + 1
+    # one kernel per size of its own (no dynamo), one dynamo graph for the rest; no recompilation
+    assert fused.built == fused._SIGNATURES
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert fused._compiled.cache_info().currsize == fused._SIGNATURES + 1
     assert not fused._BROKEN
 
@@ -319,16 +345,17 @@ def test_rms_norm_and_swiglu_match_float64(on, dtype):
     assert _rel(h, hd) <= tol and _rel(gu.grad, gud.grad) <= 10 * tol
 
 
-def test_one_kernel_per_dtype_whatever_grad_mode_autocast_or_view(on):
+def test_one_kernel_per_dtype_whatever_grad_mode_autocast_or_view(on, monkeypatch):
     """Training, sampling (no grad) and bf16 autocast call the adaLN norm with the same shapes but
     different grad modes, requires_grad flags, autocast states and chunk offsets (shift and scale
     are views into one modulation tensor): each used to compile a variant, and a DiT run that
     trained and sampled reached dynamo's recompile limit and fell back to eager with a warning."""
     from zoo.nn import modulated_layer_norm
 
+    monkeypatch.setattr(fused, "_seen", {})
     torch._dynamo.reset()
     fused._compiled.cache_clear()
-    torch._dynamo.utils.counters.clear()
+    before = fused.built
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="zoo.fused")
         for dtype in (torch.float32, torch.bfloat16):
@@ -339,10 +366,14 @@ def test_one_kernel_per_dtype_whatever_grad_mode_autocast_or_view(on):
                         mod = torch.randn(4, 1, 6 * 48, dtype=dtype, requires_grad=grad).chunk(6, -1)
                         with torch.set_grad_enabled(grad), torch.autocast("cpu", enabled=autocast):
                             y = modulated_layer_norm(x, mod[first], mod[first + 1], 1e-6)
+                        # each view read at its own offset (a kernel is built for the first one it meets)
+                        want = torch.nn.functional.layer_norm(x.double(), (48,), eps=1e-6) * (
+                            1 + mod[first + 1].double()) + mod[first].double()
+                        assert _rel(y.double(), want) <= (2e-2 if y.dtype == torch.bfloat16 else 1e-5)
                         if grad:
                             y.sum().backward()
     assert not fused._BROKEN
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    graphs = fused.built - before
     # forward and backward, each once per (input, output) dtypes: float32, bf16, and float32 under
     # autocast (bf16 out, a bf16 gradient in)
     assert 0 < graphs <= 6, graphs
