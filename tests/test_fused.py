@@ -231,6 +231,20 @@ def test_the_compiled_transpose_is_an_exact_copy(on, dtype):
     assert got.is_contiguous() and torch.equal(got, a.t())
 
 
+def test_a_kernel_is_only_called_with_the_inputs_it_was_built_for(on, monkeypatch):
+    """Kernels are keyed by their inputs' signature, not by their order of arrival: a signature
+    table started afresh (as a test may) never hands a kernel built for one size the inputs of
+    another (keyed by order, that was an inductor assertion and then torch's kernel for good)."""
+    a, b = torch.randn(56, 40), torch.randn(72, 48)
+    monkeypatch.setattr(fused, "_seen", {})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="zoo.fused")
+        assert torch.equal(fused.transpose(a), a.t())
+        monkeypatch.setattr(fused, "_seen", {})
+        assert torch.equal(fused.transpose(b), b.t())
+    assert not fused._BROKEN
+
+
 def test_a_torch_without_standalone_compile_gets_torch_compiles_kernel_for_the_sizes(on, monkeypatch):
     """zoo-core takes torch >= 2.4; ``torch._inductor.standalone_compile`` came later. Without it a
     kernel for one signature is ``torch.compile``'s for those sizes, with the same values (the

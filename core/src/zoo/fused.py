@@ -73,7 +73,8 @@ def run(name: str, fn: Callable[..., Any], eager: Callable[..., Any], *args: Any
             return eager(*args)
     try:
         inputs = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-        kernel = _compiled(name, fn, _variant(name, inputs))
+        sig = _signature(inputs)
+        kernel = _compiled(name, fn, sig if _variant(name, inputs, sig) >= 0 else None)
         if isinstance(kernel, _Static) and kernel.kernel is not None:
             return kernel(*inputs)  # a kernel for exactly these inputs: no state of the caller's matters
         # One kernel per dtype whatever the caller's state: dynamo guards on the grad mode, the
@@ -125,10 +126,16 @@ _SIGNATURES = 6
 _seen: dict[str, dict[tuple[Any, ...], int]] = {}
 
 
-def _variant(name: str, args: list[Any]) -> int:
-    """Which compiled copy of kernel ``name`` takes ``args``: its n-th distinct signature, or -1 (the
-    copy for any size) once it has had `_SIGNATURES`."""
-    sig = tuple((a.dtype, a.shape, a.stride()) if isinstance(a, torch.Tensor) else repr(a) for a in args)
+def _signature(args: list[Any]) -> tuple[Any, ...]:
+    """What a kernel compiled for one signature depends on: each tensor's dtype, sizes and strides,
+    each other argument's value (its repr)."""
+    return tuple((a.dtype, a.shape, a.stride()) if isinstance(a, torch.Tensor) else repr(a) for a in args)
+
+
+def _variant(name: str, args: list[Any], sig: tuple[Any, ...] | None = None) -> int:
+    """Which compiled copy of kernel ``name`` takes ``args`` (their `_signature` ``sig``): its n-th
+    distinct signature, or -1 (the copy for any size) once it has had `_SIGNATURES`."""
+    sig = _signature(args) if sig is None else sig
     seen = _seen.setdefault(name, {})
     if sig not in seen:
         if len(seen) >= _SIGNATURES:
@@ -138,21 +145,23 @@ def _variant(name: str, args: list[Any]) -> int:
 
 
 @functools.cache
-def _compiled(name: str, fn: Callable[..., Any], variant: int) -> Callable[..., Any]:
+def _compiled(name: str, fn: Callable[..., Any], sig: tuple[Any, ...] | None) -> Callable[..., Any]:
+    """Kernel ``name`` for inputs of signature ``sig`` (keyed by the signature itself, so a kernel
+    is only ever called with the inputs it was built for), or for any size (``None``)."""
     # Sizes as constants: a kernel compiled for them takes no divisions or symbolic strides in its
     # index arithmetic (Mamba-2's step at T = 2,048: 1.5-1.8% faster than compiled for any size;
     # the tiled transposition of a weight gradient's operand 35-40% faster alone, inside a step
     # Mamba-2's 3.9 -> 3.4 ms and a float32 DiT's 23.8 -> 21.8). Each of the first signatures is
     # compiled for its sizes alone (`_Static`); later ones share one kernel for any size, which
     # dynamo guards (it compiles a second set of sizes of one function for any size).
-    if variant < 0:
+    if sig is None:
         return torch.compile(fn, dynamic=True, fullgraph=True)
     return _Static(fn)
 
 
 class _Static:
     """``fn`` compiled by inductor for one input signature (dtypes, sizes, strides and the other
-    arguments' values: `_variant`'s), at its first call, from the graph of that call (`make_fx`)
+    arguments' values: `_signature`), at its first call, from the graph of that call (`make_fx`)
     through ``torch._inductor.standalone_compile``: no dynamo. `run` calls it only with inputs of
     that signature, so the guards dynamo would evaluate on every call are settled already, and
     they cost more than many of these kernels: `run` of a compiled tanh-GELU on 64 elements took
