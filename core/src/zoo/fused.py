@@ -74,8 +74,8 @@ def run(name: str, fn: Callable[..., Any], eager: Callable[..., Any], *args: Any
     try:
         inputs = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
         sig = _signature(inputs)
-        kernel = _compiled(name, fn, sig if _variant(name, inputs, sig) >= 0 else None)
-        if isinstance(kernel, _Static) and kernel.kernel is not None:
+        kernel = _compiled(name, fn, sig if _variant(name, sig) >= 0 else None)
+        if isinstance(kernel, _Static):
             return kernel(*inputs)  # a kernel for exactly these inputs: no state of the caller's matters
         # One kernel per dtype whatever the caller's state: dynamo guards on the grad mode, the
         # inputs' requires_grad and autocast (these kernels have no products for autocast to
@@ -132,10 +132,9 @@ def _signature(args: list[Any]) -> tuple[Any, ...]:
     return tuple((a.dtype, a.shape, a.stride()) if isinstance(a, torch.Tensor) else repr(a) for a in args)
 
 
-def _variant(name: str, args: list[Any], sig: tuple[Any, ...] | None = None) -> int:
-    """Which compiled copy of kernel ``name`` takes ``args`` (their `_signature` ``sig``): its n-th
-    distinct signature, or -1 (the copy for any size) once it has had `_SIGNATURES`."""
-    sig = _signature(args) if sig is None else sig
+def _variant(name: str, sig: tuple[Any, ...]) -> int:
+    """Which compiled copy of kernel ``name`` takes inputs of `_signature` ``sig``: its n-th distinct
+    signature, or -1 (the copy for any size) once it has had `_SIGNATURES`."""
     seen = _seen.setdefault(name, {})
     if sig not in seen:
         if len(seen) >= _SIGNATURES:
@@ -201,7 +200,8 @@ class _Static:
             return guarded
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        gm = make_fx(lambda *ts: fn(*_merged(ts, constants)))(*tensors)
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):  # a graph of the kernel's own ops only
+            gm = make_fx(lambda *ts: fn(*_merged(ts, constants)))(*tensors)
         kernel = inductor.standalone_compile(gm, tensors, dynamic_shapes="from_example_inputs")
         built += 1
         return kernel
