@@ -562,3 +562,36 @@ def test_mamba2_scan_with_the_compiled_passes_matches_the_float64_recurrence(on,
     # ~5e-5 here with torch's eager kernels too (the compiled passes change the rounding, not that)
     for name, gv, wv in zip(["x", "dt", "A", "B", "C", "h0"], got, want):
         assert _rel(gv, wv) <= (1e-4 if name == "A" else 1e-5), name
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_gated_residual_is_computed_in_float32_and_rounded_once(on, compiled, dtype, per_token):
+    """adaLN-Zero's ``x + gate * y`` on a float32 stream with gate and y in ``dtype`` (gate a chunk
+    of the adaLN output, per sample or per token): the output is the float64 value of the same
+    inputs within float32 rounding (a bf16 ``gate * y`` rounded before the sum is ~1e-3 off), the
+    gradients within one rounding to their dtype; compiled and torch's eager path alike."""
+    from zoo.nn import gated_residual
+
+    if not compiled:
+        fused.configure("eager")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 40, 48, generator=gen).requires_grad_(True)
+    mod = torch.randn(3, 40 if per_token else 1, 3 * 48, generator=gen).to(dtype).requires_grad_(True)
+    y = torch.randn(3, 40, 48, generator=gen).to(dtype).requires_grad_(True)
+    g = torch.randn(3, 40, 48, generator=gen)
+    out = gated_residual(x, mod.chunk(3, -1)[1], y)
+    assert out.dtype == torch.float32 and type(out.grad_fn).__name__ == "_GatedResidualFnBackward"
+    out.backward(g)
+    x64, mod64, y64 = (t.detach().double().requires_grad_(True) for t in (x, mod, y))
+    ref = x64 + mod64.chunk(3, -1)[1] * y64
+    ref.backward(g.double())
+    assert _rel(out, ref) <= 1e-7
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -8
+    for got, want in ((x.grad, x64.grad), (mod.grad, mod64.grad), (y.grad, y64.grad)):
+        assert got.dtype == (torch.float32 if got is x.grad else dtype)
+        assert _rel(got, want) <= tol
+    assert torch.equal(x.grad, g)  # the stream's gradient passes through untouched
+    small = [t.detach()[:, :3, :5].clone().requires_grad_(True) for t in (x64, mod64, y64)]
+    assert torch.autograd.gradcheck(gated_residual, small)

@@ -145,6 +145,37 @@ def test_bf16_autocast_linear_is_autocasts_values_keeping_the_float32_weight(one
     assert all(t.dtype == torch.float32 or t.shape != lin.weight.shape for t in kept)  # no bf16 weight copy
 
 
+@pytest.mark.parametrize("rows", [8, 32, 33])
+def test_bf16_autocast_linear_over_a_few_rows_computes_in_float32(onednn, rows):
+    """A linear over at most 32 rows under bf16 autocast (a DiT's per-image adaLN, a decoding step)
+    computes its product and gradients in float32 from the float32 weight (no bf16 copy of it to
+    make three times a step): the output is the float64 product rounded once to bf16, the gradients
+    within float32 rounding; over 33 rows it is autocast's bf16 product again."""
+    if not gemm._AUTOCAST:
+        pytest.skip("no oneDNN bf16 products on this machine")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(48, 96)
+    gemm.adopt(lin)
+    x = torch.randn(rows, 48, requires_grad=True)
+    g = torch.randn(rows, 96).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+    y.backward(g)
+    w64, b64 = lin.weight.detach().double().requires_grad_(True), lin.bias.detach().double().requires_grad_(True)
+    x64 = x.detach().double().requires_grad_(True)
+    ref = F.linear(x64, w64, b64)
+    ref.backward(g.double())
+    few = rows <= 32
+    assert (type(y.grad_fn).__name__ == "_AutocastLinearBackward") != few
+    assert _rel(y.detach(), ref.detach()) <= 2 ** -8  # at most the output's own bf16 rounding
+    tol = 1e-6 if few else 1e-2  # float32 products, or bf16 ones (2^-8 relative per operand)
+    for got, want in ((x.grad, x64.grad), (lin.weight.grad, w64.grad), (lin.bias.grad, b64.grad)):
+        assert got.dtype == torch.float32 and _rel(got, want) <= tol
+    if not few:
+        assert _rel(lin.weight.grad, w64.grad) > 1e-5  # (the bf16 products are measurably coarser)
+
+
 def test_auto_follows_the_machine_not_a_timing():
     """"auto" is decided from the CPU (MKL on a non-Intel x86 takes its generic path, which leaves
     AVX-512 unused), so every rank and every resumed run of a machine computes with the same

@@ -8,7 +8,8 @@ derivative takes its tanh from an exponential (``(1 + tanh u) / 2 = sigmoid(2u)`
 faster alone on a 2-core AMD EPYC (bf16, 8 x 256 x 384 and 2048 x 1536), ~4% of a bf16 DiT-S step
 (inside a step their inputs come from memory, not cache). tanh-GELU itself is computed the same
 way where `zoo.gemm.gelu_tanh` finds it faster than oneDNN's (a CPU with AMX: 1.9 against 2.3-3.2
-ms; a float32 and a bf16 DiT-S step ~2% faster). LLaMA's RMS norm, SwiGLU (forward and
+ms; a float32 and a bf16 DiT-S step ~2% faster). adaLN-Zero's gated residual (one pass
+each way where eager torch takes three forward and three backward), LLaMA's RMS norm, SwiGLU (forward and
 backward) and the LM loss's softmax gradient are compiled the same way, and so is the transposed
 copy of a float32 weight gradient's operand that oneDNN's inner product wants dense (tiled: ~3.5x
 torch's strided copy; `zoo.gemm._product` copies the smaller of the two).
@@ -55,7 +56,8 @@ def configure(mode: Mode = "auto") -> str:
     if _BROKEN:
         return "fused CPU elementwise kernels: eager for " + "; ".join(f"{k} ({v})" for k, v in _BROKEN.items())
     return (f"fused CPU elementwise kernels: torch inductor's, compiled at first use on tensors of >= "
-            f"{_MIN_ELEMENTS} elements (adaLN and RMS norms, SwiGLU, tanh-GELU and its derivative, LM-loss softmax, transposes, "
+            f"{_MIN_ELEMENTS} elements (adaLN and RMS norms, gated residuals, SwiGLU, tanh-GELU and its derivative, LM-loss softmax, "
+            f"transposes, "
             f"Mamba's convolution and gated norm)")
 
 
@@ -272,6 +274,35 @@ def modulated_ln_backward(g: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
     the dimensions shift and scale broadcast along)."""
     return run("modulated_ln_backward", _modulated_ln_backward, _modulated_ln_backward, g, x, scale, mean, rstd,
                 dims)
+
+
+# ------------------------------------------------------------------------- gated residual
+
+
+def _gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = torch.promote_types(x.dtype, torch.promote_types(gate.dtype, y.dtype))
+    return (x.float() + gate.float() * y.float()).to(out)
+
+
+def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + gate * y`` computed in float32 and rounded once to the inputs' promoted dtype."""
+    return run("gated_residual", _gated_residual, torch.addcmul, x, gate, y)
+
+
+def _gated_residual_backward(g: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, dims: tuple[int, ...]
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    gf = g.float()
+    dgate = gf * y.float()
+    return (gf * gate.float()).to(y.dtype), (dgate.sum(dims, keepdim=True) if dims else dgate).to(gate.dtype)
+
+
+def gated_residual_backward(g: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, dims: tuple[int, ...],
+                            compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of `gated_residual` with respect to y and gate (summed over ``dims``, the dimensions
+    gate broadcasts along), computed in float32; by torch's eager kernels unless ``compiled``."""
+    if not compiled:
+        return _gated_residual_backward(g, gate, y, dims)
+    return run("gated_residual_backward", _gated_residual_backward, _gated_residual_backward, g, gate, y, dims)
 
 
 # ------------------------------------------------------------------------------- cross entropy

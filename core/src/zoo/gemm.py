@@ -44,6 +44,7 @@ Mode = Literal["auto", "onednn", "blas"]
 _ONEDNN = False  # whether float32 CPU products go through oneDNN in this process
 _ELTWISE: tuple[torch.dtype, ...] = ()  # the dtypes whose tanh-GELU on a CPU is oneDNN's eltwise kernel
 _AUTOCAST = False  # whether bf16-autocast CPU linears go through `_AutocastLinear`
+_FEW_ROWS = 32  # autocast linears over at most this many rows compute in float32 (`linear`)
 _EYE = 16  # width of the identity `gelu_tanh` multiplies by (the fastest of 8-128 measured)
 
 
@@ -288,6 +289,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (_AUTOCAST and x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
             and torch.get_autocast_dtype("cpu") == torch.bfloat16 and x.dtype in (torch.float32, torch.bfloat16)
             and weight.dtype in (torch.float32, torch.bfloat16) and x.numel()):
+        if weight.dtype == torch.float32 and x.numel() <= _FEW_ROWS * x.shape[-1]:
+            # A few rows (a DiT's per-image adaLN and embedders, a decoding step): the float32
+            # product reads the weight once, where its bf16 copy (three casts a step) costs more
+            # than the bf16 product saves. The output is rounded to bf16, as autocast's would be.
+            with torch.autocast("cpu", enabled=False):
+                return linear(x.float(), weight, None if bias is None else bias.float()).to(torch.bfloat16)
         # the input's cast stays in autograd's graph (a ToCopy node, as autocast's own), so
         # `zoo.nn.recompute` still recognises a recomputable norm or activation output behind it
         return _AutocastLinear.apply(x.to(torch.bfloat16), weight, bias, torch.bfloat16)

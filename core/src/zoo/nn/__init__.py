@@ -197,6 +197,36 @@ def modulated_layer_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tens
     return y
 
 
+class _GatedResidualFn(torch.autograd.Function):
+    """``x + gate * y`` computed in float32 and rounded once to the output's dtype, in one pass each
+    way; keeps gate and y, as autograd's product would."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, y)
+        ctx.x_dtype = x.dtype
+        return fused.gated_residual(x, gate, y) if fused.wanted(y) else torch.addcmul(x, gate, y)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        gate, y = ctx.saved_tensors
+        dims = tuple(i for i, (a, b) in enumerate(zip(y.shape, gate.shape)) if b == 1 and a != 1)
+        dy, dgate = fused.gated_residual_backward(grad, gate, y, dims, compiled=fused.wanted(y))
+        return grad.to(ctx.x_dtype), dgate, dy
+
+
+def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """adaLN-Zero's gated residual ``x + gate * y`` (gate broadcasting over y's tokens, or one per
+    token), computed in float32 and rounded once to the output's dtype. Eager torch computes a bf16
+    ``gate * y`` (rounded, written), widens it for the float32 residual in a second pass, and in
+    backward narrows the gradient in a third before two products and a sum; here it is one pass
+    each way (compiled by `zoo.fused` on a CPU; torch's ``addcmul`` elsewhere)."""
+    if x.shape != y.shape or gate.dim() != y.dim() or not all(b in (1, a) for a, b in zip(y.shape, gate.shape)):
+        return x + gate * y
+    return _GatedResidualFn.apply(x, gate, y)
+
+
 class _ActivationFn(torch.autograd.Function):
     """An elementwise activation that keeps only its input (its output is recomputable)."""
 

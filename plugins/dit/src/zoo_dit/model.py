@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.nn import AttentionCore, RMSNorm, SequenceShard, modulated_layer_norm
+from zoo.nn import AttentionCore, RMSNorm, SequenceShard, gated_residual, modulated_layer_norm
 from zoo.nn.layers import MLP
 from zoo.spec import AdaLNSpec, AttentionSpec, BlockSpec, MLPSpec, ModelSpec
 from zoo_dit.plugin import DiTConfig
@@ -143,12 +143,12 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, c: torch.Tensor, segment_ids: torch.Tensor | None,
                 context: torch.Tensor | None, context_segment_ids: torch.Tensor | None) -> torch.Tensor:
         mod = per_token(self.ada(c), self.tokens(segment_ids)).chunk(self.chunks, dim=-1)
-        x = x + mod[2] * self.attn(modulated_layer_norm(x, mod[0], mod[1], self.eps), segment_ids)
+        x = gated_residual(x, mod[2], self.attn(modulated_layer_norm(x, mod[0], mod[1], self.eps), segment_ids))
         if self.cross is not None:
-            x = x + mod[5] * self.cross(modulated_layer_norm(x, mod[3], mod[4], self.eps), segment_ids, context,
-                                        context_segment_ids)
+            x = gated_residual(x, mod[5], self.cross(modulated_layer_norm(x, mod[3], mod[4], self.eps), segment_ids,
+                                                     context, context_segment_ids))
         shift, scale, gate = mod[-3:]
-        return x + gate * self.mlp(modulated_layer_norm(x, shift, scale, self.mlp_eps))
+        return gated_residual(x, gate, self.mlp(modulated_layer_norm(x, shift, scale, self.mlp_eps)))
 
 
 class FinalLayer(nn.Module):
