@@ -8,9 +8,9 @@ derivative takes its tanh from an exponential (``(1 + tanh u) / 2 = sigmoid(2u)`
 faster alone on a 2-core AMD EPYC (bf16, 8 x 256 x 384 and 2048 x 1536), ~4% of a bf16 DiT-S step
 (inside a step their inputs come from memory, not cache). tanh-GELU itself is computed the same
 way where `zoo.gemm.gelu_tanh` finds it faster than oneDNN's (a CPU with AMX: 1.9 against 2.3-3.2
-ms; a float32 and a bf16 DiT-S step ~2% faster). adaLN-Zero's gated residual (one pass
-each way where eager torch takes three forward and three backward), LLaMA's RMS norm, SwiGLU (forward and
-backward) and the LM loss's softmax gradient are compiled the same way, and so is the transposed
+ms; a float32 and a bf16 DiT-S step ~2% faster). adaLN-Zero's gated residual (one pass each way
+where eager torch takes three), LLaMA's RMS norm, SwiGLU (forward and backward) and the LM loss's
+softmax gradient are compiled the same way, and so is the transposed
 copy of a float32 weight gradient's operand that oneDNN's inner product wants dense (tiled: ~3.5x
 torch's strided copy; `zoo.gemm._product` copies the smaller of the two).
 The Mamba mixers' convolution + SiLU and Mamba-2's gated norm live in `zoo.nn.ssm_fused`, through
@@ -56,9 +56,8 @@ def configure(mode: Mode = "auto") -> str:
     if _BROKEN:
         return "fused CPU elementwise kernels: eager for " + "; ".join(f"{k} ({v})" for k, v in _BROKEN.items())
     return (f"fused CPU elementwise kernels: torch inductor's, compiled at first use on tensors of >= "
-            f"{_MIN_ELEMENTS} elements (adaLN and RMS norms, gated residuals, SwiGLU, tanh-GELU and its derivative, LM-loss softmax, "
-            f"transposes, "
-            f"Mamba's convolution and gated norm)")
+            f"{_MIN_ELEMENTS} elements (adaLN and RMS norms, gated residuals, SwiGLU, tanh-GELU and its derivative, "
+            f"LM-loss softmax, transposes, Mamba's convolution and gated norm)")
 
 
 def wanted(x: torch.Tensor) -> bool:
