@@ -115,9 +115,14 @@ def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     return ACTIVATIONS[activation](gate) * up
 
 
+def _broadcast_dims(full: torch.Tensor, small: torch.Tensor) -> tuple[int, ...]:
+    """The dimensions ``small`` (same rank as ``full``) broadcasts along."""
+    return tuple(i for i, (a, b) in enumerate(zip(full.shape, small.shape)) if b == 1 and a != 1)
+
+
 def _reduce_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Sum ``t`` over the dimensions ``like`` broadcasts along."""
-    dims = [i for i, (a, b) in enumerate(zip(t.shape, like.shape)) if b == 1 and a != 1]
+    dims = _broadcast_dims(t, like)
     return (t.sum(dims, keepdim=True) if dims else t).to(like.dtype)
 
 
@@ -143,8 +148,7 @@ class _ModulatedLayerNormFn(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         x, shift, scale, mean, rstd = ctx.saved_tensors
         if fused.wanted(x) and shift.shape == scale.shape and shift.dim() == x.dim():
-            dims = tuple(i for i, (a, b) in enumerate(zip(x.shape, shift.shape)) if b == 1 and a != 1)
-            gx, gshift, gscale = fused.modulated_ln_backward(grad, x, scale, mean, rstd, dims)
+            gx, gshift, gscale = fused.modulated_ln_backward(grad, x, scale, mean, rstd, _broadcast_dims(x, shift))
             return gx, gshift.to(shift.dtype), gscale.to(scale.dtype), None, None
         xf, g = _up(x), _up(grad)
         gx = torch.ops.aten.native_layer_norm_backward(g * (1 + _up(scale)), xf, x.shape[-1:], mean, rstd, None, None,
@@ -205,14 +209,13 @@ class _GatedResidualFn(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(gate, y)
         ctx.x_dtype = x.dtype
-        return fused.gated_residual(x, gate, y) if fused.wanted(y) else torch.addcmul(x, gate, y)
+        return fused.gated_residual(x, gate, y, compiled=fused.wanted(y))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         gate, y = ctx.saved_tensors
-        dims = tuple(i for i, (a, b) in enumerate(zip(y.shape, gate.shape)) if b == 1 and a != 1)
-        dy, dgate = fused.gated_residual_backward(grad, gate, y, dims, compiled=fused.wanted(y))
+        dy, dgate = fused.gated_residual_backward(grad, gate, y, _broadcast_dims(y, gate), compiled=fused.wanted(y))
         return grad.to(ctx.x_dtype), dgate, dy
 
 
