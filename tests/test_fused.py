@@ -201,6 +201,19 @@ def test_a_compiler_failure_falls_back_to_eager_and_says_so_once(on, monkeypatch
     assert "gelu_tanh_backward" in fused.configure("auto")  # named in what `zoo version` prints
 
 
+def test_a_profiler_trace_names_each_compiled_kernel(on):
+    """Inside a profiler window a compiled kernel's call is the range ``zoo.fused.<name>`` (inductor's
+    own event is named by a hash of its graph)."""
+    x, g = torch.randn(64, 96), torch.randn(64, 96)
+    want = fused.gelu_tanh_backward(g, x)  # (compiled here, outside the window)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = fused.gelu_tanh_backward(g, x)
+    assert torch.equal(got, want)
+    names = [e.name for e in prof.events()]
+    assert names.count("zoo.fused.gelu_tanh_backward") == 1, sorted(set(names))
+    assert not any(n.startswith("zoo.fused.") and n != "zoo.fused.gelu_tanh_backward" for n in names)
+
+
 def test_tiny_tensors_and_off_never_compile(monkeypatch):
     monkeypatch.delenv("ZOO_BACKENDS", raising=False)
     monkeypatch.setattr(fused, "_MIN_ELEMENTS", 1 << 18)

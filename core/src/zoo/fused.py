@@ -68,7 +68,16 @@ def wanted(x: torch.Tensor) -> bool:
 
 def run(name: str, fn: Callable[..., Any], eager: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` compiled; on a compiler failure, ``eager(*args)`` now and from then on (for this
-    kernel only: a recomputation then takes the path its forward took, whatever fails meanwhile)."""
+    kernel only: a recomputation then takes the path its forward took, whatever fails meanwhile).
+    Under a profiler (`logging.profile`, `benchmarks/step_profile.py`) the call is the range
+    ``zoo.fused.<name>``: inductor's own event names only its graph's hash."""
+    if torch._C._autograd._profiler_enabled():
+        with torch.profiler.record_function(f"zoo.fused.{name}"):
+            return _run(name, fn, eager, *args)
+    return _run(name, fn, eager, *args)
+
+
+def _run(name: str, fn: Callable[..., Any], eager: Callable[..., Any], *args: Any) -> Any:
     if name in _BROKEN:
         with torch.no_grad():
             return eager(*args)
@@ -90,7 +99,7 @@ def run(name: str, fn: Callable[..., Any], eager: Callable[..., Any], *args: Any
             out = eager(*args)  # the inputs' own fault raises here, and the compiler is not blamed
         _BROKEN[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
         warnings.warn(f"zoo.fused: compiling {name} failed, using torch's eager kernels for it from now on "
-                      f"({_BROKEN[name]}); train.cpu_fused=eager skips trying", RuntimeWarning, stacklevel=3)
+                      f"({_BROKEN[name]}); train.cpu_fused=eager skips trying", RuntimeWarning, stacklevel=4)
         return out
 
 
