@@ -66,12 +66,17 @@ def wanted(x: torch.Tensor) -> bool:
             and x.numel() >= _MIN_ELEMENTS)
 
 
+# Whether a torch profiler is recording (any kind: the trainer's window, a user's own); a private
+# torch function, so a torch without it just records no ranges.
+_profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
+
+
 def run(name: str, fn: Callable[..., Any], eager: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` compiled; on a compiler failure, ``eager(*args)`` now and from then on (for this
     kernel only: a recomputation then takes the path its forward took, whatever fails meanwhile).
     Under a profiler (`logging.profile`, `benchmarks/step_profile.py`) the call is the range
     ``zoo.fused.<name>``: inductor's own event names only its graph's hash."""
-    if torch._C._autograd._profiler_enabled():
+    if _profiling():
         with torch.profiler.record_function(f"zoo.fused.{name}"):
             return _run(name, fn, eager, *args)
     return _run(name, fn, eager, *args)
