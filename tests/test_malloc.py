@@ -52,5 +52,10 @@ def test_users_allocator_settings_win():
     assert said == "system (jemalloc is preloaded)"
     said, _ = _probe("retain", GLIBC_TUNABLES="glibc.malloc.trim_threshold=1048576")
     assert said == "system (GLIBC_TUNABLES is set)"
+    said, _ = _probe("retain", GLIBC_TUNABLES="glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=1048576")
+    assert said == "system (GLIBC_TUNABLES is set)"
     said, faults = _probe("retain", GLIBC_TUNABLES="glibc.rtld.nns=4")  # not about malloc
+    assert said.startswith("retain") and faults < 1000
+    # huge pages for the heap are no threshold of retain's: the two combine
+    said, faults = _probe("retain", GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
     assert said.startswith("retain") and faults < 1000

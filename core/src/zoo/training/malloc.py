@@ -9,8 +9,12 @@ took 0.67 s with glibc's defaults and 0.61 s with freed memory kept, for 30 MB m
 (docs/benchmarks.md). ``retain`` raises the mmap and trim thresholds to 1 GiB; the process then
 holds its step's high-water mark, which the step reaches anyway.
 
-What the user set wins: any ``MALLOC_*`` tuning variable in the environment, or another allocator
-preloaded (jemalloc, tcmalloc: glibc's settings do not reach it), leaves everything as it is.
+What the user set wins: any ``MALLOC_*`` tuning variable in the environment, a ``GLIBC_TUNABLES``
+entry for one of the settings ``retain`` changes (the mmap and trim thresholds, the top pad, the
+mmap count), or another allocator preloaded (jemalloc, tcmalloc: glibc's settings do not reach it),
+leaves everything as it is. Other malloc tunables combine with ``retain``: transparent huge pages
+for the heap (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` where the kernel's THP mode is "madvise")
+keep freed memory in huge pages too (docs/parallelism.md has what they gained).
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ import sys
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 _RETAIN_BYTES = 1 << 30
 _USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+# the same settings as glibc tunables (GLIBC_TUNABLES=glibc.malloc.<name>=<value>:...)
+_USER_TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold", "glibc.malloc.top_pad",
+                  "glibc.malloc.mmap_max")
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 
@@ -30,7 +37,8 @@ def configure(mode: str) -> str:
     if mode == "system":
         return "system (glibc's defaults)"
     user = [v for v in _USER_VARIABLES if v in os.environ]
-    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):  # other tunables leave malloc to us
+    tunables = {t.split("=", 1)[0].strip() for t in os.environ.get("GLIBC_TUNABLES", "").split(":")}
+    if tunables & set(_USER_TUNABLES):  # (hugetlb and the other tunables leave these to us)
         user.append("GLIBC_TUNABLES")
     if user:
         return f"system ({user[0]} is set)"
