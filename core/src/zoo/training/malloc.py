@@ -10,8 +10,8 @@ took 0.67 s with glibc's defaults and 0.61 s with freed memory kept, for 30 MB m
 holds its step's high-water mark, which the step reaches anyway.
 
 What the user set wins: any ``MALLOC_*`` tuning variable in the environment, a ``GLIBC_TUNABLES``
-entry for one of the settings ``retain`` changes (the mmap and trim thresholds, the top pad, the
-mmap count), or another allocator preloaded (jemalloc, tcmalloc: glibc's settings do not reach it),
+entry for the same settings (the mmap and trim thresholds, the top pad, the mmap count), or
+another allocator preloaded (jemalloc, tcmalloc: glibc's settings do not reach it),
 leaves everything as it is. Other malloc tunables combine with ``retain``: transparent huge pages
 for the heap (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` where the kernel's THP mode is "madvise")
 keep freed memory in huge pages too (docs/parallelism.md has what they gained).
