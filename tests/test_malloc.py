@@ -56,6 +56,7 @@ def test_users_allocator_settings_win():
     assert said == "system (GLIBC_TUNABLES is set)"
     said, faults = _probe("retain", GLIBC_TUNABLES="glibc.rtld.nns=4")  # not about malloc
     assert said.startswith("retain") and faults < 1000
-    # huge pages for the heap are no threshold of retain's: the two combine
-    said, faults = _probe("retain", GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
-    assert said.startswith("retain") and faults < 1000
+    # huge pages for the heap are no threshold of retain's: the two combine (the message is what
+    # tells: in huge pages a 64 MB tensor takes ~32 faults either way)
+    said, _ = _probe("retain", GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
+    assert said.startswith("retain"), said

@@ -25,10 +25,9 @@ import sys
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 _RETAIN_BYTES = 1 << 30
-_USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
-# the same settings as glibc tunables (GLIBC_TUNABLES=glibc.malloc.<name>=<value>:...)
-_USER_TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold", "glibc.malloc.top_pad",
-                  "glibc.malloc.mmap_max")
+# The settings whose user value wins over retain's, each as a variable (MALLOC_<NAME>_) or a glibc
+# tunable (GLIBC_TUNABLES=glibc.malloc.<name>=<value>:...); other tunables (hugetlb) combine with it.
+_USER_SETTINGS = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 
@@ -36,9 +35,9 @@ def configure(mode: str) -> str:
     """Applies ``train.cpu_malloc`` (``retain`` or ``system``) to this process; returns what was done."""
     if mode == "system":
         return "system (glibc's defaults)"
-    user = [v for v in _USER_VARIABLES if v in os.environ]
+    user = [f"MALLOC_{n.upper()}_" for n in _USER_SETTINGS if f"MALLOC_{n.upper()}_" in os.environ]
     tunables = {t.split("=", 1)[0].strip() for t in os.environ.get("GLIBC_TUNABLES", "").split(":")}
-    if tunables & set(_USER_TUNABLES):  # (hugetlb and the other tunables leave these to us)
+    if tunables & {f"glibc.malloc.{n}" for n in _USER_SETTINGS}:
         user.append("GLIBC_TUNABLES")
     if user:
         return f"system ({user[0]} is set)"
