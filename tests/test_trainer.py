@@ -337,3 +337,28 @@ def test_a_grad_scaler_state_from_before_resumes_into_the_loss_scale():
     scale.update(found_inf=False)
     scale.update(found_inf=False)
     assert (scale.scale_value, scale.clean_steps) == (2048.0, 0)  # torch's policy: the 7th clean step doubles
+
+
+def test_ema_under_bf16_parameters_averages_the_fp32_masters(tmp_path):
+    """train.param_dtype=bf16 keeps fp32 masters in the distributed optimizer; the EMA follows
+    them (the formula over the saved masters to float32 rounding; the bf16 parameters' rounding,
+    ~1e-3 of each step's weight, would show), and two data-parallel ranks, each averaging its
+    shard and gathering it for the preview, save what one process does."""
+    extra = ("train.steps=3", "checkpoint.interval=1", "train.precision=bf16", "train.param_dtype=bf16",
+             "optimizer.lr=3e-2")
+    _train(tmp_path / "one", 1, *extra)
+    _train(tmp_path / "dp2", 2, *extra)
+    saved = [_tensors(tmp_path / "one" / "checkpoints" / f"step_{s:08d}") for s in (1, 2, 3)]
+    init = {n: t.to(torch.bfloat16).float() for n, t in _initial().state_dict().items()}  # the masters at step 0
+    checked = 0
+    for name, t in init.items():
+        if name.startswith("embed."):
+            continue
+        ema = t
+        for ck in saved:
+            ema = torch.lerp(ema, ck[f"{name}::master"], 0.1)
+        torch.testing.assert_close(saved[-1][f"ema/{name}"], ema, rtol=1e-6, atol=1e-7)
+        checked += 1
+    assert checked >= 4
+    assert (tmp_path / "dp2" / "samples" / "step_00000003.png").exists()
+    _same(_tensors(tmp_path / "dp2" / "checkpoints" / "step_00000003"), saved[-1])

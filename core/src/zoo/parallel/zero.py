@@ -13,7 +13,7 @@ gives each parameter its optimizer group's options, as it does for the plain opt
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,6 +54,9 @@ class DistributedOptimizer:
                     groups.setdefault(key, {**options, "params": []})["params"].append(master)
                 offset += p.numel()
         self.optimizer = make_optimizer(list(groups.values()))
+        self._by_bucket: dict[int, list[int]] = {}  # id(bucket) -> indices of its pieces on this rank
+        for i, piece in enumerate(self.pieces):
+            self._by_bucket.setdefault(id(piece[0]), []).append(i)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -106,27 +109,51 @@ class DistributedOptimizer:
 
             scale_grads([piece[3].grad for piece in self.pieces], norm, max_norm)
         self.optimizer.step()
-        mine: dict[int, list[Any]] = {}
-        for piece in self.pieces:
-            mine.setdefault(id(piece[0]), []).append(piece)
+        self.publish([piece[3] for piece in self.pieces], through_grads=True)
+        self.buckets.zero_grad()
+        return norm
+
+    @torch.no_grad()
+    def publish(self, values: Sequence[torch.Tensor], *, through_grads: bool = False) -> None:
+        """Every bucket's parameters set to per-piece values aligned with `pieces` (the masters
+        after a step, the EMA for a preview), gathered in the parameters' type. Collective over
+        each bucket's group. ``through_grads``: a gradient buffer of the parameters' type may
+        carry them (the caller zeroes the buffers after)."""
         for b in self.buckets.buckets:
+            mine = self._by_bucket.get(id(b), [])
             if b.size == 1:  # nothing to gather: straight into the parameters (one cast copy, not two)
-                for _, _, n, master, p, at in mine.get(id(b), []):
-                    p.detach().view(-1)[at:at + n].copy_(master)
+                for i in mine:
+                    _, _, n, _, p, at = self.pieces[i]
+                    p.detach().view(-1)[at:at + n].copy_(values[i])
                 continue
-            # gathered in the parameters' type: through the gradient buffer where it has that type,
-            # else (float32 gradients of bf16 parameters) one bucket's buffer of it at a time
-            flat = b.buffer if b.buffer.dtype == b.params[0].dtype else b.buffer.new_empty(b.buffer.numel(),
-                                                                                           dtype=b.params[0].dtype)
-            for _, a, n, master, _, _ in mine.get(id(b), []):
-                flat[a:a + n].copy_(master)  # (cast on the way)
+            # through the gradient buffer where allowed and of the parameters' type, else (float32
+            # gradients of bf16 parameters) one bucket's buffer of it at a time
+            reuse = through_grads and b.buffer.dtype == b.params[0].dtype
+            flat = b.buffer if reuse else b.buffer.new_empty(b.buffer.numel(), dtype=b.params[0].dtype)
+            for i in mine:
+                _, a, n, _, _, _ = self.pieces[i]
+                flat[a:a + n].copy_(values[i])  # (cast on the way)
             full = self._gather(flat, b)
             offset = 0
             for p in b.params:
-                p.copy_(full[offset:offset + p.numel()].view_as(p))
+                p.detach().copy_(full[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
-        self.buckets.zero_grad()
-        return norm
+
+    def gathered(self, values: Sequence[torch.Tensor | None]) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """Each bucket's parameters whole (this rank's tensor-parallel piece of each) in float32,
+        from per-piece values aligned with `pieces` (None: zeros): the masters, a field of the Adam
+        state, the EMA. One all-gather per bucket over its group. Collective."""
+        for b in self.buckets.buckets:
+            flat = torch.zeros(b.buffer.numel(), dtype=torch.float32, device=b.buffer.device)
+            for i in self._by_bucket.get(id(b), []):
+                if values[i] is not None:
+                    _, a, n, _, _, _ = self.pieces[i]
+                    flat[a:a + n] = values[i]
+            full = self._gather(flat, b)
+            offset = 0
+            for p in b.params:
+                yield p, full[offset:offset + p.numel()].view(p.shape)
+                offset += p.numel()
 
     @staticmethod
     def _gather(flat: torch.Tensor, b: Any) -> torch.Tensor:
@@ -141,34 +168,21 @@ class DistributedOptimizer:
 
     def full_state(self, names: dict[int, str]) -> dict[str, torch.Tensor]:
         """Adam state as full per-parameter tensors keyed ``name::field``, the same form a plain
-        optimizer's checkpoint has (so checkpoints move between ZeRO-1 on and off). Collective."""
-        fields = sorted({k for st in self.optimizer.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim()})
+        optimizer's checkpoint has (so checkpoints move between ZeRO-1 on and off); with
+        low-precision parameters also their fp32 masters (``name::master``). Collective."""
+        state = self.optimizer.state
+        fields = sorted({k for st in state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim()})
         out: dict[str, torch.Tensor] = {}
-        step = next((st["step"] for st in self.optimizer.state.values() if "step" in st), None)
-        for b in self.buckets.buckets:
-            for f in fields:
-                flat = torch.zeros(b.buffer.numel(), dtype=torch.float32, device=b.buffer.device)
-                for pb, a, n, master, _, _ in self.pieces:
-                    if pb is b and master in self.optimizer.state:
-                        flat[a:a + n] = self.optimizer.state[master][f]
-                full = self._gather(flat, b)
-                offset = 0
-                for p in b.params:
-                    out[f"{names[id(p)]}::{f}"] = full[offset:offset + p.numel()].view_as(p).clone()
-                    offset += p.numel()
-            if step is not None:
-                for p in b.params:
-                    out[f"{names[id(p)]}::step"] = torch.as_tensor(step).clone()
-            if b.params[0].dtype != torch.float32:  # low-precision parameters: the fp32 masters are the truth
-                flat = torch.zeros(b.buffer.numel(), dtype=torch.float32, device=b.buffer.device)
-                for pb, a, n, master, _, _ in self.pieces:
-                    if pb is b:
-                        flat[a:a + n] = master.detach()
-                full = self._gather(flat, b)
-                offset = 0
-                for p in b.params:
-                    out[f"{names[id(p)]}::master"] = full[offset:offset + p.numel()].view(p.shape).clone()
-                    offset += p.numel()
+        for f in fields:
+            values = [state[piece[3]][f] if piece[3] in state else None for piece in self.pieces]
+            out.update((f"{names[id(p)]}::{f}", t) for p, t in self.gathered(values))
+        step = next((st["step"] for st in state.values() if "step" in st), None)
+        params = [p for b in self.buckets.buckets for p in b.params]
+        if step is not None:
+            out.update((f"{names[id(p)]}::step", torch.as_tensor(step).clone()) for p in params)
+        if any(p.dtype != torch.float32 for p in params):  # low-precision parameters: the fp32 masters are the truth
+            out.update((f"{names[id(p)]}::master", t) for p, t in self.gathered([piece[3].detach() for piece in self.pieces])
+                       if p.dtype != torch.float32)
         return out
 
     @torch.no_grad()

@@ -2,17 +2,21 @@
 weights diffusion models are sampled with (Karras et al. 2022 and DiT evaluate EMA weights).
 
 Kept in fp32 for this rank's trainable parameters only, so it is split exactly like them under
-every layout (TP pieces, pipeline stages; replicated over data parallelism like the parameters).
+every layout (TP pieces, pipeline stages, FSDP shards). Under the distributed optimizer (ZeRO-1,
+and always with ``train.param_dtype=bf16``) it is kept like the fp32 master weights instead: each
+data-parallel rank averages its shard of the masters, so bf16 parameters' rounding never enters
+the average and the average costs 1/DP of its memory; a preview gathers it into the parameters.
 It is a checkpoint `Stateful`: saved as ``ema/<single-process name>`` in the parameter's global
-shape, so it reshards with the checkpoint; `zoo generate`, HF export and `zoo.load_model` use it
-when present (``--weights ema|raw``). Frozen parameters never change, so they need no average.
+shape whatever the layout, so it reshards with the checkpoint; `zoo generate`, HF export and
+`zoo.load_model` use it when present (``--weights ema|raw``). Frozen parameters never change, so
+they need no average.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,30 +25,44 @@ from zoo.checkpoint.reader import EMA as PREFIX
 from zoo.checkpoint.state import Checkpoint
 from zoo.parallel.sharding import Placements, Split, TPShard, local
 
+if TYPE_CHECKING:
+    from zoo.parallel.zero import DistributedOptimizer
+
 
 class EMA:
     key = "ema"
 
-    def __init__(self, model: nn.Module, placements: Placements, decay: float) -> None:
+    def __init__(self, model: nn.Module, placements: Placements, decay: float, *,
+                 zero: DistributedOptimizer | None = None) -> None:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"EMA decay {decay} must lie in (0, 1)")
-        self.decay, self.placements = decay, placements
+        self.decay, self.placements, self.zero = decay, placements, zero
         # This rank's local data of each trainable parameter (an FSDP parameter's shard).
         self.params = [(n, local(p)) for n, p in model.named_parameters() if p.requires_grad]
-        self.shadow = [p.detach().float().clone() for _, p in self.params]
+        if zero is None:
+            self.sources = [p.detach() for _, p in self.params]
+        else:  # this rank's pieces of the masters: (parameter name, the parameter, offset in it) each
+            names = {id(p): n for n, p in model.named_parameters()}
+            self.pieces = [(names[id(piece[4])], piece[4], piece[5]) for piece in zero.pieces]
+            self.sources = [piece[3].detach() for piece in zero.pieces]
+        self.shadow = [t.float().clone() for t in self.sources]
 
     @torch.no_grad()
     def update(self) -> None:
         """``ema <- decay * ema + (1 - decay) * parameter``, after each optimizer step."""
-        torch._foreach_lerp_(self.shadow, [p.detach().float() for _, p in self.params], 1.0 - self.decay)
+        torch._foreach_lerp_(self.shadow, [t.float() for t in self.sources], 1.0 - self.decay)
 
     @contextlib.contextmanager
     def swapped(self) -> Iterator[None]:
-        """The averaged weights in the model for the duration (previews); the raw ones back after."""
+        """The averaged weights in the model for the duration (previews); the raw ones back after.
+        Under the distributed optimizer every data-parallel rank enters it (the average is gathered)."""
         raw = [p.detach().clone() for _, p in self.params]
         with torch.no_grad():
-            for (_, p), s in zip(self.params, self.shadow):
-                p.copy_(s)
+            if self.zero is not None:
+                self.zero.publish(self.shadow)
+            else:
+                for (_, p), s in zip(self.params, self.shadow):
+                    p.copy_(s)
         try:
             yield
         finally:
@@ -53,8 +71,14 @@ class EMA:
                     p.copy_(r)
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor, TPShard | Split | None]]:
+        """Collective under the distributed optimizer (its shards gathered over data parallelism)."""
+        if self.zero is None:
+            pairs = [(name, s) for (name, _), s in zip(self.params, self.shadow)]
+        else:
+            names = {id(p): n for n, p in self.params}
+            pairs = [(names[id(p)], whole) for p, whole in self.zero.gathered(self.shadow)]
         out = []
-        for (name, _), s in zip(self.params, self.shadow):
+        for name, s in pairs:
             placement = self.placements[name]
             if not placement.duplicate:
                 out.append((PREFIX + placement.name, s, placement.split))
@@ -65,11 +89,21 @@ class EMA:
 
     def load_state(self, ckpt: Checkpoint, saved: Any) -> None:
         """The saved average where the checkpoint has one; a checkpoint written without EMA starts
-        the average from the restored weights (as a fresh run starts it from the initial ones)."""
-        for (name, p), s in zip(self.params, self.shadow):
+        the average from the restored weights (as a fresh run starts it from the initial ones):
+        under the distributed optimizer from the restored masters."""
+        if self.zero is None:
+            for (name, p), s in zip(self.params, self.shadow):
+                placement = self.placements[name]
+                key = PREFIX + placement.name
+                s.copy_(ckpt.read(key, p.shape, placement.split) if ckpt.has(key) else p.detach())
+            return
+        for (name, p, start), s, master in zip(self.pieces, self.shadow, self.sources):
             placement = self.placements[name]
             key = PREFIX + placement.name
-            s.copy_(ckpt.read(key, p.shape, placement.split) if ckpt.has(key) else p.detach())
+            if ckpt.has(key):
+                s.copy_(ckpt.read(key, p.shape, placement.split).reshape(-1)[start:start + s.numel()])
+            else:
+                s.copy_(master)
 
 
 __all__ = ["EMA"]

@@ -180,7 +180,7 @@ class Trainer:
         # fp16: overflow decided on the global gradient norm, by every rank of every layout alike
         self.scaler = DynamicLossScale(run.train.initial_loss_scale, run.train.loss_scale_window,
                                        enabled=run.train.precision == "fp16", ranks=self.layout.dp * self.layout.cp)
-        self.ema = EMA(self.model, par.placements, run.train.ema) if run.train.ema > 0 else None
+        self.ema = EMA(self.model, par.placements, run.train.ema, zero=self.zero) if run.train.ema > 0 else None
         if run.train.cuda_graph:  # (after the buckets: gradients that are their views stay so)
             par.graphs = cuda_graphs.GraphedMicroBatches(list(self.model.parameters()), note=lambda m: print(m, flush=True))
 
@@ -311,12 +311,16 @@ class Trainer:
                       flush=True)
                 self._preview_note = True
             return
-        if self.par.dp_rank != 0 and not lay.fsdp:  # (FSDP's forward gathers over every data-parallel rank)
+        # (FSDP's forward gathers over every data-parallel rank; so does a ZeRO-sharded EMA's swap)
+        replica = self.par.dp_rank == 0 or lay.fsdp
+        if not replica and (self.ema is None or self.ema.zero is None):
             return
         generator = torch.Generator(self.env.device).manual_seed(self.run.train.seed + self.state.step)
         with torch.random.fork_rng(devices=[self.env.device] if self.dev_type == "cuda" else []), torch.no_grad():
             ema = self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
             with ema, torch.autocast(self.dev_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                if not replica:
+                    return
                 artifact = self._preview(self.model, self.run.model, batch, generator=generator)
             self.par.reshard()
         if self.env.is_main:
