@@ -319,9 +319,7 @@ class Trainer:
         with torch.random.fork_rng(devices=[self.env.device] if self.dev_type == "cuda" else []), torch.no_grad():
             ema = self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
             with ema, torch.autocast(self.dev_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                if not replica:
-                    return
-                artifact = self._preview(self.model, self.run.model, batch, generator=generator)
+                artifact = self._preview(self.model, self.run.model, batch, generator=generator) if replica else None
             self.par.reshard()
         if self.env.is_main:
             assert self.log is not None
