@@ -343,7 +343,7 @@ def test_ema_under_bf16_parameters_averages_the_fp32_masters(tmp_path):
     """train.param_dtype=bf16 keeps fp32 masters in the distributed optimizer; the EMA follows
     them (the formula over the saved masters to float32 rounding; the bf16 parameters' rounding,
     ~1e-3 of each step's weight, would show), and two data-parallel ranks, each averaging its
-    shard and gathering it for the preview, save what one process does."""
+    shard and gathering it for the preview, save what one process does, also resumed from it."""
     extra = ("train.steps=3", "checkpoint.interval=1", "train.precision=bf16", "train.param_dtype=bf16",
              "optimizer.lr=3e-2")
     _train(tmp_path / "one", 1, *extra)
@@ -362,3 +362,9 @@ def test_ema_under_bf16_parameters_averages_the_fp32_masters(tmp_path):
     assert checked >= 4
     assert (tmp_path / "dp2" / "samples" / "step_00000003.png").exists()
     _same(_tensors(tmp_path / "dp2" / "checkpoints" / "step_00000003"), saved[-1])
+    # resumed on two ranks from one process's step 2: each rank reads its shard of the average
+    import shutil
+
+    shutil.copytree(tmp_path / "one" / "checkpoints" / "step_00000002", tmp_path / "again" / "checkpoints" / "step_00000002")
+    _train(tmp_path / "again", 2, *extra)
+    _same(_tensors(tmp_path / "again" / "checkpoints" / "step_00000003"), saved[-1])
