@@ -9,6 +9,7 @@ EMA formula, and the single-process run."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -156,8 +157,6 @@ def test_preview_and_tensorboard(runs):
 
 
 def test_resume_across_layouts_reshards_ema_and_frozen_state(runs, tmp_path):
-    import shutil
-
     def resume(src: str, name: str, world: int, *layout: str) -> tuple[list[dict], dict]:
         run = tmp_path / name
         (run / "checkpoints").mkdir(parents=True)
@@ -271,7 +270,6 @@ def test_fp16_loss_scale_skips_the_same_steps_in_every_layout(tmp_path):
     resuming fsdp2's checkpoint continues it, scale and skips included. The EMA moves only on steps
     that updated."""
     import math
-    import shutil
 
     fp16 = ("train.precision=fp16", "train.initial_loss_scale=3e6", "train.loss_scale_window=2", "train.steps=7")
     ref = _train(tmp_path / "one", 1, *fp16)
@@ -339,32 +337,54 @@ def test_a_grad_scaler_state_from_before_resumes_into_the_loss_scale():
     assert (scale.scale_value, scale.clean_steps) == (2048.0, 0)  # torch's policy: the 7th clean step doubles
 
 
-def test_ema_under_bf16_parameters_averages_the_fp32_masters(tmp_path):
+BF16 = ("train.steps=3", "checkpoint.interval=1", "train.precision=bf16", "train.param_dtype=bf16", "optimizer.lr=3e-2")
+
+
+@pytest.fixture(scope="module")
+def bf16_one(tmp_path_factory) -> Path:
+    """One process training with bf16 parameters (fp32 masters), a checkpoint every step."""
+    run = tmp_path_factory.mktemp("bf16") / "one"
+    _train(run, 1, *BF16)
+    return run
+
+
+def _resume(src: Path, run: Path, world: int, *extra: str) -> list[dict]:
+    shutil.copytree(src / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000002")
+    return _train(run, world, *BF16, *extra)
+
+
+def test_ema_under_bf16_parameters_averages_the_fp32_masters(bf16_one, tmp_path):
     """train.param_dtype=bf16 keeps fp32 masters in the distributed optimizer; the EMA follows
     them (the formula over the saved masters to float32 rounding; the bf16 parameters' rounding,
     ~1e-3 of each step's weight, would show), and two data-parallel ranks, each averaging its
     shard and gathering it for the preview, save what one process does, also resumed from it."""
-    extra = ("train.steps=3", "checkpoint.interval=1", "train.precision=bf16", "train.param_dtype=bf16",
-             "optimizer.lr=3e-2")
-    _train(tmp_path / "one", 1, *extra)
-    _train(tmp_path / "dp2", 2, *extra)
-    saved = [_tensors(tmp_path / "one" / "checkpoints" / f"step_{s:08d}") for s in (1, 2, 3)]
+    _train(tmp_path / "dp2", 2, *BF16)
+    saved = [_tensors(bf16_one / "checkpoints" / f"step_{s:08d}") for s in (1, 2, 3)]
     init = {n: t.to(torch.bfloat16).float() for n, t in _initial().state_dict().items()}  # the masters at step 0
-    checked = 0
-    for name, t in init.items():
-        if name.startswith("embed."):
-            continue
-        ema = t
+    trained = [n for n in init if not n.startswith("embed.")]
+    assert len(trained) >= 4
+    for name in trained:
+        ema = init[name]
         for ck in saved:
             ema = torch.lerp(ema, ck[f"{name}::master"], 0.1)
         torch.testing.assert_close(saved[-1][f"ema/{name}"], ema, rtol=1e-6, atol=1e-7)
-        checked += 1
-    assert checked >= 4
     assert (tmp_path / "dp2" / "samples" / "step_00000003.png").exists()
     _same(_tensors(tmp_path / "dp2" / "checkpoints" / "step_00000003"), saved[-1])
     # resumed on two ranks from one process's step 2: each rank reads its shard of the average
-    import shutil
-
-    shutil.copytree(tmp_path / "one" / "checkpoints" / "step_00000002", tmp_path / "again" / "checkpoints" / "step_00000002")
-    _train(tmp_path / "again", 2, *extra)
+    _resume(bf16_one, tmp_path / "again", 2)
     _same(_tensors(tmp_path / "again" / "checkpoints" / "step_00000003"), saved[-1])
+
+
+def test_a_bf16_parameter_checkpoint_resumes_float32_parameters_from_its_masters(bf16_one, tmp_path):
+    """Resumed with train.param_dtype=fp32 and no learning rate (step 3 keeps what was loaded):
+    the parameters are step 2's exact fp32 masters, not their bf16 roundings; under ZeRO-1 on two
+    ranks they are gathered from the masters before step 3's forward (with the bf16 values the
+    layer norms' weights moved the loss by ~1e-4)."""
+    step2 = _tensors(bf16_one / "checkpoints" / "step_00000002")
+    plain = _resume(bf16_one, tmp_path / "plain", 1, "train.param_dtype=fp32", "optimizer.lr=0")
+    got = _tensors(tmp_path / "plain" / "checkpoints" / "step_00000003")
+    for name, t in got.items():
+        if "::" not in name and not name.startswith(("ema/", "embed.")):
+            assert t.dtype == torch.float32 and torch.equal(t, step2[f"{name}::master"]), name
+    zero = _resume(bf16_one, tmp_path / "zero", 2, "train.param_dtype=fp32", "optimizer.lr=0", "parallel.zero=1")
+    assert zero[-1]["loss"] == pytest.approx(plain[-1]["loss"], rel=1e-6)

@@ -168,13 +168,20 @@ class OptimizerState:
                 scalar = len(ckpt.shape(key)) == 0
                 tensors[f"{name}::{fieldname}"] = ckpt.full(key) if scalar else ckpt.read(key, local(p).shape,
                                                                                           placement.split)
+        # A bf16-parameter run's fp32 masters are its weights' truth: parameters of any type are
+        # set from them (a run resumed with float32 parameters continues from the exact weights)
+        masters = any(key.endswith("::master") for key in tensors)
         if self.distributed:
             self.optimizer.load_full_state(tensors, self.names)
+            if masters:  # (the checkpoint's property: every rank takes part in the gather)
+                self.optimizer.publish([piece[3] for piece in self.optimizer.pieces])
             return
         params, groups = dict(self.model.named_parameters()), groups_by_param(self.optimizer)
         for key, value in tensors.items():
             name, _, fieldname = key.partition("::")
-            if fieldname == "master":  # fp32 masters a bf16-parameter run saved: not a plain optimizer's state
+            if fieldname == "master":  # not a plain optimizer's state: the parameter's exact value
+                with torch.no_grad():
+                    local(params[name]).copy_(value)
                 continue
             p = params[name]
             self.optimizer.state[p][fieldname] = optimizer_state(groups[id(p)], p, fieldname, value)
