@@ -388,3 +388,16 @@ def test_a_bf16_parameter_checkpoint_resumes_float32_parameters_from_its_masters
             assert t.dtype == torch.float32 and torch.equal(t, step2[f"{name}::master"]), name
     zero = _resume(bf16_one, tmp_path / "zero", 2, "train.param_dtype=fp32", "optimizer.lr=0", "parallel.zero=1")
     assert zero[-1]["loss"] == pytest.approx(plain[-1]["loss"], rel=1e-6)
+
+
+def test_a_float32_checkpoint_resumed_with_bf16_parameters_takes_its_weights_as_the_masters(tmp_path):
+    """The other way: a float32-parameter run's step 2 resumed with train.param_dtype=bf16 and no
+    learning rate; the masters saved at step 3 are the float32 weights, not their bf16 roundings."""
+    _train(tmp_path / "fp32", 1, "train.steps=2", "checkpoint.interval=2", "train.precision=bf16")
+    weights = _tensors(tmp_path / "fp32" / "checkpoints" / "step_00000002")
+    _resume(tmp_path / "fp32", tmp_path / "bf16", 1, "optimizer.lr=0")
+    got = _tensors(tmp_path / "bf16" / "checkpoints" / "step_00000003")
+    masters = [n for n in got if n.endswith("::master")]
+    assert len(masters) >= 4
+    for key in masters:
+        assert torch.equal(got[key], weights[key.removesuffix("::master")]), key

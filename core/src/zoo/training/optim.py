@@ -168,6 +168,10 @@ class OptimizerState:
                 scalar = len(ckpt.shape(key)) == 0
                 tensors[f"{name}::{fieldname}"] = ckpt.full(key) if scalar else ckpt.read(key, local(p).shape,
                                                                                           placement.split)
+            if p.dtype != torch.float32 and "master" not in fields.get(placement.name, []):
+                # a float32-parameter checkpoint resumed with bf16 parameters: its weights are the
+                # masters (the parameters, loaded just before, hold their bf16 roundings)
+                tensors[f"{name}::master"] = ckpt.read(placement.name, local(p).shape, placement.split).float()
         # A bf16-parameter run's fp32 masters are its weights' truth: parameters of any type are
         # set from them (a run resumed with float32 parameters continues from the exact weights)
         masters = any(key.endswith("::master") for key in tensors)
