@@ -392,7 +392,8 @@ def test_a_bf16_parameter_checkpoint_resumes_float32_parameters_from_its_masters
 
 def test_a_float32_checkpoint_resumed_with_bf16_parameters_takes_its_weights_as_the_masters(tmp_path):
     """The other way: a float32-parameter run's step 2 resumed with train.param_dtype=bf16 and no
-    learning rate; the masters saved at step 3 are the float32 weights, not their bf16 roundings."""
+    learning rate; the masters saved at step 3 are the float32 weights, not their bf16 roundings;
+    the same where `checkpoint.load` starts a run from it."""
     _train(tmp_path / "fp32", 1, "train.steps=2", "checkpoint.interval=2", "train.precision=bf16")
     weights = _tensors(tmp_path / "fp32" / "checkpoints" / "step_00000002")
     _resume(tmp_path / "fp32", tmp_path / "bf16", 1, "optimizer.lr=0")
@@ -401,3 +402,9 @@ def test_a_float32_checkpoint_resumed_with_bf16_parameters_takes_its_weights_as_
     assert len(masters) >= 4
     for key in masters:
         assert torch.equal(got[key], weights[key.removesuffix("::master")]), key
+    # and as checkpoint.load's starting point (its moving average, by default), on two ranks
+    _train(tmp_path / "start", 2, *BF16, "train.steps=1", "optimizer.lr=0",
+           f"checkpoint.load={tmp_path / 'fp32' / 'checkpoints' / 'step_00000002'}")
+    got = _tensors(tmp_path / "start" / "checkpoints" / "step_00000001")
+    for key in masters:
+        assert torch.equal(got[key], weights["ema/" + key.removesuffix("::master")]), key

@@ -157,12 +157,11 @@ class Trainer:
                 print(f"note: {self.owner} builds the whole model on every rank ({e})", flush=True)
             return self._build_model(self.run.model, spec).to(self.env.device), None
 
-    def build_optimizer(self) -> None:
-        """After the weights are in place: ZeRO-1 copies them into its fp32 masters."""
+    def build_optimizer(self, loaded: Mapping[str, torch.Tensor] | None = None) -> None:
+        """After the weights are in place: ZeRO-1 copies them (or ``loaded``, as read) into its fp32 masters."""
         run, par = self.run, self.par
         if run.train.param_dtype != "fp32":
             self.model.to(torch_dtype(run.train.param_dtype))
-
         adamw = optim.adamw_factory(run.optimizer, note=lambda m: print(m, flush=True) if self.env.is_main else None)
         self.buckets = par.make_buckets(run.parallel.bucket_size, shard=bool(self.layout.zero),
                                         grad_dtype=torch.float32 if run.train.grad_dtype == "fp32" else None)
@@ -174,6 +173,9 @@ class Trainer:
             # fp32 master weights and Adam state only for this rank's shard of every bucket.
             self.opt: Any = DistributedOptimizer(self.buckets, adamw, group_of=lambda p: self.rules.options(names[id(p)], p))
             self.zero = self.opt
+            if loaded is not None and run.train.param_dtype != "fp32":  # the values read, not bf16 roundings
+                self.opt.load_full_state({f"{n}::master": t for n, t in loaded.items()},
+                                         {id(p): n for n, p in self.model.named_parameters()})
         else:
             self.opt = adamw(optim.param_groups(self.model, run.optimizer.weight_decay, rules=self.rules,
                                                 placements=par.placements))
@@ -203,11 +205,11 @@ class Trainer:
 
         run = self.run
         if path is None:
-            if run.checkpoint.load:
-                weights = load_initial_weights(run.checkpoint.load, model=self.model, family=run.family,
-                                               placements=self.par.placements)
+            weights = load_initial_weights(run.checkpoint.load, model=self.model, family=run.family,
+                                           placements=self.par.placements) if run.checkpoint.load else None
+            if weights is not None:
                 self.model_state.load(lambda name, t: weights[name], what=run.checkpoint.load)
-            self.build_optimizer()
+            self.build_optimizer(weights)
             return
         with Checkpoint(path, family=run.family, rank=self.env.rank, world_size=self.env.world_size) as ckpt:
             ckpt.restore(self.model_state)
@@ -311,8 +313,7 @@ class Trainer:
                       flush=True)
                 self._preview_note = True
             return
-        # (FSDP's forward gathers over every data-parallel rank; so does a ZeRO-sharded EMA's swap)
-        replica = self.par.dp_rank == 0 or lay.fsdp
+        replica = self.par.dp_rank == 0 or lay.fsdp  # (FSDP's forward gathers over every DP rank; so does ZeRO's EMA)
         if not replica and (self.ema is None or self.ema.zero is None):
             return
         generator = torch.Generator(self.env.device).manual_seed(self.run.train.seed + self.state.step)
