@@ -250,6 +250,37 @@ def test_lr_multiplier_and_ema_follow_their_formulas(tmp_path):
             torch.testing.assert_close(final["half"][f"ema/{name}"], torch.lerp(t, final["half"][name], 0.1))
 
 
+def test_ema_ramp_follows_diffusers_ema_model_and_resumes(tmp_path):
+    """train.ema_ramp: diffusers' EMAModel (its default decay ramp, capped at train.ema) stepped
+    over the same weights gives the same average; resumed from step 2, the ramp continues where
+    it was (its update count is saved)."""
+    from diffusers.training_utils import EMAModel
+
+    from zoo.config import resolve
+    from zoo.errors import ConfigError
+
+    ramp = ("train.steps=3", "checkpoint.interval=1", "train.eval_interval=0", "train.ema_ramp=true", "train.ema=0.95")
+    _train(tmp_path / "run", 1, *ramp)
+    model = _initial()
+    trained = {n: p for n, p in model.named_parameters() if not n.startswith("embed.")}
+    ema = EMAModel(list(trained.values()), decay=0.95)
+    for step in (1, 2, 3):
+        saved = _tensors(tmp_path / "run" / "checkpoints" / f"step_{step:08d}")
+        with torch.no_grad():
+            for n, p in trained.items():
+                p.copy_(saved[n])
+        ema.step(list(trained.values()))
+    for (n, _), expected in zip(trained.items(), ema.shadow_params):
+        torch.testing.assert_close(saved[f"ema/{n}"], expected, msg=n)
+    again = tmp_path / "again" / "checkpoints"
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "step_00000002", again / "step_00000002")
+    _train(tmp_path / "again", 1, *ramp)
+    _same(_tensors(again / "step_00000003"), saved)
+    with pytest.raises(ConfigError, match="train: ema_ramp=true ramps .* set ema"):
+        resolve(family="cond", flavor="tiny", model_cls=CondConfig, model_defaults=FAMILY.flavors["tiny"](),
+                recipe=[("recipe of cond", FAMILY.recipe)], overrides=["train.ema_ramp=true", "train.ema=0"])
+
+
 def _fit_and_probe(run_dir: str, overrides: list[str], flushed: bool) -> None:
     _fit(run_dir, 1, overrides)
     tiny = torch.tensor([1e-40]) * 1.0  # a subnormal float32: kept, or flushed to zero

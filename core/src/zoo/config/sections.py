@@ -183,6 +183,10 @@ class TrainConfig:
     # in fp32, sharded like the parameters, saved with checkpoints; `zoo generate` and HF export
     # use it when present (--weights ema|raw).
     ema: float = 0.0
+    # The decay ramps up over the first updates, min(ema, n / (n + 9)) at the n-th (0 at the first:
+    # the average starts at the first update's weights), as diffusers' EMAModel does by default, so
+    # a short run's average is not held back by the initial weights.
+    ema_ramp: bool = False
     # Parameter-name patterns (fnmatch over single-process names, e.g. "vision.*") that are frozen:
     # no gradient, no optimizer state, still saved with the model.
     freeze: list[str] = field(default_factory=list)
@@ -221,6 +225,8 @@ class TrainConfig:
                              "(2**16 is torch's default)")
         if not 0.0 <= self.ema < 1.0:
             raise ValueError(f"ema={self.ema} must be a decay in [0, 1) (0 disables the moving average)")
+        if self.ema_ramp and not self.ema:
+            raise ValueError("ema_ramp=true ramps the moving average's decay up to ema, which is 0 (no average): set ema")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}"

@@ -33,10 +33,11 @@ class EMA:
     key = "ema"
 
     def __init__(self, model: nn.Module, placements: Placements, decay: float, *,
-                 zero: DistributedOptimizer | None = None) -> None:
+                 zero: DistributedOptimizer | None = None, ramp: bool = False) -> None:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"EMA decay {decay} must lie in (0, 1)")
-        self.decay, self.placements, self.zero = decay, placements, zero
+        self.decay, self.placements, self.zero, self.ramp = decay, placements, zero, ramp
+        self.updates = 0  # (saved: a resumed ramp continues where it was)
         # This rank's local data of each trainable parameter (an FSDP parameter's shard).
         self.params = [(n, local(p)) for n, p in model.named_parameters() if p.requires_grad]
         if zero is None:
@@ -47,10 +48,19 @@ class EMA:
             self.sources = [piece[3].detach() for piece in zero.pieces]
         self.shadow = [t.float().clone() for t in self.sources]
 
+    def current_decay(self) -> float:
+        """The decay of the coming update: ``train.ema``, or with the ramp ``min(ema, n / (n + 9))``
+        at the n-th update and 0 at the first (diffusers' ``EMAModel.get_decay`` by default)."""
+        n = self.updates + 1
+        if not self.ramp:
+            return self.decay
+        return 0.0 if n == 1 else min(self.decay, n / (n + 9))
+
     @torch.no_grad()
     def update(self) -> None:
         """``ema <- decay * ema + (1 - decay) * parameter``, after each optimizer step."""
-        torch._foreach_lerp_(self.shadow, [t.float() for t in self.sources], 1.0 - self.decay)
+        torch._foreach_lerp_(self.shadow, [t.float() for t in self.sources], 1.0 - self.current_decay())
+        self.updates += 1
 
     @contextlib.contextmanager
     def swapped(self) -> Iterator[None]:
@@ -85,12 +95,15 @@ class EMA:
         return out
 
     def state_json(self) -> dict[str, Any]:
-        return {"decay": self.decay}
+        return {"decay": self.decay, "updates": self.updates}
 
     def load_state(self, ckpt: Checkpoint, saved: Any) -> None:
         """The saved average where the checkpoint has one; a checkpoint written without EMA starts
         the average from the restored weights (as a fresh run starts it from the initial ones):
         under the distributed optimizer from the restored masters."""
+        present = ckpt.has(PREFIX + self.placements[self.params[0][0]].name) if self.params else False
+        # (a checkpoint from before the count was saved: one update per step it had trained)
+        self.updates = int((saved or {}).get("updates", ckpt.train_state().step)) if present else 0
         if self.zero is None:
             for (name, p), s in zip(self.params, self.shadow):
                 placement = self.placements[name]

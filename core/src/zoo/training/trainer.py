@@ -182,17 +182,16 @@ class Trainer:
         # fp16: overflow decided on the global gradient norm, by every rank of every layout alike
         self.scaler = DynamicLossScale(run.train.initial_loss_scale, run.train.loss_scale_window,
                                        enabled=run.train.precision == "fp16", ranks=self.layout.dp * self.layout.cp)
-        self.ema = EMA(self.model, par.placements, run.train.ema, zero=self.zero) if run.train.ema > 0 else None
+        self.ema = EMA(self.model, par.placements, run.train.ema, zero=self.zero,
+                       ramp=run.train.ema_ramp) if run.train.ema > 0 else None
         if run.train.cuda_graph:  # (after the buckets: gradients that are their views stay so)
             par.graphs = cuda_graphs.GraphedMicroBatches(list(self.model.parameters()), note=lambda m: print(m, flush=True))
 
     def stateful(self) -> list[Stateful]:
         """Everything a checkpoint saves besides the loop position and the RNG states."""
-        items: list[Stateful] = [self.model_state, optim.OptimizerState(self.opt, self.model, self.par,
-                                                                        distributed=self.zero is not None),
-                                 optim.ScalerState(self.scaler)]
-        return items + ([self.ema] if self.ema is not None else []) + \
-            ([self.data_position] if self.data_position is not None else [])
+        optimizer = optim.OptimizerState(self.opt, self.model, self.par, distributed=self.zero is not None)
+        extra: list[Stateful] = [s for s in (self.ema, self.data_position) if s is not None]
+        return [self.model_state, optimizer, optim.ScalerState(self.scaler), *extra]
 
     # ------------------------------------------------------------------------------ restoring
 
