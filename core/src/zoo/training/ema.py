@@ -51,9 +51,9 @@ class EMA:
     def current_decay(self) -> float:
         """The decay of the coming update: ``train.ema``, or with the ramp ``min(ema, n / (n + 9))``
         at the n-th update and 0 at the first (diffusers' ``EMAModel.get_decay`` by default)."""
-        n = self.updates + 1
         if not self.ramp:
             return self.decay
+        n = self.updates + 1
         return 0.0 if n == 1 else min(self.decay, n / (n + 9))
 
     @torch.no_grad()
