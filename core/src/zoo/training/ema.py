@@ -40,9 +40,12 @@ class EMA:
         self.updates = 0  # (saved: a resumed ramp continues where it was)
         # This rank's local data of each trainable parameter (an FSDP parameter's shard).
         self.params = [(n, local(p)) for n, p in model.named_parameters() if p.requires_grad]
+        # What each average follows: (parameter name, its local data, offset in it) and the tensor
+        # averaged: the whole parameter, or under ZeRO this rank's piece of its master
         if zero is None:
+            self.pieces = [(n, p, 0) for n, p in self.params]
             self.sources = [p.detach() for _, p in self.params]
-        else:  # this rank's pieces of the masters: (parameter name, the parameter, offset in it) each
+        else:
             names = {id(p): n for n, p in model.named_parameters()}
             self.pieces = [(names[id(piece[4])], piece[4], piece[5]) for piece in zero.pieces]
             self.sources = [piece[3].detach() for piece in zero.pieces]
@@ -104,19 +107,13 @@ class EMA:
         present = ckpt.has(PREFIX + self.placements[self.params[0][0]].name) if self.params else False
         # (a checkpoint from before the count was saved: one update per step it had trained)
         self.updates = int((saved or {}).get("updates", ckpt.train_state().step)) if present else 0
-        if self.zero is None:
-            for (name, p), s in zip(self.params, self.shadow):
-                placement = self.placements[name]
-                key = PREFIX + placement.name
-                s.copy_(ckpt.read(key, p.shape, placement.split) if ckpt.has(key) else p.detach())
-            return
-        for (name, p, start), s, master in zip(self.pieces, self.shadow, self.sources):
+        for (name, p, start), s, source in zip(self.pieces, self.shadow, self.sources):
             placement = self.placements[name]
             key = PREFIX + placement.name
             if ckpt.has(key):
-                s.copy_(ckpt.read(key, p.shape, placement.split).reshape(-1)[start:start + s.numel()])
+                s.copy_(ckpt.read(key, p.shape, placement.split).reshape(-1)[start:start + s.numel()].view_as(s))
             else:
-                s.copy_(master)
+                s.copy_(source)
 
 
 __all__ = ["EMA"]
