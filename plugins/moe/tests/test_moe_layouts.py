@@ -17,26 +17,29 @@ import pytest
 from zoo.testing import assert_same_training, run_distributed
 
 
-def _train(layout: dict, family: str, zero: bool, force: tuple[int, ...] | None = None) -> dict:
+def _train(layout: dict, family: str, zero: bool, force: tuple[int, ...] | None = None, pattern: str = "") -> dict:
     from zoo.nn.moe import Router
     from zoo.testing import train_layout
 
     Router.force = force
-    return train_layout(layout, family, 2, zero, steps=2, micro=4, seq_length=16)
+    # A pattern with dense layers ("T"): their MLP as wide as an expert's, one layer per symbol.
+    model = {"pattern": pattern, "dense_ffn_hidden_size": 96} if pattern else None
+    layers = len(pattern.replace("|", "")) if pattern else 2
+    return train_layout(layout, family, layers, zero, steps=2, micro=4, seq_length=16, model=model)
 
 
 _REFS: dict = {}
 
 
-def _reference(family: str, force: tuple[int, ...] | None = None) -> dict:
-    if (family, force) not in _REFS:
+def _reference(family: str, force: tuple[int, ...] | None = None, pattern: str = "") -> dict:
+    if (family, force, pattern) not in _REFS:
         try:
-            _REFS[(family, force)] = _train({}, family, False, force)
+            _REFS[(family, force, pattern)] = _train({}, family, False, force, pattern)
         finally:
             from zoo.nn.moe import Router
 
             Router.force = None
-    return _REFS[(family, force)]
+    return _REFS[(family, force, pattern)]
 
 
 LAYOUTS = [
@@ -72,6 +75,23 @@ def test_expert_parallel_layouts_equal_one_process(world, layout, family, zero):
         assert sorted(got["metrics"]) == sorted(ref["metrics"])
         assert {"expert_load/0", "expert_load/1"} <= set(ref["metrics"]) and "expert_load/2" not in ref["metrics"]
         assert ref["metrics"]["expert_load"] == max(ref["metrics"]["expert_load/0"], ref["metrics"]["expert_load/1"])
+        for k, v in ref["metrics"].items():
+            assert got["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+
+
+def test_dense_and_moe_layers_mixed_under_tp_sp_ep_and_pp_cut_by_the_pattern_equal_one_process():
+    """Megatron's --moe-layer-freq as a pattern: the dense layers' MLPs split by TP and SP like
+    LLaMA's, the stages cut where the pattern's "|" says, each MoE layer's statistics row (its
+    count among the MoE layers) carried across the cut."""
+    ref = _reference("qwen2-moe", pattern="TE|ET")
+    assert {"expert_load/0", "expert_load/1"} <= set(ref["metrics"]) and "expert_load/2" not in ref["metrics"]
+    assert any(".mlp.fc." in k for k in ref["grads"]) and any(".moe.gate_up" in k for k in ref["grads"])
+    layout = {"tp": 2, "sequence_parallel": True, "ep": 2, "pp": 2}
+    for got in run_distributed(_train, 4, layout, "qwen2-moe", False, None, "TE|ET", timeout=240):
+        assert_same_training(got, ref)
+        assert got["pp_sent"] > 0
+        # Each stage holds one dense layer, its MLP split over the TP ranks ([gate; up] 2 x 96 wide).
+        assert [s for n, s in got["shapes"].items() if n.endswith("mlp.fc.weight")] == [(96, 128)]
         for k, v in ref["metrics"].items():
             assert got["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
 

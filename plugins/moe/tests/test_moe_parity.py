@@ -15,6 +15,7 @@ from zoo_moe.model import build
 from zoo_moe.plugin import SPECS
 
 from zoo.checkpoint.mapping import MappingError, from_external, to_external
+from zoo.errors import UsageError
 from zoo.nn.moe import MoE, balance_losses
 from zoo.spec import MLPSpec, MoESpec
 
@@ -23,12 +24,12 @@ def _hf(kind: str, **over):
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  num_experts_per_tok=2, max_position_embeddings=64)
+                  num_experts_per_tok=2, max_position_embeddings=64, intermediate_size=48)
     if kind == "mixtral":
-        model = MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=4, **common, **over))
+        model = MixtralForCausalLM(MixtralConfig(**{**common, "num_local_experts": 4, **over}))
     else:
-        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=16,
-                                                   shared_expert_intermediate_size=40, num_experts=4, **common, **over))
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**common, "moe_intermediate_size": 16,
+                                                      "shared_expert_intermediate_size": 40, "num_experts": 4, **over}))
     torch.manual_seed(0)
     for p in model.parameters():  # large enough that routing differences would show
         torch.nn.init.normal_(p, std=0.2)
@@ -44,11 +45,18 @@ def _ours(hf):
     return model, cfg, state
 
 
-@pytest.mark.parametrize(("kind", "over"), [("mixtral", {}), ("qwen", {}), ("qwen", {"norm_topk_prob": True})],
-                         ids=["mixtral", "qwen2-moe", "qwen2-moe-norm-topk"])
+DENSE = [({"mlp_only_layers": [0]}, "TE"),  # DeepSeek's first dense layer
+         ({"decoder_sparse_step": 2, "num_hidden_layers": 4}, "TETE"),  # Llama 4's interleaving
+         ({"mlp_only_layers": [1, 2], "num_hidden_layers": 4, "norm_topk_prob": True}, "ETTE")]
+
+
+@pytest.mark.parametrize(("kind", "over"), [("mixtral", {}), ("qwen", {}), ("qwen", {"norm_topk_prob": True}),
+                                            *(("qwen", over) for over, _ in DENSE)],
+                         ids=["mixtral", "qwen2-moe", "qwen2-moe-norm-topk", *(f"qwen2-moe-{p}" for _, p in DENSE)])
 def test_logits_and_aux_loss_match_hugging_face(kind, over):
     hf = _hf(kind, **over)
     ours, cfg, _ = _ours(hf)
+    assert cfg.symbols == dict((str(o), p) for o, p in DENSE).get(str(over), "E" * hf.config.num_hidden_layers)
     x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(x, output_router_logits=True)
@@ -263,3 +271,48 @@ def test_bad_moe_configs_fail_with_one_clear_line():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         type(cfg)(**{**cfg.__dict__, "aux_loss_coeff": 0.0, "expert_bias": True})  # balanced by the bias: no warning
+    for pattern, err in (("EX", r"unknown symbol\(s\) 'X'"), ("EEE", "has 3 layers, num_layers=2"),
+                         ("TT", "no MoE layer"), ("TE", "set dense_ffn_hidden_size"), ("EE|", "every pipeline stage")):
+        with pytest.raises(ValueError, match=err):
+            type(cfg)(**{**cfg.__dict__, "pattern": pattern})
+    mixed = type(cfg)(**{**cfg.__dict__, "pattern": "T|E", "dense_ffn_hidden_size": 64})
+    assert mixed.pipeline_stages == (1, 1) and mixed.moe_layers == 1
+    with pytest.raises(UsageError, match="Hugging Face's Mixtral does not"):
+        convert.to_hf_config(mixed)
+
+
+def test_dense_layers_round_trip_through_zoo_convert_into_a_model_transformers_loads(tmp_path, capsys):
+    """Qwen2-MoE with mlp_only_layers and decoder_sparse_step: zoo convert both ways keeps every
+    tensor, the dense layers' MLPs mapped only where they exist, and which layers are dense."""
+    from transformers import Qwen2MoeForCausalLM
+
+    from zoo.cli import main
+
+    hf = _hf("qwen", num_hidden_layers=4, mlp_only_layers=[3], decoder_sparse_step=2)
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "zoo")]) == 0
+    assert main(["convert", "--to", "hf", str(tmp_path / "zoo"), str(tmp_path / "back")]) == 0
+    capsys.readouterr()
+    again = Qwen2MoeForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert [type(layer.mlp).__name__ for layer in again.model.layers] == \
+        [type(layer.mlp).__name__ for layer in hf.model.layers] == ["Qwen2MoeMLP", "Qwen2MoeSparseMoeBlock"] + ["Qwen2MoeMLP"] * 2
+    x = torch.randint(0, 64, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, hf(x).logits)
+
+
+
+@pytest.mark.parametrize(("family", "symbol"), [("mixtral", "E"), ("mamba2", "M")])
+def test_a_flavors_num_layers_overrides_alone_where_the_pattern_is_its_default(family, symbol):
+    """The configs' layering starts from the flavor's config: an empty pattern must stay empty there,
+    or `model.num_layers=6` would fail against the flavor's filled-in one."""
+    from zoo import config as C
+    from zoo.registry import get_registry
+
+    fam = get_registry().get(family).family
+    run = C.resolve(family=family, flavor="tiny", model_cls=fam.config, model_defaults=fam.flavors["tiny"](),
+                    overrides=["model.num_layers=6"])
+    assert run.model.pattern == "" and run.model.symbols == symbol * 6
+    mixed = C.resolve(family=family, flavor="tiny", model_cls=fam.config, model_defaults=fam.flavors["tiny"](),
+                      overrides=["model.num_layers=3", f"model.pattern={symbol}|{symbol}{symbol}"])
+    assert mixed.model.pipeline_stages == (1, 2)

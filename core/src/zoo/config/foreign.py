@@ -115,6 +115,9 @@ NAMES: dict[str, str] = {
     "mamba_num_groups": "model.ssm_groups={}",
     "n_groups": "model.ssm_groups={}",
     "hybrid_override_pattern": "model.pattern={}",
+    # which layers are MoE: Megatron's, Qwen2-MoE's, DeepSeek's and Llama 4's ways of saying it
+    **dict.fromkeys(("moe_layer_freq", "mlp_only_layers", "decoder_sparse_step", "first_k_dense_replace",
+                     "interleave_moe_layer_step"), "model.pattern=<a symbol per layer: E MoE, T dense>"),
     "num_embeds_ada_norm": "model.num_classes={}",
 }
 

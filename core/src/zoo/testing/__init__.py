@@ -17,6 +17,7 @@ collective fails the test instead of hanging CI.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pickle
 import queue as queue_mod
@@ -188,15 +189,17 @@ def layout_for(family: Any, world_size: int, *, model: Any = None, seq_length: i
 
 
 def train_layout(layout: Mapping[str, Any], family: str, layers: int, zero: bool, *, steps: int = 3, micro: int = 4,
-                 seq_length: int = 16, rows: int = 2, split_rows: bool = False, flavor: str = "tiny") -> dict[str, Any]:
+                 seq_length: int = 16, rows: int = 2, split_rows: bool = False, flavor: str = "tiny",
+                 model: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``steps`` AdamW steps of ``family``'s ``flavor`` (``layers`` deep) under ``layout`` (on the
     ranks this runs on: call it through `run_distributed`, or directly for one process), through
     `zoo.parallel.engine.Parallel` as `zoo train` does: ``micro`` micro-batches of ``rows`` rows
     from the family's ``example_batch`` per step, each data-parallel rank taking its share. Returns
-    the losses, every gradient gathered to full shape under its single-process name and the last
-    step's metrics.
+    the losses, every gradient gathered to full shape under its single-process name, the last
+    step's metrics and the shapes of the parameters this rank holds.
     ``split_rows``: every micro-batch is cut into data-parallel slices of rows instead (a loss over
-    a whole micro-batch, CLIP's global negatives, then equals one process's)."""
+    a whole micro-batch, CLIP's global negatives, then equals one process's).
+    ``model``: config fields set over the flavor's (checked as the config checks them)."""
     import torch
     import torch.distributed as dist
 
@@ -208,6 +211,8 @@ def train_layout(layout: Mapping[str, Any], family: str, layers: int, zero: bool
     fam = get_registry().get(family).family
     cfg = fam.flavors[flavor]()
     cfg.num_layers = layers
+    if model:
+        cfg = dataclasses.replace(cfg, **model)
     build, example, loss_fn = (resolve(r, owner="test") for r in (fam.build, fam.example_batch, fam.loss))
     torch.manual_seed(0)
     model = build(cfg, fam.spec_for(cfg))
@@ -256,7 +261,8 @@ def train_layout(layout: Mapping[str, Any], family: str, layers: int, zero: bool
             else:
                 opt.zero_grad(set_to_none=True)
     return {"losses": losses, "grads": par.full_grads(), "pp_sent": par.pipeline.sent if par.pp > 1 else 0,
-            "metrics": {k: float(v) for k, v in out.metrics.items()}}  # the last step's, reduced over ranks
+            "metrics": {k: float(v) for k, v in out.metrics.items()},  # the last step's, reduced over ranks
+            "shapes": {n: tuple(p.shape) for n, p in par.model.named_parameters()}}  # what this rank holds
 
 
 def assert_same_training(got: Mapping[str, Any], ref: Mapping[str, Any], *, rtol: float = 1e-5) -> None:

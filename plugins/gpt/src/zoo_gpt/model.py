@@ -26,7 +26,7 @@ class Block(TransformerLayer):
 
 
 class GPT(nn.Module):
-    symbol = "T"  # the layer spec's block symbol (a subclass with other blocks overrides it and `make_block`)
+    symbol = "T"  # the layer spec's block symbol (a subclass with other blocks overrides it, `layer_symbols` and `make_block`)
 
     def __init__(self, cfg: GPTConfig, spec: ModelSpec) -> None:
         super().__init__()
@@ -36,13 +36,18 @@ class GPT(nn.Module):
         self.pos_embed = nn.Embedding(cfg.max_seq_length, cfg.hidden_size) if spec.positions == "learned" else None
         uses_rope = isinstance(block.mixer, AttentionSpec) and block.mixer.positions == "rope"
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling) if uses_rope else None
-        self.layers = nn.ModuleList(self.make_block(cfg, block, i) for i in range(cfg.num_layers))
+        symbols = self.layer_symbols(cfg)
+        self.layers = nn.ModuleList(self.make_block(cfg, spec.block_for(s), i) for i, s in enumerate(symbols))
         assert spec.final_norm is not None
         self.norm = make_norm(spec.final_norm, cfg.hidden_size, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self._init(cfg)
+
+    def layer_symbols(self, cfg: Any) -> str:
+        """The block symbol of each layer."""
+        return self.symbol * cfg.num_layers
 
     def make_block(self, cfg: GPTConfig, spec: BlockSpec, layer: int) -> nn.Module:
         return Block(cfg, spec, layer)

@@ -67,8 +67,6 @@ class MambaConfig:
                     "expand", "ssm_head_dim", "ssm_groups", "chunk_size",
                     parameters=self.num_layers * (3 * self.expand * h * h + 3 * h * (self.ffn_hidden_size + experts))
                     + 2 * self.vocab_size * h)
-        if not self.pattern:
-            self.pattern = "M" * self.num_layers
         unknown = sorted(set(self.pattern) - set(SYMBOLS) - {"|"})
         if unknown:
             raise ValueError(f"pattern={self.pattern!r}: unknown symbol(s) {', '.join(map(repr, unknown))}; "
@@ -76,7 +74,7 @@ class MambaConfig:
         if len(self.symbols) != self.num_layers:
             raise ValueError(f"pattern={self.pattern!r} has {len(self.symbols)} layers, num_layers={self.num_layers}; "
                              f"set num_layers={len(self.symbols)} with it")
-        if any(not part for part in self.pattern.split("|")):
+        if self.pattern and any(not part for part in self.pattern.split("|")):
             raise ValueError(f"pattern={self.pattern!r}: every pipeline stage ('|') needs at least one layer")
         if self.dt_rank == 0:
             self.dt_rank = math.ceil(self.hidden_size / 16)
@@ -103,7 +101,8 @@ class MambaConfig:
 
     @property
     def symbols(self) -> str:
-        return self.pattern.replace("|", "")
+        # (an empty pattern stays empty, so a flavor's num_layers can be overridden alone)
+        return self.pattern.replace("|", "") or "M" * self.num_layers
 
     @property
     def ssm_inner(self) -> int:

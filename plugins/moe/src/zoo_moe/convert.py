@@ -1,7 +1,8 @@
 """Hugging Face layouts of Mixtral (`MixtralForCausalLM`) and Qwen2-MoE (`Qwen2MoeForCausalLM`).
 
-Attention, norms, embeddings and head are LLaMA's rules (`zoo_gpt.convert`). Experts come in two
-layouts, detected from the keys and never mixed:
+Attention, norms, embeddings, head and the dense layers' MLPs (Qwen2-MoE's ``mlp_only_layers``,
+``decoder_sparse_step``: ``T`` in the pattern) are LLaMA's rules (`zoo_gpt.convert`). Experts come
+in two layouts, detected from the keys and never mixed:
 
 - per expert (released checkpoints; what ``save_pretrained`` writes): Mixtral
   ``block_sparse_moe.experts.{e}.w1|w3|w2.weight``, Qwen2-MoE ``mlp.experts.{e}.gate_proj|up_proj|down_proj.weight``;
@@ -13,6 +14,7 @@ Export writes the per-expert layout, which every transformers version reads.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 from typing import Any, Literal
 
@@ -27,20 +29,18 @@ Layout = Literal["per_expert", "fused"]
 L = "model.layers.{i}."
 
 
-def _attention(cfg: MoEConfig) -> list[Any]:
-    """LLaMA's rules without its MLP (Qwen2's o_proj has no bias, which LLaMA's attention_bias would add)."""
-    import dataclasses
-
+def _llama(cfg: MoEConfig) -> list[Any]:
+    """LLaMA's rules (Qwen2's o_proj has no bias, which LLaMA's attention_bias would add); its MLP
+    rules are the dense layers'."""
     qwen = cfg.layer_spec.startswith("qwen2_moe")
     as_llama = dataclasses.replace(cfg, layer_spec="llama_attn_bias" if qwen else "llama")
-    return [r for r in llama_table(as_llama).rules if ".mlp." not in getattr(r, "ours", "")
-            and not getattr(r, "ours", "").endswith("attn.proj.bias")]
+    return [r for r in llama_table(as_llama).rules if not getattr(r, "ours", "").endswith("attn.proj.bias")]
 
 
-def table(cfg: MoEConfig, layout: Layout = "per_expert") -> MappingTable:
+def _experts(cfg: MoEConfig, layout: Layout) -> list[Any]:
     qwen = cfg.layer_spec.startswith("qwen2_moe")
     moe = L + ("mlp." if qwen or layout == "fused" else "block_sparse_moe.")
-    rules: list[Any] = [*_attention(cfg), Rename("layers.{i}.moe.router.weight", moe + "gate.weight")]
+    rules: list[Any] = [Rename("layers.{i}.moe.router.weight", moe + "gate.weight")]
     if layout == "fused":
         rules += [Rename("layers.{i}.moe.gate_up", moe + "experts.gate_up_proj"),
                   Rename("layers.{i}.moe.down", moe + "experts.down_proj")]
@@ -54,7 +54,26 @@ def table(cfg: MoEConfig, layout: Layout = "per_expert") -> MappingTable:
         rules += [Fuse("layers.{i}.moe.shared.fc.weight", (moe + "shared_expert.gate_proj.weight", moe + "shared_expert.up_proj.weight")),
                   Rename("layers.{i}.moe.shared.proj.weight", moe + "shared_expert.down_proj.weight"),
                   Rename("layers.{i}.moe.shared_gate.weight", moe + "shared_expert_gate.weight")]
-    return MappingTable(rules=tuple(rules))
+    return rules
+
+
+def _at(rule: Any, i: int) -> Any:
+    """``rule`` for layer ``i`` alone ({i} filled in; {e} is the expert rules' own)."""
+    def fill(v: Any) -> Any:
+        if isinstance(v, str):
+            return v.replace("{i}", str(i))
+        return tuple(fill(x) for x in v) if isinstance(v, tuple) else v
+    return dataclasses.replace(rule, **{f: fill(getattr(rule, f)) for f in ("ours", "theirs") if hasattr(rule, f)})
+
+
+def table(cfg: MoEConfig, layout: Layout = "per_expert") -> MappingTable:
+    """Every layer's rules by its kind (strict coverage needs a dense layer's MLP mapped and a MoE
+    layer's experts, never both): attention everywhere, experts on ``E`` layers, the MLP on ``T``."""
+    llama = _llama(cfg)
+    whole = [r for r in llama if "{i}" not in getattr(r, "ours", "")]  # embeddings, final norm, head, ignores
+    attn = [r for r in llama if "{i}" in getattr(r, "ours", "") and ".mlp." not in r.ours]
+    kinds = {"E": attn + _experts(cfg, layout), "T": [r for r in llama if ".mlp." in getattr(r, "ours", "")] + attn}
+    return MappingTable(rules=(*whole, *(_at(r, i) for i, s in enumerate(cfg.symbols) for r in kinds[s])))
 
 
 def import_table(cfg: MoEConfig, keys: Collection[str]) -> MappingTable:
@@ -75,10 +94,14 @@ def to_hf_config(cfg: MoEConfig) -> dict[str, Any]:
     if cfg.layer_spec.startswith("qwen2_moe"):
         return {**base, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
                 "moe_intermediate_size": cfg.ffn_hidden_size, "shared_expert_intermediate_size": cfg.shared_ffn_hidden_size,
-                "intermediate_size": cfg.shared_ffn_hidden_size, "num_experts": cfg.num_experts,
-                "num_experts_per_tok": cfg.top_k, "norm_topk_prob": cfg.layer_spec == "qwen2_moe_norm",
-                "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": True, "router_aux_loss_coef": hf_coef,
-                "use_sliding_window": False}
+                "intermediate_size": cfg.dense_ffn_hidden_size or cfg.shared_ffn_hidden_size,
+                "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k,
+                "norm_topk_prob": cfg.layer_spec == "qwen2_moe_norm", "decoder_sparse_step": 1,
+                "mlp_only_layers": [i for i, s in enumerate(cfg.symbols) if s == "T"], "qkv_bias": True,
+                "router_aux_loss_coef": hf_coef, "use_sliding_window": False}
+    if "T" in cfg.symbols:
+        raise UsageError(f"model.pattern={cfg.pattern!r} has dense layers ('T'), which Hugging Face's Mixtral does not "
+                         "have; only the qwen2_moe specs export with dense layers")
     if cfg.layer_spec != "mixtral":
         raise UsageError(f"model.layer_spec={cfg.layer_spec!r} has no Hugging Face architecture (mixtral, qwen2_moe only)")
     return {**base, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": cfg.num_experts,
@@ -93,8 +116,12 @@ def from_hf_config(hf: dict[str, Any]) -> MoEConfig:
     if hf.get("router_jitter_noise"):
         raise UsageError("router_jitter_noise > 0 is not supported (it scales the experts' input too, as in HF)")
     qwen = kind == "qwen2_moe"
-    if qwen and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
-        raise UsageError("Qwen2-MoE with dense layers (mlp_only_layers, decoder_sparse_step > 1) is not supported")
+    pattern = ""  # every layer MoE
+    if qwen:  # transformers' Qwen2MoeDecoderLayer: sparse unless listed in mlp_only_layers or off the step
+        step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or ())
+        pattern = "".join("E" if i not in dense and hf["num_experts"] > 0 and (i + 1) % step == 0 else "T"
+                          for i in range(hf["num_hidden_layers"]))
+        pattern = pattern if "T" in pattern else ""
     if hf.get("use_sliding_window") or (not qwen and hf.get("sliding_window")):
         raise UsageError("sliding-window attention is not supported")
     base = llama_from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False,
@@ -104,6 +131,7 @@ def from_hf_config(hf: dict[str, Any]) -> MoEConfig:
     return MoEConfig(**fields, num_experts=hf["num_experts"] if qwen else hf["num_local_experts"],
                      top_k=hf["num_experts_per_tok"], shared_ffn_hidden_size=hf.get("shared_expert_intermediate_size", 0),
                      aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)), aux_loss_convention="hf",
+                     pattern=pattern, dense_ffn_hidden_size=hf["intermediate_size"] if pattern else 0,
                      layer_spec=spec)
 
 

@@ -1,5 +1,6 @@
 """Sparse MoE decoders (Mixtral, Qwen2-MoE): LLaMA's decoder (`zoo_gpt.model.GPT`) whose blocks
-hold the core's `zoo.nn.moe.MoE` instead of an MLP.
+hold the core's `zoo.nn.moe.MoE` instead of an MLP (``E`` in the config's pattern), or a dense
+SwiGLU MLP (``T``).
 
 Each MoE layer leaves its routing statistics row in ``moe.stats``; the forward sums them into one
 (MoE layers, `zoo.nn.moe.stats_width`) tensor, ``moe_stats``, that goes to the loss with the
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from zoo.nn import KVCache, make_norm
-from zoo.nn.layers import SelfAttention
+from zoo.nn.layers import SelfAttention, TransformerLayer
 from zoo.nn.moe import MoE, balance_metrics, stats_width
 from zoo.spec import AttentionSpec, BlockSpec, ModelSpec, MoESpec
 from zoo_gpt.model import GPT
@@ -24,10 +25,11 @@ from zoo_moe.plugin import MoEConfig
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, cfg: MoEConfig, spec: BlockSpec, layer: int) -> None:
+    def __init__(self, cfg: MoEConfig, spec: BlockSpec, layer: int, index: int) -> None:
         super().__init__()
         assert isinstance(spec.mixer, AttentionSpec) and isinstance(spec.ffn, MoESpec)
-        self.index = layer  # its row of the statistics (global: the same under any pipeline cut)
+        # Its row of the statistics: how many MoE layers come before it (the same under any pipeline cut).
+        self.index = index
         self.attn_norm = make_norm(spec.norm, cfg.hidden_size, cfg.norm_eps)
         self.attn = SelfAttention(spec.mixer, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                                   head_dim=cfg.head_dim, layer=layer)
@@ -45,14 +47,22 @@ class MoEBlock(nn.Module):
 class MoEDecoder(GPT):
     symbol = "E"
 
+    def layer_symbols(self, cfg: Any) -> str:
+        return cfg.symbols
+
     def make_block(self, cfg: Any, spec: BlockSpec, layer: int) -> nn.Module:
-        return MoEBlock(cfg, spec, layer)
+        if not isinstance(spec.ffn, MoESpec):
+            return TransformerLayer(spec, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                                    head_dim=cfg.head_dim, ffn_hidden=cfg.dense_ffn_hidden_size, eps=cfg.norm_eps,
+                                    layer=layer)
+        return MoEBlock(cfg, spec, layer, cfg.symbols[:layer].count("E"))
 
     def _init(self, cfg: Any) -> None:
         super()._init(cfg)
         for blk in self.layers:  # experts like the linear layers they stand for; `down` is a residual output
-            nn.init.normal_(blk.moe.gate_up, std=cfg.init_std)
-            nn.init.normal_(blk.moe.down, std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
+            if isinstance(blk, MoEBlock):
+                nn.init.normal_(blk.moe.gate_up, std=cfg.init_std)
+                nn.init.normal_(blk.moe.down, std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
 
     def forward(self, tokens: torch.Tensor, *, cache: KVCache | None = None, labels: torch.Tensor | None = None,
                 loss_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -62,11 +72,12 @@ class MoEDecoder(GPT):
         x, rope = self.embed_input(tokens, cache, position_ids)
         stats = moe_stats
         if stats is None:
-            stats = torch.zeros(self.cfg.num_layers, stats_width(self.cfg.num_experts), device=x.device)
+            stats = torch.zeros(self.cfg.moe_layers, stats_width(self.cfg.num_experts), device=x.device)
         for blk in self.layers:
             x = blk(x, rope, cache, segment_ids)
-            row = torch.tensor([blk.index], device=x.device)
-            stats = stats.index_add(0, row, blk.moe.stats[None])
+            if isinstance(blk, MoEBlock):
+                row = torch.tensor([blk.index], device=x.device)
+                stats = stats.index_add(0, row, blk.moe.stats[None])
         if cache is not None:
             cache.pos += tokens.shape[1]
         if self.head is None:
@@ -94,14 +105,14 @@ def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Any, dict[st
 
 
 def flops_per_token(model: nn.Module, run: Any) -> float:
-    """6 x the weights a token passes through (attention, head, router, top-k routed experts and the
-    shared expert) + attention scores, per trained token."""
+    """6 x the weights a token passes through (attention, head, dense MLPs, router, top-k routed experts
+    and the shared expert) + attention scores, per trained token."""
     from zoo.training.metrics import lm_flops_per_token
 
     cfg = run.model
-    dense = lm_flops_per_token(model, run)  # nn.Linear weights (attention, shared expert, head) + attention
+    dense = lm_flops_per_token(model, run)  # nn.Linear weights (attention, dense MLPs, shared expert, head) + attention
     per_expert = 3 * cfg.hidden_size * cfg.ffn_hidden_size  # SwiGLU: gate, up, down
-    routed = cfg.num_layers * (cfg.top_k * per_expert + cfg.num_experts * cfg.hidden_size)
+    routed = cfg.moe_layers * (cfg.top_k * per_expert + cfg.num_experts * cfg.hidden_size)
     return dense + 6.0 * routed
 
 

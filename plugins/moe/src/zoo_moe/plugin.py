@@ -3,6 +3,10 @@
 A MoE decoder is LLaMA's decoder (`zoo_gpt`: RMSNorm, RoPE, grouped-query attention) with each
 block's MLP replaced by the core's `zoo.nn.moe.MoE`; its config extends `zoo_gpt`'s with the
 experts, the router and load balancing. ``ffn_hidden_size`` is one routed expert's width.
+
+``pattern`` mixes in dense layers (Megatron's ``--moe-layer-freq``, Qwen2-MoE's ``mlp_only_layers``
+and ``decoder_sparse_step``, DeepSeek's first dense layers, Llama 4's interleaving): one symbol per
+layer, ``E`` attention + MoE, ``T`` attention + a dense SwiGLU MLP of ``dense_ffn_hidden_size``.
 """
 
 from __future__ import annotations
@@ -37,13 +41,31 @@ class MoEConfig(GPTConfig):
     # assignments per micro-batch and rank, keeping the highest gates ("probs") or the earliest ("position").
     capacity_factor: float | None = None
     drop_policy: Literal["probs", "position"] = "probs"
+    # One symbol per layer (see SYMBOLS), "|" between pipeline stages; "" = every layer MoE.
+    pattern: str = ""
+    dense_ffn_hidden_size: int = 0  # the dense layers' ("T") MLP width
     layer_spec: str = "mixtral"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        unknown = sorted(set(self.pattern) - set(SYMBOLS) - {"|"})
+        if unknown:
+            raise ValueError(f"pattern={self.pattern!r}: unknown symbol(s) {', '.join(map(repr, unknown))}; "
+                             f"one of {', '.join(f'{k!r} ({v})' for k, v in SYMBOLS.items())}, '|' (stage cut)")
+        if len(self.symbols) != self.num_layers:
+            raise ValueError(f"pattern={self.pattern!r} has {len(self.symbols)} layers, num_layers={self.num_layers}; "
+                             f"set num_layers={len(self.symbols)} with it")
+        if self.pattern and any(not part for part in self.pattern.split("|")):
+            raise ValueError(f"pattern={self.pattern!r}: every pipeline stage ('|') needs at least one layer")
+        if "E" not in self.symbols:
+            raise ValueError(f"pattern={self.pattern!r} has no MoE layer ('E'); a dense model is the llama family")
+        dense = self.symbols.count("T")
+        if dense and self.dense_ffn_hidden_size <= 0:
+            raise ValueError(f"pattern={self.pattern!r} has dense layers ('T'): set dense_ffn_hidden_size")
         # The experts, not the one dense MLP GPTConfig counted, hold the parameters.
         experts = self.num_experts * self.ffn_hidden_size + self.shared_ffn_hidden_size
-        check_sizes(self, "num_experts", "top_k", parameters=self.num_layers * 3 * self.hidden_size * experts)
+        check_sizes(self, "num_experts", "top_k", parameters=3 * self.hidden_size
+                    * (self.moe_layers * experts + dense * self.dense_ffn_hidden_size))
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
         if self.aux_loss_convention not in ("megatron", "hf"):
@@ -55,6 +77,23 @@ class MoEConfig(GPTConfig):
             warnings.warn("MoE load balancing is off (aux_loss_coeff=0 and expert_bias=false): experts may collapse",
                           stacklevel=2)
 
+    @property
+    def symbols(self) -> str:
+        # (an empty pattern stays empty, so a flavor's num_layers can be overridden alone)
+        return self.pattern.replace("|", "") or "E" * self.num_layers
+
+    @property
+    def moe_layers(self) -> int:
+        return self.symbols.count("E")
+
+    @property
+    def pipeline_stages(self) -> tuple[int, ...] | None:
+        """Layers per pipeline stage when the pattern has cuts (the core's default for parallel.pp_layers)."""
+        return tuple(len(p) for p in self.pattern.split("|")) if "|" in self.pattern else None
+
+
+SYMBOLS = {"E": "attention + mixture of experts", "T": "attention + dense MLP"}
+
 
 _NORM = NormSpec(kind="rmsnorm")
 _SWIGLU = MLPSpec(activation="silu", gated=True, bias=False)
@@ -65,8 +104,8 @@ def _spec(*, attn_bias: bool, router: Literal["softmax_topk", "sigmoid_topk"] = 
     moe = MoESpec(expert=_SWIGLU, router=router, normalize_topk=normalize, shared_expert=_SWIGLU if shared else None)
     # (Qwen2's attention biases are q/k/v only)
     attn = AttentionSpec(causal=True, bias=attn_bias, out_bias=False if attn_bias else None, positions="rope")
-    block = BlockSpec(norm=_NORM, mixer=attn, ffn=moe)
-    return ModelSpec(blocks={"E": block}, embedding="token", positions="none", final_norm=_NORM, head="lm")
+    blocks = {"E": BlockSpec(norm=_NORM, mixer=attn, ffn=moe), "T": BlockSpec(norm=_NORM, mixer=attn, ffn=_SWIGLU)}
+    return ModelSpec(blocks=blocks, embedding="token", positions="none", final_norm=_NORM, head="lm")
 
 
 SPECS = {
@@ -128,7 +167,8 @@ _COMMON = dict(
     # Attention and the shared expert split like LLaMA's; routed experts are never TP-split (ETP=1,
     # as torchtitan): they are sharded over parallel.ep instead.
     tp_plan={"embed": "vocab_embedding", "layers.*.attn.qkv": "column", "layers.*.attn.proj": "row",
-             "layers.*.moe.shared.fc": "column_gated", "layers.*.moe.shared.proj": "row", "head": "vocab_head"},
+             "layers.*.moe.shared.fc": "column_gated", "layers.*.moe.shared.proj": "row",
+             "layers.*.mlp.fc": "column_gated", "layers.*.mlp.proj": "row", "head": "vocab_head"},
     tp_local={"layers.*.attn": ("h", "kv")},
     # The routing statistics travel with the hidden state to the stage that computes the loss.
     pipeline=PipelineSpec(layers="layers", first=("embed",), last=("norm", "head"), input_key="tokens",
