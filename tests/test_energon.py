@@ -291,6 +291,84 @@ splits:
     assert sorted(got) == ["k0", "k1", "k2"]
 
 
+def _keys(path, n, **kw):
+    """The first ``n`` samples' (key, restore key) of a one-worker training stream, in order."""
+    ds = get_train_dataset(str(path), worker_config=_wc(), batch_size=None, shuffle_buffer_size=None,
+                           max_samples_per_sequence=4, parallel_slices=3, **kw)
+    it = iter(get_loader(ds))
+    return [(s.__key__, tuple(s.__restore_key__)) for s in (next(it) for _ in range(n))]
+
+
+def test_shuffle_over_epochs_multiplier_as_energon_defines_it(digits, tmp_path):
+    """Energon's shuffle_over_epochs: k shuffles the slices of k epochs together (each sample k times
+    per k epochs, a sample's second pass possibly before another's first), -1 draws slices with
+    replacement, null reads in order; nested references combine by Energon's rule; a sample that
+    comes round again has a new restore key (seeded hooks draw afresh); positions restore exactly."""
+    from zoo.data.energon.metadataset import load_metadataset
+
+    def meta(name: str, body: str) -> Path:
+        path = tmp_path / name
+        path.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n" + body)
+        return path
+
+    leaf = meta("leaf.yaml", f"    path: {digits}\n    subset: {{range: [0, 40]}}\n    shuffle_over_epochs_multiplier: 2\n")
+    twice = _keys(leaf, 80)
+    assert {k: [x for x, _ in twice].count(k) for k, _ in twice} == {k: 2 for k, _ in twice} and len(set(twice)) == 80
+    first = [k for k, _ in twice[:40]]
+    assert len(set(first)) < 40  # the two epochs are mixed: a second pass came before some first one
+    once = _keys(leaf, 80, shuffle_over_epochs_multiplier=None)  # null anywhere: in order, one slice at a time
+    in_order = [s.__key__ for s in get_loader(get_val_dataset(str(leaf), split_part="train", worker_config=_wc(),
+                                                               batch_size=None))][:40]
+    assert [k for k, _ in once] == in_order * 2
+    drawn = [k for k, _ in _keys(leaf, 400, shuffle_over_epochs_multiplier=-1)]  # with replacement
+    counts = [drawn.count(k) for k in set(drawn)]
+    assert set(drawn) <= set(in_order) and len(set(counts)) > 2  # uneven counts: no epochs
+    # Nesting (Energon's rule): products, -1 wins over numbers, null over everything.
+    outer = meta("outer.yaml", f"    path: {leaf}\n    shuffle_over_epochs_multiplier: 3\n")
+    assert [x.shuffle_over_epochs for x in load_metadataset(str(outer), "train")[0]] == [6]
+    for value, want in (("-1", -1), ("null", None)):
+        outer.write_text(outer.read_text().replace("multiplier: 3", f"multiplier: {value}").replace("multiplier: -1", f"multiplier: {value}"))
+        assert [x.shuffle_over_epochs for x in load_metadataset(str(outer), "train")[0]] == [want]
+    ds = get_train_dataset(str(leaf), worker_config=_wc(), batch_size=None, shuffle_buffer_size=None,
+                           max_samples_per_sequence=4, shuffle_over_epochs_multiplier=5)
+    assert [x.shuffle_over_epochs for x in ds.config.leaves] == [10]
+    for bad in ("0", "1.5", "-2", "many"):
+        outer.write_text(f"splits:\n  train:\n    path: {leaf}\n    shuffle_over_epochs_multiplier: {bad}\n")
+        with pytest.raises(DatasetError, match=r"outer\.yaml: splits\.train: shuffle_over_epochs_multiplier must be"):
+            load_metadataset(str(outer), "train")
+    # Exact restore with slices drawn with replacement (shuffle buffer, packing, an augmenting encoder).
+    ld = _loader(digits, 1, shuffle_over_epochs_multiplier=-1)
+    it = iter(ld)
+    ref = [_signature(next(it)) for _ in range(30)]
+    ld.close()
+    ld = _loader(digits, 1, shuffle_over_epochs_multiplier=-1)
+    it = iter(ld)
+    for _ in range(10):
+        next(it)
+    state = ld.save_state_rank()
+    ld.close()
+    ld = _loader(digits, 1, state, shuffle_over_epochs_multiplier=-1)
+    it = iter(ld)
+    assert [_signature(next(it)) for _ in range(20)] == ref[10:]
+    ld.close()
+    with pytest.raises(LoaderError, match="shuffle_over_epochs"):  # another multiplier is another data order
+        _loader(digits, 1, state, shuffle_over_epochs_multiplier=2)
+    # A state saved before the passes were recorded (k = 1: the pass was the epoch) restores as it did.
+    ld = _loader(digits, 0)
+    it = iter(ld)
+    for _ in range(7):
+        next(it)
+    state = ld.save_state_rank()
+    want = [_signature(next(it)) for _ in range(5)]
+    ld.close()
+    for reader in state["workers"][0]["readers"]:
+        reader["active"] = [a[:2] for a in reader["active"]]
+    ld = _loader(digits, 0, state)
+    it = iter(ld)
+    assert [_signature(next(it)) for _ in range(5)] == want
+    ld.close()
+
+
 def test_worker_hang_and_death_name_the_shard_and_nothing_is_left(digits, monkeypatch):
     monkeypatch.setenv("ZOO_TEST_HANG_KEY", "digit00420")
     ds = get_train_dataset(str(digits), worker_config=_wc(1), batch_size=None, shuffle_buffer_size=None,

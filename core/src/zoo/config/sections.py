@@ -100,11 +100,20 @@ class DataConfig:
     # Energon datasets (data.path a prepared WebDataset directory, URL or metadataset .yaml):
     shuffle_buffer_size: int | None = 100  # samples mixed across slices before encoding
     max_samples_per_sequence: int | None = 100  # slice length: smaller reads more randomly, seeks more
+    # k: the slices of k epochs shuffled together; -1: slices drawn with replacement; null: in order
+    # (times a metadataset reference's own, Energon's rule)
+    shuffle_over_epochs_multiplier: int | None = 1
     packing_buffer_size: int | None = None  # samples the task encoder's select_samples_to_pack sees at once
     prefetch_factor: int = 2  # batches each worker makes ahead
     watchdog_timeout: float = 60.0  # seconds a worker may take for one batch before the run stops, naming it
     allow_pickle: bool = False  # .pickle/.pyd parts run code when loaded: refused unless set
     allow_code: bool = False  # a dataset.yaml's sample_loader.py: refused unless set
+
+    def __post_init__(self) -> None:
+        soe = self.shuffle_over_epochs_multiplier
+        if soe is not None and not (soe >= 1 or soe == -1):
+            raise ValueError(f"shuffle_over_epochs_multiplier={soe}: a whole number >= 1, -1 (slices drawn with "
+                             "replacement) or null (no shuffling)")
 
 
 @dataclass(kw_only=True)

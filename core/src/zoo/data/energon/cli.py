@@ -157,7 +157,9 @@ def _info_metadataset(path: str) -> int:
             lo, hi = resolve_subset(leaf.subset, len(ds), f"{path}: {leaf.path}")
             n = hi - lo
             share = f"weight {leaf.weight:.3g}" if mode != "blend_epochized" else f"repetitions {leaf.repetitions:g}"
-            print(f"    {share:<18} {n:>10,} samples  {leaf.path} [{leaf.split_part}]")
+            soe = leaf.shuffle_over_epochs
+            shuffled = "" if soe == 1 else f"  (shuffle_over_epochs {'null' if soe is None else soe})"
+            print(f"    {share:<18} {n:>10,} samples  {leaf.path} [{leaf.split_part}]{shuffled}")
     return 0
 
 

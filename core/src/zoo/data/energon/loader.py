@@ -17,6 +17,7 @@ was reading. A worker whose loader's process is gone (even a zombie not yet reap
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pickle
 import queue as queue_mod
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zoo import procs as zoo_procs
-from zoo.data.energon.metadataset import is_metadataset, load_metadataset
+from zoo.data.energon.metadataset import combine_shuffle_over_epochs, is_metadataset, load_metadataset
 from zoo.data.energon.pipeline import Leaf, Pipeline, PipelineConfig
 from zoo.data.energon.task_encoder import DefaultTaskEncoder, TaskEncoder
 from zoo.errors import ZooError
@@ -80,10 +81,14 @@ class EnergonDataset:
     limit: int | None = None
 
 
-def _leaves(path: str, split_part: str, **leaf_kw: Any) -> tuple[tuple[Leaf, ...], str]:
+def _leaves(path: str, split_part: str, shuffle_over_epochs_multiplier: int | None = 1, **leaf_kw: Any
+            ) -> tuple[tuple[Leaf, ...], str]:
+    soe = combine_shuffle_over_epochs(1, shuffle_over_epochs_multiplier, "shuffle_over_epochs_multiplier")
     if is_metadataset(str(path)):
-        return load_metadataset(str(path), split_part)
-    return (Leaf(path=str(path), split_part=split_part, **leaf_kw),), "single"
+        leaves, mode = load_metadataset(str(path), split_part)
+        return tuple(dataclasses.replace(leaf, shuffle_over_epochs=combine_shuffle_over_epochs(
+            soe, leaf.shuffle_over_epochs, path)) for leaf in leaves), mode
+    return (Leaf(path=str(path), split_part=split_part, shuffle_over_epochs=soe, **leaf_kw),), "single"
 
 
 def get_train_dataset(path: str, *, worker_config: WorkerConfig, batch_size: int | None,
@@ -92,11 +97,14 @@ def get_train_dataset(path: str, *, worker_config: WorkerConfig, batch_size: int
                       virtual_epoch_length: int = 0, task_encoder: TaskEncoder | None = None, repeat: bool = True,
                       seed: int | None = None, parallel_slices: int = 16, allow_pickle: bool = False,
                       allow_code: bool = False, dataset_config: str = "dataset.yaml",
-                      split_config: str = "split.yaml") -> EnergonDataset:
+                      split_config: str = "split.yaml", shuffle_over_epochs_multiplier: int | None = 1) -> EnergonDataset:
     """A shuffled, repeating training pipeline (Energon's signature: batch_size,
     shuffle_buffer_size and max_samples_per_sequence have no defaults on purpose). ``seed``
-    (default ``worker_config.seed_offset``) fixes the order; zoo's trainer passes ``train.seed``."""
-    leaves, mode = _leaves(path, split_part, dataset_config=dataset_config, split_config=split_config)
+    (default ``worker_config.seed_offset``) fixes the order; zoo's trainer passes ``train.seed``.
+    ``shuffle_over_epochs_multiplier``: k >= 1 shuffles the slices of k epochs together, -1 draws
+    them with replacement, None reads them in order (times a metadataset reference's own)."""
+    leaves, mode = _leaves(path, split_part, shuffle_over_epochs_multiplier, dataset_config=dataset_config,
+                           split_config=split_config)
     cfg = PipelineConfig(leaves=leaves, task_encoder=task_encoder or DefaultTaskEncoder(), training=True, blend=mode,
                          repeat=repeat, batch_size=batch_size, batch_drop_last=batch_drop_last,
                          shuffle_buffer_size=shuffle_buffer_size, max_samples_per_sequence=max_samples_per_sequence,

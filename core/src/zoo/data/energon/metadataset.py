@@ -1,6 +1,7 @@
 """Energon metadataset YAML (``__class__: MetadatasetV2``): per split a tree of ``blend``
 (weights), ``blend_epochized`` (repetitions), ``subflavors``, ``subset: {range: [a, b]}`` and
-nested metadatasets, flattened here into leaves with their effective weight or repetitions.
+nested metadatasets, flattened here into leaves with their effective weight or repetitions and
+``shuffle_over_epochs_multiplier`` (Energon's rule for nesting them: `combine_shuffle_over_epochs`).
 
 Relative paths resolve against the YAML file's folder. ``join`` and ``aux`` need Energon's
 by-key SQLite index, which zoo does not build (training never reads it): they are refused by
@@ -62,8 +63,19 @@ def _read(path: str) -> dict[str, Any]:
     return doc
 
 
+def combine_shuffle_over_epochs(outer: int | None, inner: Any, where: str) -> int | None:
+    """Energon's rule for a reference's ``shuffle_over_epochs_multiplier`` inside an outer one:
+    null (no shuffling) wins, then -1 (slices drawn with replacement), else the product."""
+    if inner is not None and (type(inner) is not int or not (inner >= 1 or inner == -1)):
+        raise DatasetError(f"{where}: shuffle_over_epochs_multiplier must be a whole number >= 1, -1 (slices drawn "
+                           f"with replacement) or null (no shuffling), not {inner!r}")
+    if outer is None or inner is None:
+        return None
+    return -1 if -1 in (outer, inner) else outer * inner
+
+
 def _node(node: Any, base: Path, split: str, weight: float, reps: float, flavors: dict[str, Any],
-          subset: tuple[Any, ...], mode: list[str], *, where: str) -> list[Leaf]:
+          subset: tuple[Any, ...], mode: list[str], *, where: str, soe: int | None = 1) -> list[Leaf]:
     if not isinstance(node, dict):
         raise DatasetError(f"{where}: expected a mapping, got {type(node).__name__}")
     for bad in ("join", "aux"):
@@ -97,7 +109,7 @@ def _node(node: Any, base: Path, split: str, weight: float, reps: float, flavors
         for i, e in enumerate(entries):
             w = weight * float(e.get("weight", 1.0)) / total if kind == "blend" else weight
             r = reps * float(e.get("repetitions", 1.0)) if kind == "blend_epochized" else reps
-            out += _node(e, base, split, w, r, flavors, subset, mode, where=f"{where}.{kind}[{i}]")
+            out += _node(e, base, split, w, r, flavors, subset, mode, where=f"{where}.{kind}[{i}]", soe=soe)
         return out
     if "path" not in node:
         raise DatasetError(f"{where}: needs path (a dataset or a metadataset), blend or blend_epochized")
@@ -107,8 +119,7 @@ def _node(node: Any, base: Path, split: str, weight: float, reps: float, flavors
 
         key = sorted(unknown)[0]
         raise DatasetError(f"{where}: unknown key {key!r}{suggest(key, _LEAF_KEYS)}")
-    if float(node.get("shuffle_over_epochs_multiplier", 1)) != 1:
-        raise DatasetError(f"{where}: shuffle_over_epochs_multiplier other than 1 is not supported")
+    soe = combine_shuffle_over_epochs(soe, node.get("shuffle_over_epochs_multiplier", 1), where)
     path = str(node["path"])
     if "://" not in path and not os.path.isabs(path):
         path = str((base / path).resolve())
@@ -120,10 +131,11 @@ def _node(node: Any, base: Path, split: str, weight: float, reps: float, flavors
         part = node.get("split_part", split)
         if part not in inner:
             raise DatasetError(f"{path}: no split {part!r} (referenced from {where})")
-        return _node(inner[part], Path(path).parent, part, weight, reps, flavors, subset, mode, where=f"{path}: splits.{part}")
+        return _node(inner[part], Path(path).parent, part, weight, reps, flavors, subset, mode,
+                     where=f"{path}: splits.{part}", soe=soe)
     return [Leaf(path=path, split_part=node.get("split_part", split), weight=weight, repetitions=reps,
                  subflavors=flavors, subset=subset, dataset_config=node.get("dataset_config", "dataset.yaml"),
-                 split_config=node.get("split_config", "split.yaml"))]
+                 split_config=node.get("split_config", "split.yaml"), shuffle_over_epochs=soe)]
 
 
 __all__ = ["is_metadataset", "load_metadataset"]

@@ -48,6 +48,7 @@ class Leaf:
     subset: tuple[tuple[Any, Any], ...] = ()  # ranges applied innermost first (percent strings or indices)
     dataset_config: str = "dataset.yaml"
     split_config: str = "split.yaml"
+    shuffle_over_epochs: int | None = 1  # Energon's (`zoo.data.energon.reader.LeafReader`)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,10 @@ class PipelineConfig:
 
     def fingerprint(self) -> dict[str, Any]:
         """What must not change across a restore for the saved state to mean the same data."""
-        return json.loads(json.dumps({"leaves": [dataclasses.asdict(leaf) for leaf in self.leaves], "blend": self.blend,
+        # (shuffle_over_epochs only where it is not Energon's default, so states saved before it existed restore)
+        leaves = [{k: v for k, v in dataclasses.asdict(leaf).items() if k != "shuffle_over_epochs" or v != 1}
+                  for leaf in self.leaves]
+        return json.loads(json.dumps({"leaves": leaves, "blend": self.blend,
                 "repeat": self.repeat, "batch_size": self.batch_size, "batch_drop_last": self.batch_drop_last,
                 "shuffle_buffer_size": self.shuffle_buffer_size,
                 "max_samples_per_sequence": self.max_samples_per_sequence,
@@ -107,7 +111,7 @@ class Pipeline:
             limit = None if cfg.training else b - a
             self.readers.append(LeafReader(ds, a, b, training=cfg.training, msps=cfg.max_samples_per_sequence,
                                            parallel=cfg.parallel_slices, limit=limit,
-                                           seed_words=(cfg.seed, G, g, k)))
+                                           seed_words=(cfg.seed, G, g, k), shuffle_over_epochs=leaf.shuffle_over_epochs))
         self.blend_rng = seeded_rng(cfg.seed, G, g, 1 << 20)
         self.quota = self._quotas()
         self.current = 0  # validation: the dataset being read
@@ -191,7 +195,7 @@ class Pipeline:
         k, idx = self._pick()
         # The epoch is part of the key: a hook seeded by key (random crops, a diffusion model's
         # noise) draws afresh each time the sample comes round again.
-        key: Key = ("s", k, idx, self.readers[k].epoch)
+        key: Key = ("s", k, idx, self.readers[k].pass_id)
         return key, self.make(k, idx, key)
 
     # --------------------------------------------------------------------------- stages

@@ -63,10 +63,16 @@ def worker_range(n: int, g: int, G: int, rotation: int) -> tuple[int, int]:
 
 
 class LeafReader:
-    """Sample indices of one dataset for one worker, slice by slice."""
+    """Sample indices of one dataset for one worker, slice by slice.
+
+    ``shuffle_over_epochs`` (Energon's, training only): ``k >= 1`` shuffles the slices of k passes
+    together (1: every sample once per epoch), ``-1`` draws slices with replacement (an epoch is
+    then a round of as many draws as there are slices), ``None`` reads the slices in order, one at a
+    time. `pass_id` names the occurrence of the sample `next` returned (a sample comes round again
+    under a new one, so a hook seeded by it draws afresh)."""
 
     def __init__(self, ds: WebDataset, lo: int, hi: int, *, training: bool, msps: int | None, parallel: int,
-                 limit: int | None, seed_words: tuple[int, ...]) -> None:
+                 limit: int | None, seed_words: tuple[int, ...], shuffle_over_epochs: int | None = 1) -> None:
         bounds = [b for b in ds._starts if lo < b < hi]  # shard boundaries inside the range
         pieces = list(zip([lo, *bounds], [*bounds, hi])) if hi > lo else []
         self.slices: list[tuple[int, int]] = []
@@ -75,25 +81,45 @@ class LeafReader:
             cuts = [a + (b - a) * i // k for i in range(k + 1)]
             self.slices += list(zip(cuts[:-1], cuts[1:]))
         self.n = hi - lo
-        self.training, self.parallel = training, parallel if training else 1
+        self.soe = shuffle_over_epochs if training else None
+        self.training, self.parallel = training, parallel if self.soe is not None else 1
         self.limit = limit  # samples in all (None: epochs without end)
         self.seed_words = seed_words
         self.rng = seeded_rng(*seed_words, 1)
-        self.epoch, self.next_slice, self.taken = 0, 0, 0
+        self.epoch, self.next_slice, self.taken, self.pass_id = 0, 0, 0, 0
         self.active: list[list[int]] = []
         self.order = self._order()
 
     def _order(self) -> list[int]:
-        if not self.training:
-            return list(range(len(self.slices)))
-        return seeded_rng(*self.seed_words, 2, self.epoch).permutation(len(self.slices)).tolist()
+        """This epoch's slice order; sets `seen`: each entry's count of earlier ones of its slice."""
+        n = len(self.slices)
+        self.seen: list[int] | None = None  # (None: every slice comes once)
+        if self.soe is None:
+            return list(range(n))
+        rng = seeded_rng(*self.seed_words, 2, self.epoch)
+        if self.soe == 1:
+            return rng.permutation(n).tolist()
+        order = rng.integers(n, size=n) if self.soe == -1 else rng.permutation(np.tile(np.arange(n), self.soe))
+        by_slice = np.argsort(order, kind="stable")  # each slice's entries together, in order of position
+        first = np.searchsorted(order[by_slice], order[by_slice])  # where each entry's slice starts
+        seen = np.empty(len(order), dtype=np.int64)
+        seen[by_slice] = np.arange(len(order)) - first
+        self.seen = seen.tolist()
+        return order.tolist()
+
+    def _passes(self) -> int:
+        """Occurrences of a slice one epoch's order can hold."""
+        return max(len(self.slices), 1) if self.soe == -1 else (self.soe or 1)
 
     def next(self) -> int:
         if self.limit is not None and self.taken >= self.limit:
             raise StopIteration
         while len(self.active) < self.parallel and self.next_slice < len(self.order):
-            a, b = self.slices[self.order[self.next_slice]]
-            self.active.append([self.order[self.next_slice], a])
+            s = self.order[self.next_slice]
+            # The pass: the epoch when each slice comes once per epoch (as it always was),
+            # otherwise also which of this epoch's occurrences of the slice this is.
+            seen = self.seen[self.next_slice] if self.seen is not None else 0
+            self.active.append([s, self.slices[s][0], self.epoch * self._passes() + seen])
             self.next_slice += 1
         if not self.active:
             if not self.training or not self.slices:
@@ -106,7 +132,7 @@ class LeafReader:
         else:
             # A slice is drawn in proportion to the samples it has left (plain Python: a dozen
             # slices per sample is cheaper without numpy's per-call overhead).
-            left = [self.slices[s][1] - p for s, p in self.active]
+            left = [self.slices[e[0]][1] - e[1] for e in self.active]
             r = int(self.rng.integers(sum(left)))
             k = 0
             while r >= left[k]:
@@ -114,6 +140,7 @@ class LeafReader:
                 k += 1
         entry = self.active[k]
         idx = entry[1]
+        self.pass_id = entry[2] if len(entry) > 2 else self.epoch  # (a state saved before passes were kept)
         entry[1] += 1
         if entry[1] >= self.slices[entry[0]][1]:
             self.active.pop(k)

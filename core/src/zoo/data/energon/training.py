@@ -87,7 +87,8 @@ def build(run: Any, *, split: str, dp_rank: int, dp_size: int, consumed_samples:
         ds = get_train_dataset(path, worker_config=wc, batch_size=mbs, shuffle_buffer_size=d.shuffle_buffer_size,
                                max_samples_per_sequence=d.max_samples_per_sequence,
                                packing_buffer_size=d.packing_buffer_size, task_encoder=te, seed=run.train.seed,
-                               allow_pickle=d.allow_pickle, allow_code=d.allow_code)
+                               allow_pickle=d.allow_pickle, allow_code=d.allow_code,
+                               shuffle_over_epochs_multiplier=d.shuffle_over_epochs_multiplier)
     else:  # validation: every sample once, in order, in this process (it is short and restarts each time)
         wc = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=0)
         ds = get_val_dataset(path, worker_config=wc, batch_size=mbs, split_part="val" if split == "valid" else split,
