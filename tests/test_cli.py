@@ -48,6 +48,19 @@ def test_megatron_flags_are_answered_with_the_overrides_that_work(here):
     assert out.returncode == 0, out.stderr
     assert "tp: 2" in out.stdout and "steps: 5" in out.stdout and "num_layers: 4" in out.stdout
     assert "min_lr_ratio: 0.1" in out.stdout
+    # A WSD schedule with Megatron's spellings, a warmup start, and flags zoo needs nothing for: the
+    # overrides first (pasted, a valid run), then one sentence per flag that needs no setting.
+    out = here("train", "--model", "llama", "--lr", "2e-3", "--lr-warmup-init", "2e-4", "--lr-warmup-iters", "10",
+               "--lr-decay-style", "WSD", "--lr-decay-iters", "90", "--lr-wsd-decay-iters", "30",
+               "--lr-wsd-decay-style", "minus_sqrt", "--overlap-grad-reduce", "--recompute-method", "uniform",
+               "--recompute-num-layers", "1", "--dry-run")
+    forms = ("optimizer.lr=2e-3 schedule.warmup_init_ratio=0.1 schedule.warmup_steps=10 schedule.decay=wsd "
+             "schedule.decay_steps=90 schedule.wsd_decay_steps=30 schedule.wsd_decay=minus_sqrt train.recompute=full")
+    line = _one_line(out.stderr)
+    assert line.endswith(f"(in zoo: {forms}; nothing to set: gradient buckets are always reduced while backward runs)")
+    out = here("train", "--model", "llama", "--dry-run", *forms.split())
+    assert out.returncode == 0, out.stderr
+    assert "decay: wsd" in out.stdout and "wsd_decay_steps: 30" in out.stdout and "warmup_init_ratio: 0.1" in out.stdout
     out = here("train", "--model", "clip", "--num-layers", "4", "--dry-run")  # CLIP has no model.num_layers
     assert out.returncode == 2 and "in zoo" not in _one_line(out.stderr)
     out = here("train", "--model", "clip", "--run_dir", "x", "--dry-run")  # a misspelt option of zoo's own

@@ -94,3 +94,60 @@ def test_loaded_state_is_placed_as_torchs_own_load_state_dict_places_it(kind, de
         got, want = optimizer_state(ours.param_groups[0], p, field, value.clone()), theirs.state[p][field]
         assert (got.device, got.dtype) == (want.device, want.dtype), field
         assert torch.equal(got, want), field
+
+
+SCHEDULES = [
+    dict(warmup_steps=10, decay="cosine"),
+    dict(warmup_steps=10, decay="linear", decay_steps=60),  # Megatron's --lr-decay-iters: the floor after it
+    dict(warmup_steps=0, decay="cosine"),
+    dict(warmup_steps=5, decay="constant", warmup_init_ratio=0.2),  # --lr-warmup-init
+    dict(warmup_steps=8, decay="inverse_sqrt"),
+    *(dict(warmup_steps=10, decay="wsd", decay_steps=90, wsd_decay_steps=30, wsd_decay=s)
+      for s in ("exponential", "linear", "cosine", "minus_sqrt")),
+]
+
+
+@pytest.mark.parametrize("kw", SCHEDULES, ids=lambda kw: "-".join(f"{v}" for v in kw.values()))
+def test_schedules_equal_megatron_cores_scheduler(kw):
+    """Every step of zoo's schedule against megatron-core's OptimizerParamScheduler: the same lr at
+    num_steps = step, except in warmup where zoo is one step ahead (Megatron takes its first update
+    at the warmup's initial lr, 0 by default)."""
+    import warnings
+
+    from zoo.config.sections import ScheduleConfig
+    from zoo.training.optim import lr_at
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (megatron-core warns that Transformer Engine and Apex are missing)
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    s = ScheduleConfig(**kw, min_lr_ratio=0.1)
+    peak, total = 3e-3, 100
+
+    class Opt:
+        param_groups = [{}]
+
+    ref = OptimizerParamScheduler(
+        Opt(), init_lr=peak * s.warmup_init_ratio, max_lr=peak, min_lr=peak * s.min_lr_ratio,
+        lr_warmup_steps=s.warmup_steps, lr_decay_steps=s.decay_steps or total,
+        lr_decay_style={"wsd": "WSD", "inverse_sqrt": "inverse-square-root"}.get(s.decay, s.decay),
+        start_wd=0.1, end_wd=0.1, wd_incr_steps=total, wd_incr_style="constant",
+        wsd_decay_steps=s.wsd_decay_steps or None, lr_wsd_decay_style=s.wsd_decay)
+    got, want = [], []
+    for step in range(total + 20):  # past the decay's end as well
+        got.append(lr_at(step, peak=peak, warmup=s.warmup_steps, total=total, decay=s.decay, min_ratio=s.min_lr_ratio,
+                         decay_steps=s.decay_steps, warmup_init_ratio=s.warmup_init_ratio,
+                         wsd_decay_steps=s.wsd_decay_steps, wsd_decay=s.wsd_decay))
+        ref.num_steps = step + 1 if step < s.warmup_steps else step
+        want.append(ref.get_lr({}))
+    assert got == pytest.approx(want, rel=1e-12, abs=0)
+    assert len(set(got)) > 2 or s.decay == "constant"
+
+
+def test_bad_schedules_fail_with_one_clear_line():
+    from zoo.config.sections import ScheduleConfig
+
+    with pytest.raises(ValueError, match="decay=wsd needs wsd_decay_steps"):
+        ScheduleConfig(decay="wsd")
+    with pytest.raises(ValueError, match="decay_steps=5 ends the decay before warmup_steps=10"):
+        ScheduleConfig(warmup_steps=10, decay_steps=5)

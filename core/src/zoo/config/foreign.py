@@ -50,6 +50,17 @@ NAMES: dict[str, str] = {
     "loss_scale_window": "train.loss_scale_window={}",
     "recompute_granularity": "train.recompute={}",
     "gradient_checkpointing": "train.recompute=full",
+    "checkpoint_activations": "train.recompute=full",
+    "recompute_method": "train.recompute=full",  # (every layer: zoo has no per-layer count)
+    "recompute_num_layers": "train.recompute=full",
+    "overlap_grad_reduce": "nothing to set: gradient buckets are always reduced while backward runs",
+    "overlap_param_gather": "nothing to set: ZeRO-1's parameter gather always overlaps the next forward",
+    "use_flash_attn": "nothing to set: flash-attn and Transformer Engine are used when installed (zoo version)",
+    "transformer_impl": "nothing to set: flash-attn and Transformer Engine are used when installed (zoo version)",
+    "data_parallel_size": "nothing to set: dp = world size / (tp x cp x pp)",
+    "no_load_optim": "nothing more to set: checkpoint.load reads weights only (checkpoint.resume: a whole run)",
+    "no_load_rng": "nothing more to set: checkpoint.load reads weights only (checkpoint.resume: a whole run)",
+    "zero_stage": "parallel.zero={}",  # (stages 2 and 3: flag_hint)
     "eval_iters": "train.eval_steps={}",
     "use_cpu": "train.device=cpu",
     # optimizer and schedule
@@ -63,6 +74,9 @@ NAMES: dict[str, str] = {
     "lr_warmup_iters": "schedule.warmup_steps={}",
     "lr_decay_style": "schedule.decay={}",
     "lr_scheduler_type": "schedule.decay={}",
+    "lr_decay_iters": "schedule.decay_steps={}",
+    "lr_wsd_decay_iters": "schedule.wsd_decay_steps={}",
+    "lr_wsd_decay_style": "schedule.wsd_decay={}",
     # checkpoints
     "save": "--run-dir {}",
     "output_dir": "--run-dir {}",
@@ -80,6 +94,7 @@ NAMES: dict[str, str] = {
     "log_interval": "logging.interval={}",
     "logging_steps": "logging.interval={}",
     "tensorboard_dir": "logging.tensorboard=true",
+    "wandb_project": "nothing to set: runs write TensorBoard events and metrics.jsonl (logging.tensorboard)",
     # data
     "data_path": "data.path={}",
     "dataset_path": "data.path={}",
@@ -87,6 +102,8 @@ NAMES: dict[str, str] = {
     "valid_data_path": "data.valid_path={}",
     "test_data_path": "data.test_path={}",
     "tokenizer_model": "data.tokenizer={}",
+    "data_cache_path": "data.cache_dir={}",
+    "mock_data": "nothing to set: without data.path a family trains on its embedded dataset",
     "dataloader_num_workers": "data.num_workers={}",
     "config_file": "--config {}",
     # model (offered only where the family has the key)
@@ -104,6 +121,8 @@ NAMES: dict[str, str] = {
     "tie_word_embeddings": "model.tie_embeddings={}",
     "untie_embeddings_and_output_weights": "model.tie_embeddings=false",
     "num_local_experts": "model.num_experts={}",
+    "num_experts": "model.num_experts={}",
+    "rope_scaling_factor": "model.rope_scaling={rope_type: llama3, factor: {}}",
     "moe_router_topk": "model.top_k={}",
     "num_experts_per_tok": "model.top_k={}",
     "moe_aux_loss_coeff": "model.aux_loss_coeff={}",
@@ -185,15 +204,24 @@ def flag_hint(argv: Sequence[str], stray: Sequence[str], keys: Iterable[str]) ->
         del given["load"]
     forms = []
     for name, value in given.items():
-        if name == "min_lr":  # zoo's schedule ends at a fraction of optimizer.lr
+        if name in ("min_lr", "lr_warmup_init"):  # zoo's schedule gives both as fractions of optimizer.lr
             lr = given.get("lr")
             if value is not None and lr is not None and _number(value) and _number(lr) and float(lr) > 0:
-                forms.append(f"schedule.min_lr_ratio={float(value) / float(lr):.6g}")
+                key = "min_lr_ratio" if name == "min_lr" else "warmup_init_ratio"
+                forms.append(f"schedule.{key}={float(value) / float(lr):.6g}")
+            continue
+        if name == "lr_decay_style" and value is not None:  # Megatron's spellings of zoo's names
+            value = {"WSD": "wsd", "inverse-square-root": "inverse_sqrt"}.get(value, value)
+        if name == "zero_stage" and value in ("2", "3"):  # DeepSpeed's sharded gradients / parameters
+            forms.append("parallel.fsdp=<data-parallel size>")
             continue
         form = translate(name, "VALUE" if value is None else value, keys)
-        if form:
+        if form and form not in forms:
             forms.append(form)
-    return f" (in zoo: {' '.join(forms)})" if forms else ""
+    # Overrides ready to paste first, then what needs no setting (a sentence each).
+    notes = [f for f in forms if f.startswith("nothing")]
+    paste = [f for f in forms if f not in notes]
+    return f" (in zoo: {'; '.join(filter(None, [' '.join(paste), *notes]))})" if forms else ""
 
 
 def _number(text: str) -> bool:

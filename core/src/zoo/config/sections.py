@@ -141,9 +141,26 @@ class OptimizerConfig:
 
 @dataclass(kw_only=True)
 class ScheduleConfig:
+    """Megatron's learning-rate schedules (`zoo.training.optim.lr_at`)."""
+
     warmup_steps: int = 0
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_init_ratio: float = 0.0  # lr where warmup starts, as a fraction of the peak (Megatron's --lr-warmup-init)
+    # After warmup: cosine or linear to the floor, constant, wsd (warmup-stable-decay: the peak,
+    # then wsd_decay over the last wsd_decay_steps) or inverse_sqrt (peak * sqrt(warmup / step)).
+    decay: Literal["cosine", "linear", "constant", "wsd", "inverse_sqrt"] = "cosine"
+    decay_steps: int | None = None  # the step the decay ends at, the floor after it (None: train.steps)
     min_lr_ratio: float = 0.1  # final lr as a fraction of the peak
+    wsd_decay_steps: int = 0  # decay="wsd": steps of the final decay
+    wsd_decay: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"  # Megatron's default
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0 or self.warmup_init_ratio < 0 or self.min_lr_ratio < 0:
+            raise ValueError("warmup_steps, warmup_init_ratio and min_lr_ratio must not be negative")
+        if self.decay_steps is not None and self.decay_steps < self.warmup_steps:
+            raise ValueError(f"decay_steps={self.decay_steps} ends the decay before warmup_steps={self.warmup_steps} "
+                             "end the warmup")
+        if self.decay == "wsd" and self.wsd_decay_steps < 1:
+            raise ValueError("decay=wsd needs wsd_decay_steps (the steps of the final decay), at least 1")
 
 
 def torch_dtype(name: str) -> Any:

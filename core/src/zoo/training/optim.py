@@ -27,18 +27,52 @@ from zoo.parallel.engine import Parallel
 from zoo.parallel.sharding import Placements, Split, TPShard, groups_by_param, local, optimizer_state
 
 
-def lr_at(step: int, *, peak: float, warmup: int, total: int, decay: str, min_ratio: float) -> float:
-    """Linear warmup to ``peak`` over ``warmup`` steps, then cosine/linear decay or constant."""
+def lr_at(step: int, *, peak: float, warmup: int, total: int, decay: str, min_ratio: float,
+          decay_steps: int | None = None, warmup_init_ratio: float = 0.0, wsd_decay_steps: int = 0,
+          wsd_decay: str = "exponential") -> float:
+    """The learning rate of update ``step`` (0-based): megatron-core's `OptimizerParamScheduler` at
+    ``num_steps = step``, except in warmup, where it is at ``step + 1`` (Megatron's first update is
+    taken at the warmup's initial lr, 0 by default: a step that changes nothing). Linear warmup from
+    ``peak * warmup_init_ratio`` to ``peak``; then up to ``decay_steps`` (default ``total``) cosine,
+    linear, ``wsd`` (the peak, then ``wsd_decay`` to the floor over the last ``wsd_decay_steps``)
+    or ``inverse_sqrt``; ``peak * min_ratio`` after; or ``constant``."""
     if warmup and step < warmup:
-        return peak * (step + 1) / warmup
+        start = peak * warmup_init_ratio
+        return start + (peak - start) * (step + 1) / warmup
     if decay == "constant":
         return peak
-    span = max(total - warmup, 1)
-    progress = min(max(step - warmup, 0) / span, 1.0)
     floor = peak * min_ratio
+    end = total if decay_steps is None else decay_steps
+    if step > end:
+        return floor
+    if decay == "inverse_sqrt":
+        return max(floor, peak * math.sqrt(max(warmup, 1) / max(step, 1)))
+    if decay == "wsd":
+        stable = end - wsd_decay_steps
+        if step <= stable:
+            return peak
+        r = (step - stable) / wsd_decay_steps
+        if wsd_decay == "linear":
+            coeff = 1.0 - r
+        elif wsd_decay == "cosine":
+            coeff = 0.5 * (1.0 + math.cos(math.pi * r))
+        elif wsd_decay == "minus_sqrt":
+            coeff = 1.0 - math.sqrt(r)
+        else:  # exponential: from 1 to 0, halving the distance to -1 each decay span
+            coeff = 2.0 * 0.5 ** r - 1.0
+        return floor + (peak - floor) * coeff
+    progress = min(max(step - warmup, 0) / max(end - warmup, 1), 1.0)
     if decay == "linear":
         return peak - (peak - floor) * progress
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def schedule_lr(run: Any, step: int) -> float:
+    """`lr_at` for a run's ``optimizer.lr``, ``schedule`` and ``train.steps``."""
+    s = run.schedule
+    return lr_at(step, peak=run.optimizer.lr, warmup=s.warmup_steps, total=run.train.steps, decay=s.decay,
+                 min_ratio=s.min_lr_ratio, decay_steps=s.decay_steps, warmup_init_ratio=s.warmup_init_ratio,
+                 wsd_decay_steps=s.wsd_decay_steps, wsd_decay=s.wsd_decay)
 
 
 @dataclass(frozen=True)
@@ -210,4 +244,4 @@ class ScalerState:
             self.scaler.load_state_dict(saved)
 
 
-__all__ = ["OptimizerState", "ParamRules", "ScalerState", "freeze", "lr_at", "param_groups", "set_lr"]
+__all__ = ["OptimizerState", "ParamRules", "ScalerState", "freeze", "lr_at", "param_groups", "schedule_lr", "set_lr"]

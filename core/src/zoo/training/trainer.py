@@ -420,8 +420,7 @@ class Trainer:
         t_last, units, flops, out, logged = time.perf_counter(), 0, 0.0, None, self.state.step
         while self.state.step < run.train.steps:
             self.inst.step_begin(self.state.step + 1)
-            lr = optim.lr_at(self.state.step, peak=run.optimizer.lr, warmup=run.schedule.warmup_steps,
-                             total=run.train.steps, decay=run.schedule.decay, min_ratio=run.schedule.min_lr_ratio)
+            lr = optim.schedule_lr(run, self.state.step)
             batches = [_to(next(train_iter), env.device) for _ in range(lay.grad_accum)]
             self.inst.lap("data")
             for n, f in map(self.work, batches):  # this rank's share, as every data-parallel rank's
