@@ -133,6 +133,18 @@ class ModelSpec:
             raise KeyError(f"layer pattern symbol {symbol!r} is not one of {sorted(self.blocks)}") from None
 
 
+def check_routing(num_experts: int, top_k: int, groups: int = 1, group_topk: int = 1) -> None:
+    """A router's sizes, one clear line each (`zoo.nn.moe.Router`; a family's config calls it to fail at load)."""
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
+    if groups < 1 or num_experts % groups:
+        raise ValueError(f"router_groups={groups} must divide the {num_experts} experts into equal groups")
+    if groups > 1 and not (1 <= group_topk <= groups and top_k % group_topk == 0
+                           and top_k // group_topk <= num_experts // groups):
+        raise ValueError(f"router_group_topk={group_topk} of router_groups={groups}: top_k={top_k} must split into "
+                         f"group_topk equal parts of at most {num_experts // groups} experts (a group's size)")
+
+
 def check_spec(spec: object, *, where: str) -> None:
     """Reject anything that is not static spec data: a `ModelSpec` of frozen dataclasses."""
     if not isinstance(spec, ModelSpec):

@@ -28,11 +28,12 @@ def _hf(kind: str, **over):
         model = tf.Mamba2ForCausalLM(tf.Mamba2Config(num_hidden_layers=2, state_size=8, num_heads=8, head_dim=8,
                                                      n_groups=2, chunk_size=8, **common, **over))
     else:
-        model = tf.NemotronHForCausalLM(tf.NemotronHConfig(
-            layers_block_type=["linear_attention", "mlp", "full_attention", "moe", "linear_attention"], ssm_state_size=8,
-            mamba_num_heads=8, mamba_head_dim=8, n_groups=2, chunk_size=8, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, intermediate_size=48, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-            moe_shared_expert_intermediate_size=24, max_position_embeddings=64, **common, **over))
+        model = tf.NemotronHForCausalLM(tf.NemotronHConfig(**{
+            "layers_block_type": ["linear_attention", "mlp", "full_attention", "moe", "linear_attention"],
+            "ssm_state_size": 8, "mamba_num_heads": 8, "mamba_head_dim": 8, "n_groups": 2, "chunk_size": 8,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+            "moe_shared_expert_intermediate_size": 24, "max_position_embeddings": 64, **common, **over}))
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -55,9 +56,14 @@ def _ours(hf, state=None):
     return model, cfg, ours
 
 
-@pytest.mark.parametrize("kind", ["mamba", "mamba2", "nemotron_h"])
-def test_logits_match_hugging_face_and_weights_round_trip_bitwise(kind):
-    hf = _hf(kind)
+# Nemotron-3-Nano's router: routed_scaling_factor 2.5; and group-limited routing (DeepSeek-V3's)
+GROUPED = {"n_routed_experts": 8, "n_group": 4, "topk_group": 1, "routed_scaling_factor": 2.5}
+
+
+@pytest.mark.parametrize(("kind", "over"), [("mamba", {}), ("mamba2", {}), ("nemotron_h", {}), ("nemotron_h", GROUPED)],
+                         ids=["mamba", "mamba2", "nemotron_h", "nemotron_h-grouped-scaled"])
+def test_logits_match_hugging_face_and_weights_round_trip_bitwise(kind, over):
+    hf = _hf(kind, **over)
     ours, cfg, state = _ours(hf)
     x = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(1))  # 21: not a multiple of chunk 8
     with torch.no_grad():
@@ -306,6 +312,9 @@ def test_unsupported_hugging_face_configs_are_refused():
                                                                    ssm_head_dim=16)), "num_heads": 3})
     assert math.isinf(convert.from_hf_config(convert.to_hf_config(MambaConfig(vocab_size=64, hidden_size=32,
                                                                               num_layers=2, ssm_head_dim=16))).dt_max)
+    grouped = _hf("nemotron_h", **GROUPED).config.to_dict()
+    with pytest.raises(UsageError, match="num_experts_per_tok=4, topk_group=1: Hugging Face scores a group by its top 2"):
+        convert.from_hf_config({**grouped, "num_experts_per_tok": 4})
 
 
 def test_the_scans_compute_in_float32_under_bf16_autocast():

@@ -144,6 +144,42 @@ def test_dropless_dispatch_equals_the_per_token_formula(router):
         assert layer.stats[-1].item() == 0  # nothing dropped
 
 
+ROUTERS = [  # (score, renormalised, groups, group_topk, top_k, scaling, expert bias)
+    ("softmax", True, 1, 1, 2, 1.0, False), ("softmax", True, 4, 2, 4, 1.0, False),
+    ("softmax", False, 4, 2, 4, 1.0, False), ("softmax", True, 4, 1, 3, 1.0, False),
+    ("sigmoid", True, 4, 2, 4, 2.5, True), ("sigmoid", True, 8, 3, 6, 1.0, False), ("sigmoid", True, 1, 1, 3, 2.5, True),
+]
+
+
+@pytest.mark.parametrize(("score", "norm", "groups", "group_topk", "k", "scale", "bias"), ROUTERS)
+def test_router_equals_megatron_cores_routing(score, norm, groups, group_topk, k, scale, bias):
+    """Every routing option (softmax renormalised or not, sigmoid with the expert bias, group-limited
+    routing, the scaling factor) against megatron-core's topk_routing_with_score_function on the
+    same logits: the same experts, the same gates."""
+    from zoo.nn.moe import Router
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (megatron-core warns that Transformer Engine and Apex are missing)
+        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    gen = torch.Generator().manual_seed(k * groups)
+    router = Router(8, 16, k, score=score, normalize=norm, expert_bias=bias, groups=groups, group_topk=group_topk,
+                    scale=scale)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 8, generator=gen))
+        if bias:
+            router.expert_bias.copy_(0.3 * torch.randn(16, generator=gen))
+    gates, experts, logits, _ = router(torch.randn(64, 8, generator=gen))
+    probs, chosen = topk_routing_with_score_function(
+        logits, k, use_pre_softmax=not norm, num_groups=groups if groups > 1 else None,
+        group_topk=group_topk if groups > 1 else None, scaling_factor=scale if scale != 1.0 else None,
+        score_function=score, expert_bias=router.expert_bias if bias else None)
+    assert torch.equal(torch.zeros(64, 16, dtype=torch.bool).scatter(1, experts, True), chosen)
+    assert torch.allclose(torch.zeros(64, 16).scatter(1, experts, gates.detach()), probs, rtol=1e-6, atol=1e-7)
+    if groups > 1:  # the experts a token reaches lie in group_topk groups
+        assert all(len(set((e // (16 // groups)).tolist())) <= group_topk for e in experts)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16-autocast", "bf16-params"])
 def test_expert_gradients_equal_the_per_token_formulas(precision):
     """The experts' hand-written backward (`zoo.nn.moe_experts.ExpertMLPs`) against autograd through the

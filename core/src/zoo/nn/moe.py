@@ -34,7 +34,7 @@ from torch import nn
 
 from zoo.nn import Float32Buffers
 from zoo.nn.moe_experts import ExpertMLPs, grouped_mm_works
-from zoo.spec import MoESpec
+from zoo.spec import MoESpec, check_routing
 
 AuxConvention = Literal["megatron", "hf"]
 
@@ -86,17 +86,25 @@ class _AllToAll(torch.autograd.Function):
 class Router(Float32Buffers):
     """Token-choice top-k router: ``logits = x W^T`` (in fp32, autocast or not), scores by softmax or sigmoid over all
     experts, top-k chosen on the scores (plus ``expert_bias`` when aux-loss-free balancing is on),
-    gates = the chosen unbiased scores, renormalised to sum to one when ``normalize``."""
+    gates = the chosen unbiased scores, renormalised to sum to one when ``normalize``, times ``scale``
+    (DeepSeek-V3's routed_scaling_factor).
+
+    ``groups > 1``: group-limited routing (DeepSeek-V2's device-limited, V3's node-limited): the
+    experts form ``groups`` equal groups, each scored by the sum of its top ``top_k // group_topk``
+    choice values, and the top-k is taken inside the best ``group_topk`` groups only. This is
+    megatron-core's rule; Hugging Face's DeepSeek-V3 sums the top 2, the same for its configs
+    (top_k = 2 x group_topk). A renormalised softmax chooses on the logits, as Megatron's (the same
+    top-k; the group sums differ)."""
 
     force: tuple[int, ...] | None = None  # tests: every token goes to these experts (idle experts on purpose)
     float32_buffers = ("expert_bias",)  # (its own state: a bf16 copy would stop moving, see Float32Buffers)
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, *, score: str, normalize: bool,
-                 expert_bias: bool = False) -> None:
+                 expert_bias: bool = False, groups: int = 1, group_topk: int = 1, scale: float = 1.0) -> None:
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
+        check_routing(num_experts, top_k, groups, group_topk)
         self.num_experts, self.top_k, self.score, self.normalize = num_experts, top_k, score, normalize
+        self.groups, self.group_topk, self.scale = groups, group_topk, scale
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias moved against the load each step.
         self.expert_bias: torch.Tensor | None
@@ -111,12 +119,21 @@ class Router(Float32Buffers):
             logits = F.linear(x.float(), self.weight.float())
         scores = torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
         choose = scores if self.expert_bias is None else scores.detach() + self.expert_bias
+        if self.groups > 1:
+            if self.score == "softmax" and self.normalize and self.expert_bias is None:
+                choose = logits
+            per = self.num_experts // self.groups
+            best = choose.detach().view(-1, self.groups, per).topk(self.top_k // self.group_topk, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(self.group_topk, dim=-1).indices, True)
+            choose = choose.masked_fill(~keep.repeat_interleave(per, dim=1), float("-inf"))
         experts = torch.topk(choose, self.top_k, dim=-1).indices
         if self.force is not None:
             experts = torch.tensor(self.force, device=x.device).expand(x.shape[0], self.top_k)
         gates = scores.gather(1, experts)
         if self.normalize and self.top_k > 1:
             gates = gates / (gates.sum(dim=-1, keepdim=True) + (1e-20 if self.score == "sigmoid" else 0.0))
+        if self.scale != 1.0:
+            gates = gates * self.scale
         if self.expert_bias is not None and torch.is_grad_enabled():
             counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
             self.tokens_per_expert = self.tokens_per_expert.to(counts.device) + counts
@@ -146,7 +163,8 @@ class MoE(nn.Module):
     def __init__(self, spec: MoESpec, *, hidden: int, ffn_hidden: int, num_experts: int, top_k: int,
                  shared_ffn_hidden: int = 0, capacity_factor: float | None = None,
                  drop_policy: Literal["probs", "position"] = "probs", expert_bias: bool = False,
-                 bias_update_rate: float = 1e-3) -> None:
+                 bias_update_rate: float = 1e-3, router_groups: int = 1, router_group_topk: int = 1,
+                 router_scaling: float = 1.0) -> None:
         super().__init__()
         from zoo.nn import ACTIVATIONS
 
@@ -158,7 +176,8 @@ class MoE(nn.Module):
         self.capacity_factor, self.drop_policy, self.bias_update_rate = capacity_factor, drop_policy, bias_update_rate
         self.gated, self.activation, self.act = spec.expert.gated, spec.expert.activation, ACTIVATIONS[spec.expert.activation]
         self.router = Router(hidden, num_experts, top_k, score="softmax" if spec.router == "softmax_topk" else "sigmoid",
-                             normalize=spec.normalize_topk, expert_bias=expert_bias)
+                             normalize=spec.normalize_topk, expert_bias=expert_bias, groups=router_groups,
+                             group_topk=router_group_topk, scale=router_scaling)
         self.gate_up = nn.Parameter(torch.empty(num_experts, ffn_hidden * (2 if self.gated else 1), hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden))
         self.shared: nn.Module | None = None

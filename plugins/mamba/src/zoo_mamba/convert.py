@@ -103,8 +103,16 @@ def to_hf_config(cfg: MambaConfig) -> dict[str, Any]:
         out |= {"n_routed_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k,
                 "moe_intermediate_size": cfg.moe_ffn_hidden_size,
                 "moe_shared_expert_intermediate_size": cfg.shared_ffn_hidden_size, "n_shared_experts": 1,
-                "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0}
+                "n_group": cfg.router_groups, "topk_group": cfg.router_group_topk, "norm_topk_prob": True,
+                "routed_scaling_factor": cfg.router_scaling}
+        if cfg.router_groups > 1 and cfg.top_k != 2 * cfg.router_group_topk:
+            raise UsageError(_GROUP_RULE.format(k=cfg.top_k, g=cfg.router_group_topk))
     return out
+
+
+# Hugging Face scores a group of experts by its top 2, Megatron (and zoo) by its top k / topk_group.
+_GROUP_RULE = ("group-limited routing with num_experts_per_tok={k}, topk_group={g}: Hugging Face scores a group by "
+               "its top 2 experts, zoo by its top k/topk_group as Megatron; they agree only where k = 2 x topk_group")
 
 
 def _require(hf: dict[str, Any], what: str, **expected: Any) -> None:
@@ -135,8 +143,11 @@ def from_hf_config(hf: dict[str, Any]) -> MambaConfig:
         return cfg
     if kind == "nemotron_h":
         _require(hf, "NemotronH", mamba_proj_bias=False, use_conv_bias=True, mamba_hidden_act="silu", attention_bias=False,
-                 mlp_bias=False, mlp_hidden_act="relu2", n_group=1, topk_group=1, routed_scaling_factor=1.0,
-                 n_shared_experts=1, norm_topk_prob=True, moe_latent_size=None, num_nextn_predict_layers=0)
+                 mlp_bias=False, mlp_hidden_act="relu2", n_shared_experts=1, norm_topk_prob=True, moe_latent_size=None,
+                 num_nextn_predict_layers=0)
+        groups, group_topk = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+        if groups > 1 and hf.get("num_experts_per_tok", 2) != 2 * group_topk:
+            raise UsageError(_GROUP_RULE.format(k=hf.get("num_experts_per_tok", 2), g=group_topk))
         types = hf.get("layers_block_type") or hf.get("layer_types")
         unknown = sorted({t for t in types if t not in _SYMBOL})
         if unknown:
@@ -154,7 +165,8 @@ def from_hf_config(hf: dict[str, Any]) -> MambaConfig:
                           num_experts=hf.get("n_routed_experts") if moe else None, top_k=hf.get("num_experts_per_tok", 2),
                           moe_ffn_hidden_size=hf.get("moe_intermediate_size", 0) if moe else 0,
                           shared_ffn_hidden_size=hf.get("moe_shared_expert_intermediate_size", 0) if moe else 0,
-                          aux_loss_coeff=0.0, expert_bias=moe, layer_spec="nemotron_h")
+                          aux_loss_coeff=0.0, expert_bias=moe, router_groups=groups, router_group_topk=group_topk,
+                          router_scaling=float(hf.get("routed_scaling_factor") or 1.0), layer_spec="nemotron_h")
         _same_heads(cfg, hf.get("mamba_num_heads"), "mamba_num_heads")
         return cfg
     raise UsageError(f"model_type {kind!r} is not Mamba, Mamba-2 or NemotronH")

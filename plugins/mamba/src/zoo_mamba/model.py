@@ -55,7 +55,8 @@ class Layer(nn.Module):
             self.moe = MoE(ffn, hidden=cfg.hidden_size, ffn_hidden=cfg.moe_ffn_hidden_size,
                            num_experts=cfg.num_experts or 0, top_k=cfg.top_k,
                            shared_ffn_hidden=cfg.shared_ffn_hidden_size, expert_bias=cfg.expert_bias,
-                           bias_update_rate=cfg.bias_update_rate)
+                           bias_update_rate=cfg.bias_update_rate, router_groups=cfg.router_groups,
+                           router_group_topk=cfg.router_group_topk, router_scaling=cfg.router_scaling)
         else:
             raise ValueError(f"block {spec} has no mixer or feed-forward this decoder knows")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from zoo import Family, PipelineSpec, SequenceSpec, Throughput, hookimpl
 from zoo.config import check_sizes
 from zoo.family import MOE_METRICS
-from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, SSMSpec
+from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, SSMSpec, check_routing
 
 SYMBOLS = {"M": "Mamba mixer", "*": "self-attention", "-": "MLP", "E": "mixture of experts"}
 
@@ -59,6 +59,9 @@ class MambaConfig:
     z_loss_coeff: float = 1e-3
     expert_bias: bool = False
     bias_update_rate: float = 1e-3
+    router_groups: int = 1
+    router_group_topk: int = 1
+    router_scaling: float = 1.0
     layer_spec: str = "mamba2"
 
     def __post_init__(self) -> None:
@@ -90,6 +93,7 @@ class MambaConfig:
                 raise ValueError("MoE layers ('E') need num_experts and moe_ffn_hidden_size")
             if not 1 <= self.top_k <= self.num_experts:
                 raise ValueError(f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
+            check_routing(self.num_experts, self.top_k, self.router_groups, self.router_group_topk)
             if self.aux_loss_coeff == 0 and not self.expert_bias:
                 warnings.warn("MoE load balancing is off (aux_loss_coeff=0 and expert_bias=false)", stacklevel=2)
         elif self.num_experts is not None:

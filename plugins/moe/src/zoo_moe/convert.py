@@ -87,6 +87,9 @@ def import_table(cfg: MoEConfig, keys: Collection[str]) -> MappingTable:
 
 
 def to_hf_config(cfg: MoEConfig) -> dict[str, Any]:
+    if cfg.router_groups > 1 or cfg.router_scaling != 1.0:
+        raise UsageError("group-limited routing and router_scaling have no place in Hugging Face's Mixtral or "
+                         "Qwen2-MoE configs; zoo's own checkpoints hold them")
     from zoo_gpt.convert import to_hf_config as llama_to_hf
 
     base = {k: v for k, v in llama_to_hf(cfg).items() if k not in ("attention_bias", "mlp_bias")}

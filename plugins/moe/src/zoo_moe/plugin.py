@@ -18,7 +18,7 @@ from typing import Literal
 from zoo import Family, PipelineSpec, SequenceSpec, Throughput, hookimpl
 from zoo.config import check_sizes
 from zoo.family import MOE_METRICS
-from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, MoESpec, NormSpec
+from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, check_routing
 from zoo_gpt.plugin import GPTConfig
 
 
@@ -37,6 +37,11 @@ class MoEConfig(GPTConfig):
     # bias_update_rate * sign(mean load - load) once per optimizer step.
     expert_bias: bool = False
     bias_update_rate: float = 1e-3
+    # Group-limited routing (DeepSeek-V2/V3): the top-k taken inside the best router_group_topk of
+    # router_groups equal groups of experts; the gates times router_scaling (routed_scaling_factor).
+    router_groups: int = 1
+    router_group_topk: int = 1
+    router_scaling: float = 1.0
     # None: dropless. Otherwise each expert takes at most ceil(tokens * top_k / experts * factor)
     # assignments per micro-batch and rank, keeping the highest gates ("probs") or the earliest ("position").
     capacity_factor: float | None = None
@@ -68,6 +73,7 @@ class MoEConfig(GPTConfig):
                     * (self.moe_layers * experts + dense * self.dense_ffn_hidden_size))
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
+        check_routing(self.num_experts, self.top_k, self.router_groups, self.router_group_topk)
         if self.aux_loss_convention not in ("megatron", "hf"):
             raise ValueError(f"aux_loss_convention={self.aux_loss_convention!r}: one of 'megatron', 'hf'")
         if self.drop_policy not in ("probs", "position"):
