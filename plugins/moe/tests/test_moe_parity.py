@@ -283,6 +283,23 @@ def test_expert_bias_moves_against_the_load_and_only_steers_the_choice():
     assert torch.allclose(gates, unbiased / unbiased.sum(-1, keepdim=True))  # gates are the unbiased scores
 
 
+def test_expert_bias_counts_tokens_in_a_model_built_on_the_meta_device(tmp_path):
+    """`zoo train` builds models on the meta device and materializes them shard by shard: the
+    router's token counter (no buffer) must start counting there too (it failed: "Cannot copy
+    out of meta tensor"), and the bias then moves."""
+    from zoo.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--model", "mixtral", "model.layer_spec=mixtral_sigmoid", "model.expert_bias=true",
+                 "model.router_groups=4", "model.router_group_topk=1", "model.router_scaling=2.5", "train.steps=2",
+                 "train.micro_batch_size=2", "train.seq_length=16", "train.eval_interval=0", "logging.progress=false",
+                 "logging.tensorboard=false", "logging.plot=false", "--run-dir", str(run)]) == 0
+    import zoo
+
+    biases = [layer.moe.router.expert_bias for layer in zoo.load_model(str(run)).layers]
+    assert len(biases) == 2 and all(b.abs().sum() > 0 for b in biases)  # two steps' updates of +-rate each
+
+
 def test_expert_bias_stays_float32_and_keeps_moving_when_the_layer_is_cast_to_bf16():
     """`train.param_dtype=bf16` casts the model: the bias is no parameter (no fp32 master behind it),
     and in bf16 a 1e-3 step from 0.6 rounds back to where it was. The expected values are float32

@@ -136,8 +136,15 @@ class Router(Float32Buffers):
             gates = gates * self.scale
         if self.expert_bias is not None and torch.is_grad_enabled():
             counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
-            self.tokens_per_expert = self.tokens_per_expert.to(counts.device) + counts
+            self.tokens_per_expert = self._counted(counts.device) + counts
         return gates, experts, logits, scores
+
+    def _counted(self, device: torch.device) -> torch.Tensor:
+        """The tokens counted since the last update, on ``device``. (Not a buffer, so a router built
+        on the meta device, as `zoo train` builds models, keeps a meta tensor here: nothing counted.)"""
+        if self.tokens_per_expert.is_meta:
+            return torch.zeros(self.num_experts, device=device)
+        return self.tokens_per_expert.to(device)
 
     @torch.no_grad()
     def update_bias(self, rate: float, group: Any = None) -> None:
@@ -147,7 +154,7 @@ class Router(Float32Buffers):
             return
         from zoo.parallel import comm
 
-        counts = comm.all_reduce(self.tokens_per_expert.to(self.expert_bias.device).clone(), group)
+        counts = comm.all_reduce(self._counted(self.expert_bias.device).clone(), group)
         if counts.sum() > 0:
             self.expert_bias += rate * torch.sign(counts.mean() - counts)
         self.tokens_per_expert = torch.zeros_like(counts)
