@@ -19,7 +19,7 @@ from torch import nn
 from zoo import fused, gemm
 from zoo.nn.attention_ops import attend, attend_at
 from zoo.nn.loss import linear_cross_entropy as linear_cross_entropy  # (its own module; zoo.nn's API)
-from zoo.nn.recompute import SelectiveCore, recomputable
+from zoo.nn.recompute import SelectiveCore, recomputable, recording
 from zoo.parallel.context import ContextParallelSite, SequenceShard  # noqa: F401 (SequenceShard: for models)
 from zoo.spec import NormSpec
 
@@ -60,7 +60,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / rms(x))`` in float32, HF's numerics, with a memory-lean backward; under
     `zoo.nn.recompute` a layer that saves the output gets it recomputed from what the norm keeps."""
     y = _RMSNormFn.apply(x, weight, eps)
-    if y.grad_fn is not None:
+    if y.grad_fn is not None and recording():  # (only then: see `recording`)
         x_saved, w_saved, rstd = y.grad_fn.saved_tensors
         if fused.wanted(x_saved):  # the forward's kernel again: the same bits
             recomputable(y, lambda: fused.rms_norm(x_saved, w_saved, eps)[0])
@@ -107,7 +107,7 @@ def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     under `zoo.nn.recompute` the output projection's saved input is recomputed from ``gate_up``."""
     if activation == "silu":
         h = _SwiGLUFn.apply(gate_up)
-        if h.grad_fn is not None:
+        if h.grad_fn is not None and recording():
             (saved,) = h.grad_fn.saved_tensors
             recomputable(h, lambda: _swiglu(saved))
         return h
@@ -195,7 +195,7 @@ def modulated_layer_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tens
     math on the output disables autocast around the call."""
     dtype = _autocast_output(x)
     y = _ModulatedLayerNormFn.apply(x, shift, scale, eps, dtype)
-    if y.grad_fn is not None:
+    if y.grad_fn is not None and recording():
         xs, sh, sc, _, _ = y.grad_fn.saved_tensors
         recomputable(y, lambda: _modulated(xs, sh, sc, eps, dtype))
     return y
@@ -254,7 +254,7 @@ def activation(x: torch.Tensor, name: str) -> torch.Tensor:
     """``ACTIVATIONS[name](x)``; under `zoo.nn.recompute` the next layer's saved copy of the output
     is recomputed from the input (which the activation keeps for its own backward anyway)."""
     y = _ActivationFn.apply(x, name)
-    if y.grad_fn is not None:
+    if y.grad_fn is not None and recording():
         (saved,) = y.grad_fn.saved_tensors
         recomputable(y, lambda: ACTIVATIONS[name](saved))
     return y

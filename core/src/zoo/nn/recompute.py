@@ -46,6 +46,13 @@ def recomputable(output: torch.Tensor, recipe: Callable[[], torch.Tensor]) -> to
     return output
 
 
+def recording() -> bool:
+    """Whether primitives should register recipes now (an ``elementwise`` or ``selective`` training
+    forward). Only then may they read their own saved tensors during the forward: under
+    `torch.utils.checkpoint` (``full``) reading one recomputes the block up to that point."""
+    return _OUTPUTS.get() is not None
+
+
 class _Recipe:
     """A saved tensor stored as how to rebuild it: the output's recipe, then the saved view."""
 
@@ -96,12 +103,19 @@ def _recomputed(forward: Any) -> Any:
     return run
 
 
-def blocks_of(model: nn.Module) -> nn.ModuleList:
-    for name in ("layers", "blocks"):
-        mods = getattr(model, name, None)
-        if isinstance(mods, nn.ModuleList):
-            return mods
-    raise ConfigError(f"train.recompute=full: {type(model).__name__} exposes no `layers` or `blocks` ModuleList")
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """Every block of every stack: the modules of each `layers` or `blocks` ModuleList, wherever it
+    sits (a VLM's vision tower and language model, CLIP's two towers), not those nested in a block."""
+    stacks: list[str] = []
+    out: list[nn.Module] = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "blocks") \
+                and not any(name.startswith(s + ".") for s in stacks):
+            stacks.append(name)
+            out += list(mod)
+    if not out:
+        raise ConfigError(f"train.recompute=full: {type(model).__name__} has no `layers` or `blocks` ModuleList")
+    return out
 
 
 def apply(model: nn.Module, mode: str) -> None:
@@ -134,14 +148,17 @@ class SelectiveCore(nn.Module):
 
 @contextlib.contextmanager
 def scope(mode: str) -> Iterator[None]:
-    """Around a training forward: norm and activation outputs are recomputed unless ``mode`` is
-    ``none`` (``full`` and ``selective`` are applied to the model by `apply`; inside a recomputed
-    block nothing else is saved)."""
+    """Around a training forward: norm and activation outputs are recomputed under ``elementwise``
+    and ``selective`` (``full`` and ``selective`` are applied to the model by `apply`; a block that
+    ``full`` recomputes saves nothing else, so recipes would buy nothing there, and reading saved
+    tensors inside it, as recording them does, would make torch's checkpoint recompute the block
+    during the forward itself)."""
     if mode not in MODES:
         raise ConfigError(f"train.recompute={mode!r}: expected one of {', '.join(MODES)}")
-    outputs = _OUTPUTS.set({} if mode != "none" else None)
+    off = mode in ("none", "full")
+    outputs = _OUTPUTS.set(None if off else {})
     try:
-        if mode == "none":
+        if off:
             yield
         else:
             with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
