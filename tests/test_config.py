@@ -143,6 +143,7 @@ def test_file_errors_name_the_file(tmp_path):
         ("model.tower=3", "is a group of keys"),
         ("train.steps.x=1", "has no sub-keys"),
         ("train", "not an override"),
+        ("optimizer.lr_mult={head.*:0.5}", "expected dict[str, float], got dict (YAML needs a space after ':'"),
     ],
 )
 def test_bad_values_name_key_and_expected_type(override, message):

@@ -195,8 +195,11 @@ class Layers:
             try:
                 node[name] = _coerce(value, tp)
             except _Mismatch:
+                # YAML reads {a:1} as the key 'a:1' without a value: say what to write instead
+                glued = isinstance(value, Mapping) and any(v is None and ":" in str(k) for k, v in value.items())
+                hint = " (YAML needs a space after ':' in a mapping: {key: value})" if glued else ""
                 raise ConfigError(
-                    f"{source}: {dotted}={_show(value)}: expected {_type_name(tp)}, got {type(value).__name__}"
+                    f"{source}: {dotted}={_show(value)}: expected {_type_name(tp)}, got {type(value).__name__}{hint}"
                 ) from None
             self.origin[dotted] = source
 
