@@ -261,3 +261,20 @@ def test_every_section_has_the_documented_names():
                 "checkpoint.interval", "checkpoint.resume", "logging.interval"]:
         assert key in keys, key
     assert yaml.safe_load(resolve().to_yaml())["train"]["precision"] == "fp32"
+
+
+def test_megatron_values_that_decide_zoos_form():
+    """--moe-layer-freq N with --num-layers spells the pattern (Megatron: layer i is MoE iff
+    i % N == 0); the load-balancing type's value picks the answer."""
+    from zoo.config import foreign
+    from zoo.config.layers import dotted_keys
+    from zoo.registry import get_registry
+
+    fam = get_registry().get("mixtral").family
+    keys = {k for name, cls in C.SECTIONS.items() for k in dotted_keys(cls, name)} | set(dotted_keys(fam.config, "model"))
+    argv = ["--num-layers", "6", "--moe-layer-freq", "3", "--moe-router-load-balancing-type", "none"]
+    assert foreign.flag_hint(argv, [a for a in argv if a.startswith("--")], keys) == \
+        " (in zoo: model.num_layers=6 model.pattern=ETTETT model.aux_loss_coeff=0)"
+    argv[-1] = "aux_loss"
+    assert foreign.flag_hint(argv, [a for a in argv if a.startswith("--")], keys).endswith(
+        "; nothing to set: the Switch aux loss is on by default (model.aux_loss_coeff))")

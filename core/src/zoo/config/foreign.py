@@ -147,6 +147,14 @@ NAMES: dict[str, str] = {
 }
 
 
+# Where the value, not only the name, decides zoo's form: (name, value) -> form.
+BY_VALUE: dict[tuple[str, str], str] = {
+    ("moe_router_load_balancing_type", "aux_loss"): "nothing to set: the Switch aux loss is on by default "
+                                                    "(model.aux_loss_coeff)",
+    ("moe_router_load_balancing_type", "none"): "model.aux_loss_coeff=0",
+}
+
+
 def _norm(name: str) -> str:
     return name.lstrip("-").lower().replace("-", "_")
 
@@ -169,7 +177,7 @@ def translate(name: str, value: Any, keys: Iterable[str]) -> str | None:
     ``lr``) gives that key. ``keys``: the run's dotted keys."""
     keys = set(keys)
     leaf = _norm(name.rsplit(".", 1)[-1])
-    form = NAMES.get(leaf)
+    form = BY_VALUE.get((leaf, _show(value))) or NAMES.get(leaf)
     if form is None:
         owners = sorted(k for k in keys if k.rsplit(".", 1)[-1] == leaf and k != name)
         if len(owners) != 1:
@@ -218,6 +226,11 @@ def flag_hint(argv: Sequence[str], stray: Sequence[str], keys: Iterable[str]) ->
             continue
         if name == "lr_decay_style" and value is not None:  # Megatron's spellings of zoo's names
             value = {"WSD": "wsd", "inverse-square-root": "inverse_sqrt"}.get(value, value)
+        if name == "moe_layer_freq" and value is not None and value.isdigit() and int(value) > 0 \
+                and (given.get("num_layers") or "").isdigit():  # Megatron's rule: layer i is MoE iff i % N == 0
+            forms.append("model.pattern=" + "".join("T" if i % int(value) else "E"
+                                                    for i in range(int(given["num_layers"] or 0))))
+            continue
         if name == "zero_stage" and value in ("2", "3"):  # DeepSpeed's sharded gradients / parameters
             forms.append("parallel.fsdp=<data-parallel size>")
             continue
