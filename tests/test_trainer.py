@@ -250,20 +250,22 @@ def test_lr_multiplier_and_ema_follow_their_formulas(tmp_path):
             torch.testing.assert_close(final["half"][f"ema/{name}"], torch.lerp(t, final["half"][name], 0.1))
 
 
-def test_ema_ramp_follows_diffusers_ema_model_and_resumes(tmp_path):
-    """train.ema_ramp: diffusers' EMAModel (its default decay ramp, capped at train.ema) stepped
-    over the same weights gives the same average; resumed from step 2, the ramp continues where
-    it was (its update count is saved)."""
+@pytest.mark.parametrize("power", [0.0, 0.75])
+def test_ema_ramp_follows_diffusers_ema_model_and_resumes(tmp_path, power):
+    """train.ema_ramp: diffusers' EMAModel (its default decay ramp, or with train.ema_power its
+    use_ema_warmup, capped at train.ema) stepped over the same weights gives the same average;
+    resumed from step 2, the ramp continues where it was (its update count is saved)."""
     from diffusers.training_utils import EMAModel
 
     from zoo.config import resolve
     from zoo.errors import ConfigError
 
-    ramp = ("train.steps=3", "checkpoint.interval=1", "train.eval_interval=0", "train.ema_ramp=true", "train.ema=0.95")
+    ramp = ("train.steps=3", "checkpoint.interval=1", "train.eval_interval=0", "train.ema_ramp=true", "train.ema=0.95",
+            f"train.ema_power={power}")
     _train(tmp_path / "run", 1, *ramp)
     model = _initial()
     trained = {n: p for n, p in model.named_parameters() if not n.startswith("embed.")}
-    ema = EMAModel(list(trained.values()), decay=0.95)
+    ema = EMAModel(list(trained.values()), decay=0.95, use_ema_warmup=power > 0, power=power or 2 / 3)
     for step in (1, 2, 3):
         saved = _tensors(tmp_path / "run" / "checkpoints" / f"step_{step:08d}")
         with torch.no_grad():
@@ -279,6 +281,9 @@ def test_ema_ramp_follows_diffusers_ema_model_and_resumes(tmp_path):
     with pytest.raises(ConfigError, match="train: ema_ramp=true ramps .* set ema"):
         resolve(family="cond", flavor="tiny", model_cls=CondConfig, model_defaults=FAMILY.flavors["tiny"](),
                 recipe=[("recipe of cond", FAMILY.recipe)], overrides=["train.ema_ramp=true", "train.ema=0"])
+    with pytest.raises(ConfigError, match="ema_power=0.5 shapes ema_ramp's warmup"):
+        resolve(family="cond", flavor="tiny", model_cls=CondConfig, model_defaults=FAMILY.flavors["tiny"](),
+                recipe=[("recipe of cond", FAMILY.recipe)], overrides=["train.ema=0.9", "train.ema_power=0.5"])
 
 
 def _fit_and_probe(run_dir: str, overrides: list[str], flushed: bool) -> None:

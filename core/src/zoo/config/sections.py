@@ -213,6 +213,9 @@ class TrainConfig:
     # the average starts at the first update's weights), as diffusers' EMAModel does by default, so
     # a short run's average is not held back by the initial weights.
     ema_ramp: bool = False
+    # With ema_ramp: diffusers' use_ema_warmup instead, 1 - n^-ema_power (2/3 suits runs of a
+    # million steps, 3/4 of a few hundred thousand); 0 keeps n / (n + 9).
+    ema_power: float = 0.0
     # Parameter-name patterns (fnmatch over single-process names, e.g. "vision.*") that are frozen:
     # no gradient, no optimizer state, still saved with the model.
     freeze: list[str] = field(default_factory=list)
@@ -253,6 +256,9 @@ class TrainConfig:
             raise ValueError(f"ema={self.ema} must be a decay in [0, 1) (0 disables the moving average)")
         if self.ema_ramp and not self.ema:
             raise ValueError("ema_ramp=true ramps the moving average's decay up to ema, which is 0 (no average): set ema")
+        if self.ema_power < 0 or (self.ema_power and not self.ema_ramp):
+            raise ValueError(f"ema_power={self.ema_power} shapes ema_ramp's warmup: a positive power with "
+                             "ema_ramp=true (0: n / (n + 9))")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}"

@@ -33,10 +33,10 @@ class EMA:
     key = "ema"
 
     def __init__(self, model: nn.Module, placements: Placements, decay: float, *,
-                 zero: DistributedOptimizer | None = None, ramp: bool = False) -> None:
+                 zero: DistributedOptimizer | None = None, ramp: bool = False, power: float = 0.0) -> None:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"EMA decay {decay} must lie in (0, 1)")
-        self.decay, self.placements, self.zero, self.ramp = decay, placements, zero, ramp
+        self.decay, self.placements, self.zero, self.ramp, self.power = decay, placements, zero, ramp, power
         self.updates = 0  # (saved: a resumed ramp continues where it was)
         # This rank's local data of each trainable parameter (an FSDP parameter's shard).
         self.params = [(n, local(p)) for n, p in model.named_parameters() if p.requires_grad]
@@ -53,11 +53,14 @@ class EMA:
 
     def current_decay(self) -> float:
         """The decay of the coming update: ``train.ema``, or with the ramp ``min(ema, n / (n + 9))``
-        at the n-th update and 0 at the first (diffusers' ``EMAModel.get_decay`` by default)."""
+        at the n-th update and 0 at the first (diffusers' ``EMAModel.get_decay`` by default), or
+        with ``power`` its warmup ``min(ema, 1 - n^-power)`` (``use_ema_warmup``, inv_gamma 1)."""
         if not self.ramp:
             return self.decay
         n = self.updates + 1
-        return 0.0 if n == 1 else min(self.decay, n / (n + 9))
+        if n == 1:
+            return 0.0
+        return min(self.decay, 1.0 - n ** -self.power if self.power > 0 else n / (n + 9))
 
     @torch.no_grad()
     def update(self) -> None:

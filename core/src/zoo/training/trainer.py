@@ -182,8 +182,8 @@ class Trainer:
         # fp16: overflow decided on the global gradient norm, by every rank of every layout alike
         self.scaler = DynamicLossScale(run.train.initial_loss_scale, run.train.loss_scale_window,
                                        enabled=run.train.precision == "fp16", ranks=self.layout.dp * self.layout.cp)
-        self.ema = EMA(self.model, par.placements, run.train.ema, zero=self.zero,
-                       ramp=run.train.ema_ramp) if run.train.ema > 0 else None
+        self.ema = EMA(self.model, par.placements, run.train.ema, zero=self.zero, ramp=run.train.ema_ramp,
+                       power=run.train.ema_power) if run.train.ema > 0 else None
         if run.train.cuda_graph:  # (after the buckets: gradients that are their views stay so)
             par.graphs = cuda_graphs.GraphedMicroBatches(list(self.model.parameters()), note=lambda m: print(m, flush=True))
 
