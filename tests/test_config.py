@@ -278,3 +278,11 @@ def test_megatron_values_that_decide_zoos_form():
     argv[-1] = "aux_loss"
     assert foreign.flag_hint(argv, [a for a in argv if a.startswith("--")], keys).endswith(
         "; nothing to set: the Switch aux loss is on by default (model.aux_loss_coeff))")
+    # Megatron's lengths in samples, and the warmup as a fraction: zoo's steps
+    argv = ["--train-samples", "1000", "--global-batch-size", "32", "--lr-warmup-samples", "320", "--lr-decay-samples",
+            "960"]
+    assert foreign.flag_hint(argv, [a for a in argv if a.startswith("--")], keys) == \
+        " (in zoo: train.steps=32 train.global_batch_size=32 schedule.warmup_steps=10 schedule.decay_steps=30)"
+    argv = ["--train-iters", "200", "--lr-warmup-fraction", "0.01"]
+    assert foreign.flag_hint(argv, [a for a in argv if a.startswith("--")], keys) == \
+        " (in zoo: train.steps=200 schedule.warmup_steps=2)"

@@ -231,6 +231,16 @@ def flag_hint(argv: Sequence[str], stray: Sequence[str], keys: Iterable[str]) ->
             forms.append("model.pattern=" + "".join("T" if i % int(value) else "E"
                                                     for i in range(int(given["num_layers"] or 0))))
             continue
+        if name in _IN_SAMPLES and value is not None and value.isdigit() \
+                and (given.get("global_batch_size") or "").isdigit():  # Megatron's sample counts: steps here
+            steps = -(-int(value) // int(given["global_batch_size"] or 1))
+            forms.append(_IN_SAMPLES[name].replace("{}", str(steps)))
+            continue
+        if name == "lr_warmup_fraction" and value is not None and _number(value):
+            total = given.get("lr_decay_iters") or given.get("train_iters")
+            if total is not None and total.isdigit():
+                forms.append(f"schedule.warmup_steps={round(float(value) * int(total))}")
+                continue
         if name == "zero_stage" and value in ("2", "3"):  # DeepSpeed's sharded gradients / parameters
             forms.append("parallel.fsdp=<data-parallel size>")
             continue
@@ -241,6 +251,11 @@ def flag_hint(argv: Sequence[str], stray: Sequence[str], keys: Iterable[str]) ->
     notes = [f for f in forms if f.startswith("nothing")]
     paste = [f for f in forms if f not in notes]
     return f" (in zoo: {'; '.join(filter(None, [' '.join(paste), *notes]))})" if forms else ""
+
+
+# Megatron's sample-based lengths (--train-samples ...), as step counts with --global-batch-size
+_IN_SAMPLES = {"train_samples": "train.steps={}", "lr_decay_samples": "schedule.decay_steps={}",
+               "lr_warmup_samples": "schedule.warmup_steps={}", "lr_wsd_decay_samples": "schedule.wsd_decay_steps={}"}
 
 
 def _number(text: str) -> bool:
