@@ -15,11 +15,13 @@ from zoo.config.sections import (
     RunConfig,
     ScheduleConfig,
     TrainConfig,
+    check_pattern,
     check_sizes,
+    pattern_stages,
     plain,
     torch_dtype,
 )
 
 __all__ = ["AXES", "MAX_PARAMETERS", "SECTIONS", "CheckpointConfig", "DataConfig", "Layers", "LoggingConfig",
-           "OptimizerConfig", "ParallelConfig", "RunConfig", "ScheduleConfig", "TrainConfig", "check_sizes",
-           "config_from_dict", "parse_override", "plain", "read_yaml", "resolve", "torch_dtype"]
+           "OptimizerConfig", "ParallelConfig", "RunConfig", "ScheduleConfig", "TrainConfig", "check_pattern",
+           "check_sizes", "config_from_dict", "pattern_stages", "parse_override", "plain", "read_yaml", "resolve", "torch_dtype"]

@@ -37,6 +37,28 @@ def check_sizes(config: object, *names: str, parameters: int | None = None) -> N
                          f"{MAX_PARAMETERS:.0e} zoo builds")
 
 
+def check_pattern(pattern: str, symbols: Mapping[str, str], num_layers: int) -> str:
+    """For a family's config ``__post_init__``: a layer pattern (one symbol per layer, ``|`` between
+    pipeline stages; "" means the family's homogeneous default, checked by the caller) against the
+    ``symbols`` it knows (symbol -> what it builds) and ``num_layers``. Returns the layers' symbols."""
+    unknown = sorted(set(pattern) - set(symbols) - {"|"})
+    if unknown:
+        raise ValueError(f"pattern={pattern!r}: unknown symbol(s) {', '.join(map(repr, unknown))}; "
+                         f"one of {', '.join(f'{k!r} ({v})' for k, v in symbols.items())}, '|' (stage cut)")
+    layers = pattern.replace("|", "")
+    if pattern and len(layers) != num_layers:
+        raise ValueError(f"pattern={pattern!r} has {len(layers)} layers, num_layers={num_layers}; "
+                         f"set num_layers={len(layers)} with it")
+    if pattern and any(not part for part in pattern.split("|")):
+        raise ValueError(f"pattern={pattern!r}: every pipeline stage ('|') needs at least one layer")
+    return layers
+
+
+def pattern_stages(pattern: str) -> tuple[int, ...] | None:
+    """Layers per pipeline stage when a layer pattern has cuts (the core's default for parallel.pp_layers)."""
+    return tuple(len(p) for p in pattern.split("|")) if "|" in pattern else None
+
+
 @dataclass(kw_only=True)
 class ParallelConfig:
     tp: int = 1  # tensor parallel size

@@ -14,7 +14,7 @@ import warnings
 from dataclasses import dataclass, replace
 
 from zoo import Family, PipelineSpec, SequenceSpec, Throughput, hookimpl
-from zoo.config import check_sizes
+from zoo.config import check_pattern, check_sizes, pattern_stages
 from zoo.family import MOE_METRICS
 from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, SSMSpec, check_routing
 
@@ -70,15 +70,7 @@ class MambaConfig:
                     "expand", "ssm_head_dim", "ssm_groups", "chunk_size",
                     parameters=self.num_layers * (3 * self.expand * h * h + 3 * h * (self.ffn_hidden_size + experts))
                     + 2 * self.vocab_size * h)
-        unknown = sorted(set(self.pattern) - set(SYMBOLS) - {"|"})
-        if unknown:
-            raise ValueError(f"pattern={self.pattern!r}: unknown symbol(s) {', '.join(map(repr, unknown))}; "
-                             f"one of {', '.join(f'{k!r} ({v})' for k, v in SYMBOLS.items())}, '|' (stage cut)")
-        if len(self.symbols) != self.num_layers:
-            raise ValueError(f"pattern={self.pattern!r} has {len(self.symbols)} layers, num_layers={self.num_layers}; "
-                             f"set num_layers={len(self.symbols)} with it")
-        if self.pattern and any(not part for part in self.pattern.split("|")):
-            raise ValueError(f"pattern={self.pattern!r}: every pipeline stage ('|') needs at least one layer")
+        check_pattern(self.pattern, SYMBOLS, self.num_layers)
         if self.dt_rank == 0:
             self.dt_rank = math.ceil(self.hidden_size / 16)
         if "*" in self.symbols and (self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads):
@@ -152,8 +144,7 @@ class MambaConfig:
 
     @property
     def pipeline_stages(self) -> tuple[int, ...] | None:
-        """Layers per pipeline stage when the pattern has cuts (the core's default for parallel.pp_layers)."""
-        return tuple(len(p) for p in self.pattern.split("|")) if "|" in self.pattern else None
+        return pattern_stages(self.pattern)
 
     # The names the attention layer and the mapping tables read (LLaMA's).
     @property

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from zoo import Family, PipelineSpec, SequenceSpec, Throughput, hookimpl
-from zoo.config import check_sizes
+from zoo.config import check_pattern, check_sizes, pattern_stages
 from zoo.family import MOE_METRICS
 from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, check_routing
 from zoo_gpt.plugin import GPTConfig
@@ -53,15 +53,7 @@ class MoEConfig(GPTConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        unknown = sorted(set(self.pattern) - set(SYMBOLS) - {"|"})
-        if unknown:
-            raise ValueError(f"pattern={self.pattern!r}: unknown symbol(s) {', '.join(map(repr, unknown))}; "
-                             f"one of {', '.join(f'{k!r} ({v})' for k, v in SYMBOLS.items())}, '|' (stage cut)")
-        if len(self.symbols) != self.num_layers:
-            raise ValueError(f"pattern={self.pattern!r} has {len(self.symbols)} layers, num_layers={self.num_layers}; "
-                             f"set num_layers={len(self.symbols)} with it")
-        if self.pattern and any(not part for part in self.pattern.split("|")):
-            raise ValueError(f"pattern={self.pattern!r}: every pipeline stage ('|') needs at least one layer")
+        check_pattern(self.pattern, SYMBOLS, self.num_layers)
         if "E" not in self.symbols:
             raise ValueError(f"pattern={self.pattern!r} has no MoE layer ('E'); a dense model is the llama family")
         dense = self.symbols.count("T")
@@ -94,8 +86,7 @@ class MoEConfig(GPTConfig):
 
     @property
     def pipeline_stages(self) -> tuple[int, ...] | None:
-        """Layers per pipeline stage when the pattern has cuts (the core's default for parallel.pp_layers)."""
-        return tuple(len(p) for p in self.pattern.split("|")) if "|" in self.pattern else None
+        return pattern_stages(self.pattern)
 
 
 SYMBOLS = {"E": "attention + mixture of experts", "T": "attention + dense MLP"}
