@@ -29,6 +29,8 @@ LAYOUTS = [
     (2, {}, "dit", 2, True),  # data parallel with ZeRO-1
     (2, {"fsdp": 2}, "dit", 2, False),  # FSDP (the model's output, a view, made its own tensor before FSDP's hook)
     (2, {"tp": 2, "sequence_parallel": True}, "dit-video", 2, False),  # cross-attention, Q/K norm, no biases
+    # without sequence parallelism: the per-head Q/K norms' gradients (each rank's heads) summed over TP
+    (2, {"tp": 2}, "dit-video", 2, False),
     (4, {"cp": 2, "tp": 2, "sequence_parallel": True}, "dit-video", 2, False),  # text whole on every CP rank
 ]
 

@@ -21,7 +21,10 @@ the same model for any TP size. How each parameter is split is the layer's `TPSh
   ``tp_segments`` when it has them; a depthwise ``nn.Conv1d`` keeps its channel count consistent.
   For per-channel state (Mamba's conv, A_log, D, dt_bias, gated norm): no communication;
 - ``vocab_embedding`` / ``vocab_head``: vocabulary rows split; a tied head shares the embedding's
-  shard, and the loss is computed vocab-parallel (`zoo.nn.linear_cross_entropy`).
+  shard, and the loss is computed vocab-parallel (`zoo.nn.linear_cross_entropy`);
+- ``per_head``: the module stays whole on every rank but is applied to this rank's heads only (a
+  per-head RMSNorm of q and k), so its gradient, partial per rank, is summed over TP after backward
+  (`per_head_parameters`), with or without sequence parallelism.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], local: Mapp
         if style == "channels":
             _split_channels(name, mod, group)
             continue
+        if style == "per_head":  # whole here; its gradient is summed (`per_head_parameters`)
+            continue
         if style in ("column", "column_gated", "vocab_head", "column_context", "column_segments", "column_local"):
             assert isinstance(mod, nn.Linear), f"{name}: {style} needs nn.Linear, found {type(mod).__name__}"
             segments = tuple(getattr(mod, "tp_segments", ())) if style == "column_segments" else ()
@@ -100,6 +105,14 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], local: Mapp
                         raise ValueError(f"{name}.{a}={value} does not split over tp={n}")
                     setattr(mod, a, value // n)
     return model
+
+
+def per_head_parameters(model: nn.Module, plan: Mapping[str, str]) -> set[str]:
+    """The parameters of the modules the plan marks ``per_head``: whole on every TP rank, their
+    gradients partial (each rank's heads), so summed over TP after backward."""
+    heads = [p for p, s in plan.items() if s == "per_head"]
+    return {f"{name}.{pname}" if name else pname for name, mod in model.named_modules()
+            if any(_matches(name, p) for p in heads) for pname, _ in mod.named_parameters()}
 
 
 class _Channels:

@@ -79,10 +79,12 @@ class Parallel:
         self.sequence_parallel = lay.sequence_parallel and lay.tp > 1
         experts = self._expert_parallel(model, init is not None)
         shards = {**tp_apply.tensor_parallel_shards(model), **experts}
-        on_shards: set[str] = set()
+        # Gradients summed over TP after backward: per-head norms (partial per rank's heads) and,
+        # under sequence parallelism, whatever a block applies to its sequence shard.
+        on_shards: set[str] = tp_apply.per_head_parameters(model, family.tp_plan) if lay.tp > 1 else set()
         if self.sequence_parallel:
             assert pipe is not None  # the layout checked it
-            on_shards = tp_apply.apply_sequence_parallel(model, pipe.layers, seq.dim if seq else 1, self.tp_group)
+            on_shards |= tp_apply.apply_sequence_parallel(model, pipe.layers, seq.dim if seq else 1, self.tp_group)
             on_shards -= set(experts)  # (reduced over their expert-data-parallel group instead)
         if lay.cp > 1:
             self._ring_attention(model)
@@ -411,7 +413,7 @@ class Parallel:
         if self.fsdp_roots:
             fsdp.finish_whole_grads(self)
         params = dict(self.model.named_parameters())
-        if self.sequence_parallel:
+        if self.tp > 1:
             from zoo.parallel.tensor_parallel import reduce_sequence_parallel_grads
 
             reduce_sequence_parallel_grads([params[n] for n, pl in self.placements.items() if pl.sequence_parallel],

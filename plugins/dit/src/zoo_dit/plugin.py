@@ -145,7 +145,8 @@ _COMMON = dict(
     # whole heads per rank: q|k|v and k|v are laid out per head
     tp_plan={"layers.*.attn.qkv": "column", "layers.*.attn.proj": "row", "layers.*.cross.q": "column",
              "layers.*.cross.kv": "column_context", "layers.*.cross.proj": "row", "layers.*.mlp.fc": "column",
-             "layers.*.mlp.proj": "row"},
+             "layers.*.mlp.proj": "row", "layers.*.attn.q_norm": "per_head", "layers.*.attn.k_norm": "per_head",
+             "layers.*.cross.q_norm": "per_head", "layers.*.cross.k_norm": "per_head"},
     pipeline=PipelineSpec(layers="layers", first=("x_embed", "t_embed", "y_embed"), last=("final",),
                           input_key="hidden", carries=("cond",)),
     metrics=(MetricSpec(name="sigma_mean"),),
