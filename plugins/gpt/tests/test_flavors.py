@@ -39,7 +39,8 @@ def test_meta_build_matches_published_size(flavor):
     assert _count(ours) == PUBLISHED[flavor]
 
 
-@pytest.mark.parametrize("flavor", [plugin.gpt2_124m, plugin.llama3_1b, plugin.llama2_7b], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("flavor", [plugin.gpt2_124m, plugin.llama3_1b, plugin.llama2_7b, plugin.qwen3_0_6b,
+                                    plugin.qwen3_1_7b, plugin.qwen3_4b, plugin.qwen3_8b], ids=lambda f: f.__name__)
 def test_same_count_as_hf_from_exported_config(flavor):
     cfg = flavor()
     hf_cfg = to_hf_config(cfg)

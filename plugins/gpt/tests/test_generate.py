@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _gpt_helpers import small_run, zoo
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import zoo as zoo_api
 from zoo.nn.sampling import filter_logits, generate_tokens
@@ -35,6 +35,9 @@ HF = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)),
     "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                  max_position_embeddings=64)),  # the cache holds normed keys
 }
 
 

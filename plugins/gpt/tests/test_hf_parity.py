@@ -1,4 +1,4 @@
-"""GPT-2 and LLaMA against Hugging Face transformers, built from tiny configs (no download):
+"""GPT-2, LLaMA and Qwen3 against Hugging Face transformers, built from tiny configs (no download):
 logits match to 1e-5 in float32 and HF -> zoo -> HF is bitwise identical."""
 
 from __future__ import annotations
@@ -8,7 +8,15 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import zoo
 from zoo.checkpoint import export_external, import_external
@@ -32,6 +40,13 @@ CASES = {
         "original_max_position_embeddings": 16}),
     "llama-linear-rope": lambda: _llama(rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "llama-qkv-bias": lambda: _llama(attention_bias=True),
+    # per-head q/k RMSNorm; head_dim 16, not hidden/heads (as Qwen3-0.6B's 128 against 1024/16)
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                  max_position_embeddings=64, tie_word_embeddings=False)),
+    "qwen3-tied": lambda: Qwen3ForCausalLM(Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=48,
+                                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                       max_position_embeddings=64, tie_word_embeddings=True)),
 }
 
 

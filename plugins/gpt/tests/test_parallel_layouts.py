@@ -44,6 +44,9 @@ LAYOUTS = [
     (4, {"fsdp": 2, "tp": 2, "sequence_parallel": True}, "gpt2", 2, False),
     (4, {"fsdp": 2, "pp": 2}, "gpt2", 2, False),  # tied embeddings across stages, FSDP-sharded on both
     (4, {"fsdp": 2}, "llama", 2, False),  # HSDP: dp4 as 2 replicas of 2 sharding ranks
+    # Qwen3's per-head q/k norms: whole on every TP rank, their gradients summed over its heads' ranks
+    (2, {"tp": 2}, "qwen3", 2, False),
+    (4, {"tp": 2, "cp": 2, "sequence_parallel": True}, "qwen3", 2, False),
     # (fsdp2 x cp2: test_dist_checkpoint's FSDP test, whose 6-step curve it follows)
 ]
 

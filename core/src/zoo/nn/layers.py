@@ -21,11 +21,16 @@ from zoo.spec import AttentionSpec, BlockSpec, MLPSpec
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, spec: AttentionSpec, *, hidden: int, heads: int, kv_heads: int, head_dim: int, layer: int) -> None:
+    def __init__(self, spec: AttentionSpec, *, hidden: int, heads: int, kv_heads: int, head_dim: int, layer: int,
+                 eps: float = 1e-6) -> None:
         super().__init__()
         self.layer, self.spec = layer, spec
         self.h, self.kv, self.hd = heads, kv_heads, head_dim
         self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=spec.bias)
+        # Per-head norms of q and k before the rotation (Qwen3, OLMo 2); a family's tp_plan marks
+        # them per_head: whole on every rank, applied to its heads.
+        self.q_norm = make_norm(spec.qk_norm, head_dim, eps) if spec.qk_norm is not None else None
+        self.k_norm = make_norm(spec.qk_norm, head_dim, eps) if spec.qk_norm is not None else None
         self.proj = nn.Linear(heads * head_dim, hidden, bias=spec.bias if spec.out_bias is None else spec.out_bias)
         self.core = AttentionCore()  # softmax(q k^T) v; the core may make it ring attention or recompute it
 
@@ -41,6 +46,8 @@ class SelfAttention(nn.Module):
         q = q.reshape(b, t, self.h, self.hd).transpose(1, 2)  # (B, H, T, hd)
         k = k.squeeze(3).transpose(1, 2)  # (B, KV, T, hd)
         v = v.squeeze(3).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         offset = 0
@@ -77,7 +84,7 @@ class TransformerLayer(nn.Module):
         assert isinstance(spec.mixer, AttentionSpec) and isinstance(spec.ffn, MLPSpec)
         self.attn_norm = make_norm(spec.norm, hidden, eps)
         self.attn = SelfAttention(spec.mixer, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                                  layer=layer)
+                                  layer=layer, eps=eps)
         self.mlp_norm = make_norm(spec.norm, hidden, eps)
         self.mlp = MLP(spec.ffn, hidden=hidden, ffn_hidden=ffn_hidden)
 

@@ -26,6 +26,9 @@ def _llama_table(cfg: GPTConfig) -> MappingTable:
         Tie("head.weight", to="embed.weight") if cfg.tie_embeddings else Rename("head.weight", "lm_head.weight"),
         Ignore(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),
     ]
+    if cfg.layer_spec == "qwen3":
+        rules += [Rename("layers.{i}.attn.q_norm.weight", L + "self_attn.q_norm.weight"),
+                  Rename("layers.{i}.attn.k_norm.weight", L + "self_attn.k_norm.weight")]
     if cfg.layer_spec == "llama_attn_bias":
         rules.append(Fuse("layers.{i}.attn.qkv.bias", tuple(k.replace(".weight", ".bias") for k in qkv),
                           groups="num_kv_heads", sizes=("q_size", "kv_size", "kv_size")))
@@ -76,8 +79,11 @@ def to_hf_config(cfg: GPTConfig) -> dict[str, Any]:
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
         }
     rope: dict[str, Any] = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+    qwen3 = cfg.layer_spec == "qwen3"
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"], "model_type": "qwen3" if qwen3 else "llama",
+        **({"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.num_layers} if qwen3 else {}),
+        "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
@@ -101,9 +107,11 @@ def from_hf_config(hf: dict[str, Any]) -> GPTConfig:
                          num_kv_heads=hf["n_head"], head_dim=d // hf["n_head"], ffn_hidden_size=hf.get("n_inner") or 4 * d,
                          max_seq_length=hf.get("n_positions", 1024), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                          tie_embeddings=True, init_std=hf.get("initializer_range", 0.02), layer_spec="gpt2")
-    if kind == "llama":
+    if kind in ("llama", "qwen3"):
         if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias", False):
             raise UsageError("LLaMA with a non-SiLU activation or MLP biases is not supported")
+        if kind == "qwen3" and (hf.get("use_sliding_window") or hf.get("attention_bias")):
+            raise UsageError("Qwen3 with sliding-window attention or attention biases is not supported")
         rope = dict(hf.get("rope_parameters") or {})
         theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
         scaling = {k: v for k, v in rope.items() if k != "rope_type" or v != "default"} or hf.get("rope_scaling")
@@ -116,13 +124,13 @@ def from_hf_config(hf: dict[str, Any]) -> GPTConfig:
                          ffn_hidden_size=hf["intermediate_size"], max_seq_length=hf.get("max_position_embeddings", 2048),
                          norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                          rope_theta=theta, rope_scaling=scaling, init_std=hf.get("initializer_range", 0.02),
-                         layer_spec="llama_attn_bias" if hf.get("attention_bias") else "llama")
-    raise UsageError(f"model_type {kind!r} is not GPT-2 or LLaMA")
+                         layer_spec="qwen3" if kind == "qwen3" else "llama_attn_bias" if hf.get("attention_bias") else "llama")
+    raise UsageError(f"model_type {kind!r} is not GPT-2, LLaMA or Qwen3")
 
 
 HF = ExternalFormat(
     name="hf",
-    architectures={"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "LlamaForCausalLM": "llama"},
+    architectures={"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"},
     table=table,
     to_config=to_hf_config,
     from_config=from_hf_config,

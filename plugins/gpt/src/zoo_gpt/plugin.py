@@ -81,7 +81,15 @@ LLAMA_ATTN_BIAS = ModelSpec(
     embedding="token", positions="none", final_norm=NormSpec(kind="rmsnorm"), head="lm",
 )
 
-SPECS = {"gpt2": GPT2, "llama": LLAMA, "llama_attn_bias": LLAMA_ATTN_BIAS}
+# Qwen3: LLaMA with a per-head RMSNorm of q and k before the rotation (Qwen3ForCausalLM).
+QWEN3 = ModelSpec(
+    blocks={"T": BlockSpec(norm=LLAMA.blocks["T"].norm,
+                           mixer=AttentionSpec(causal=True, bias=False, positions="rope", qk_norm=NormSpec(kind="rmsnorm")),
+                           ffn=LLAMA.blocks["T"].ffn)},
+    embedding="token", positions="none", final_norm=NormSpec(kind="rmsnorm"), head="lm",
+)
+
+SPECS = {"gpt2": GPT2, "llama": LLAMA, "llama_attn_bias": LLAMA_ATTN_BIAS, "qwen3": QWEN3}
 
 
 def _gpt2(layers: int, hidden: int, heads: int, *, vocab: int = 50257, ctx: int = 1024) -> GPTConfig:
@@ -145,6 +153,34 @@ def llama2_7b() -> GPTConfig:
     return _llama(32, 4096, 32, 32, 11008, vocab=32000, ctx=4096, theta=10000.0)
 
 
+def _qwen3(layers: int, hidden: int, heads: int, kv: int, ffn: int, *, vocab: int = 151936, ctx: int = 40960,
+           tie: bool = False, theta: float = 1000000.0) -> GPTConfig:
+    # (head_dim 128 whatever the width: Qwen3's q|k|v are wider than the hidden size in the small ones)
+    return GPTConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+                     head_dim=128 if hidden >= 1024 else hidden // heads, ffn_hidden_size=ffn, max_seq_length=ctx,
+                     norm_eps=1e-6, tie_embeddings=tie, rope_theta=theta, layer_spec="qwen3")
+
+
+def qwen3_tiny() -> GPTConfig:
+    return _qwen3(2, 128, 4, 2, 384, vocab=2048, ctx=256, theta=10000.0)
+
+
+def qwen3_0_6b() -> GPTConfig:
+    return _qwen3(28, 1024, 16, 8, 3072, tie=True)
+
+
+def qwen3_1_7b() -> GPTConfig:
+    return _qwen3(28, 2048, 16, 8, 6144, tie=True)
+
+
+def qwen3_4b() -> GPTConfig:
+    return _qwen3(36, 2560, 32, 8, 9728, tie=True)
+
+
+def qwen3_8b() -> GPTConfig:
+    return _qwen3(36, 4096, 32, 8, 12288)
+
+
 _COMMON = dict(
     task="causal_lm",
     config=GPTConfig,
@@ -166,6 +202,7 @@ _COMMON = dict(
 
 def _tp_plan(mlp: str) -> dict[str, str]:
     return {"embed": "vocab_embedding", "layers.*.attn.qkv": "column", "layers.*.attn.proj": "row",
+            "layers.*.attn.q_norm": "per_head", "layers.*.attn.k_norm": "per_head",  # (Qwen3's)
             "layers.*.mlp.fc": mlp, "layers.*.mlp.proj": "row", "head": "vocab_head"}
 
 
@@ -178,6 +215,13 @@ def zoo_families() -> list[Family]:
             flavors={"tiny": llama_tiny, "3-1B": llama3_1b, "3-3B": llama3_3b, "3-8B": llama3_8b,
                      "3-70B": llama3_70b, "2-7B": llama2_7b},
             tp_plan=_tp_plan("column_gated"),  # SwiGLU's fused [gate; up]
+            **_COMMON,
+        ),
+        Family(
+            name="qwen3",
+            description="Qwen3 decoder: LLaMA's with per-head RMSNorm of q and k, grouped-query attention",
+            flavors={"tiny": qwen3_tiny, "0.6B": qwen3_0_6b, "1.7B": qwen3_1_7b, "4B": qwen3_4b, "8B": qwen3_8b},
+            tp_plan=_tp_plan("column_gated"),
             **_COMMON,
         ),
         Family(

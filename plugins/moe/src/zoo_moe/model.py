@@ -32,7 +32,7 @@ class MoEBlock(nn.Module):
         self.index = index
         self.attn_norm = make_norm(spec.norm, cfg.hidden_size, cfg.norm_eps)
         self.attn = SelfAttention(spec.mixer, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
-                                  head_dim=cfg.head_dim, layer=layer)
+                                  head_dim=cfg.head_dim, layer=layer, eps=cfg.norm_eps)
         self.mlp_norm = make_norm(spec.norm, cfg.hidden_size, cfg.norm_eps)
         self.moe = MoE(spec.ffn, hidden=cfg.hidden_size, ffn_hidden=cfg.ffn_hidden_size, num_experts=cfg.num_experts,
                        top_k=cfg.top_k, shared_ffn_hidden=cfg.shared_ffn_hidden_size,
