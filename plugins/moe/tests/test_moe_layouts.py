@@ -61,6 +61,7 @@ LAYOUTS = [
     # experts over ep2; tokens gathered over ETP and the partial outputs summed back
     (4, {"tp": 2, "sequence_parallel": True, "ep": 2, "etp": 2}, "qwen2-moe", True),
     (4, {"tp": 2, "sequence_parallel": True, "etp": 2, "pp": 2}, "mixtral", False),  # ETP x PP: a grid per stage
+    (4, {"tp": 2, "sequence_parallel": True, "ep": 2}, "qwen3-moe", True),  # per-head q/k norms under TP, ZeRO-1
 ]
 
 

@@ -21,12 +21,22 @@ from zoo.spec import MLPSpec, MoESpec
 
 
 def _hf(kind: str, **over):
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   num_experts_per_tok=2, max_position_embeddings=64, intermediate_size=48)
     if kind == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(**{**common, "num_local_experts": 4, **over}))
+    elif kind == "qwen3":  # per-head q/k norms; head_dim 16, not hidden / heads
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**common, "moe_intermediate_size": 16, "num_experts": 4,
+                                                      "head_dim": 16, **over}))
     else:
         model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**common, "moe_intermediate_size": 16,
                                                       "shared_expert_intermediate_size": 40, "num_experts": 4, **over}))
@@ -51,12 +61,15 @@ DENSE = [({"mlp_only_layers": [0]}, "TE"),  # DeepSeek's first dense layer
 
 
 @pytest.mark.parametrize(("kind", "over"), [("mixtral", {}), ("qwen", {}), ("qwen", {"norm_topk_prob": True}),
-                                            *(("qwen", over) for over, _ in DENSE)],
-                         ids=["mixtral", "qwen2-moe", "qwen2-moe-norm-topk", *(f"qwen2-moe-{p}" for _, p in DENSE)])
+                                            *(("qwen", over) for over, _ in DENSE), ("qwen3", {}),
+                                            ("qwen3", {"norm_topk_prob": True, "mlp_only_layers": [0]})],
+                         ids=["mixtral", "qwen2-moe", "qwen2-moe-norm-topk", *(f"qwen2-moe-{p}" for _, p in DENSE),
+                              "qwen3-moe", "qwen3-moe-norm-topk-TE"])
 def test_logits_and_aux_loss_match_hugging_face(kind, over):
     hf = _hf(kind, **over)
     ours, cfg, _ = _ours(hf)
-    assert cfg.symbols == dict((str(o), p) for o, p in DENSE).get(str(over), "E" * hf.config.num_hidden_layers)
+    dense = {**{str(o): p for o, p in DENSE}, str({"norm_topk_prob": True, "mlp_only_layers": [0]}): "TE"}
+    assert cfg.symbols == dense.get(str(over), "E" * hf.config.num_hidden_layers)
     x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(x, output_router_logits=True)
@@ -334,25 +347,28 @@ def test_bad_moe_configs_fail_with_one_clear_line():
         convert.to_hf_config(mixed)
 
 
-def test_dense_layers_round_trip_through_zoo_convert_into_a_model_transformers_loads(tmp_path, capsys):
-    """Qwen2-MoE with mlp_only_layers and decoder_sparse_step: zoo convert both ways keeps every
-    tensor, the dense layers' MLPs mapped only where they exist, and which layers are dense."""
-    from transformers import Qwen2MoeForCausalLM
+@pytest.mark.parametrize("kind", ["qwen", "qwen3"])
+def test_dense_layers_round_trip_through_zoo_convert_into_a_model_transformers_loads(tmp_path, capsys, kind):
+    """Qwen2-MoE and Qwen3-MoE with mlp_only_layers and decoder_sparse_step: zoo convert both ways
+    keeps every tensor, the dense layers' MLPs mapped only where they exist, and which layers are dense."""
+    from transformers import AutoModelForCausalLM
 
     from zoo.cli import main
 
-    hf = _hf("qwen", num_hidden_layers=4, mlp_only_layers=[3], decoder_sparse_step=2)
+    hf = _hf(kind, num_hidden_layers=4, mlp_only_layers=[3], decoder_sparse_step=2)
     hf.save_pretrained(tmp_path / "hf")
     assert main(["convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "zoo")]) == 0
     assert main(["convert", "--to", "hf", str(tmp_path / "zoo"), str(tmp_path / "back")]) == 0
     capsys.readouterr()
-    again = Qwen2MoeForCausalLM.from_pretrained(tmp_path / "back").eval()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    prefix = "Qwen2Moe" if kind == "qwen" else "Qwen3Moe"
+    assert type(again) is type(hf)
     assert [type(layer.mlp).__name__ for layer in again.model.layers] == \
-        [type(layer.mlp).__name__ for layer in hf.model.layers] == ["Qwen2MoeMLP", "Qwen2MoeSparseMoeBlock"] + ["Qwen2MoeMLP"] * 2
+        [type(layer.mlp).__name__ for layer in hf.model.layers] == \
+        [f"{prefix}MLP", f"{prefix}SparseMoeBlock", f"{prefix}MLP", f"{prefix}MLP"]
     x = torch.randint(0, 64, (1, 9))
     with torch.no_grad():
         assert torch.equal(again(x).logits, hf(x).logits)
-
 
 
 @pytest.mark.parametrize(("family", "symbol"), [("mixtral", "E"), ("mamba2", "M")])
@@ -369,3 +385,21 @@ def test_a_flavors_num_layers_overrides_alone_where_the_pattern_is_its_default(f
     mixed = C.resolve(family=family, flavor="tiny", model_cls=fam.config, model_defaults=fam.flavors["tiny"](),
                       overrides=["model.num_layers=3", f"model.pattern={symbol}|{symbol}{symbol}"])
     assert mixed.model.pipeline_stages == (1, 2)
+
+
+@pytest.mark.parametrize("flavor", ["mixtral_8x7b", "qwen15_moe_a27b", "qwen3_moe_30b_a3b"])
+def test_flavors_count_what_transformers_builds_from_their_exported_config(flavor):
+    """On the meta device: a flavor's parameters equal those of the Hugging Face model its exported
+    config describes (Qwen3-30B-A3B: 30,532,122,624, as released)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from zoo_moe import plugin
+
+    cfg = getattr(plugin, flavor)()
+    hf_cfg = convert.to_hf_config(cfg)
+    config = AutoConfig.for_model(hf_cfg.pop("model_type"), **{k: v for k, v in hf_cfg.items() if k != "architectures"})
+    with torch.device("meta"):
+        ours = sum(p.numel() for p in build(cfg, SPECS[cfg.layer_spec]).parameters())
+        theirs = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert ours == theirs
+    if flavor == "qwen3_moe_30b_a3b":
+        assert ours == 30_532_122_624

@@ -32,13 +32,14 @@ L = "model.layers.{i}."
 def _llama(cfg: MoEConfig) -> list[Any]:
     """LLaMA's rules (Qwen2's o_proj has no bias, which LLaMA's attention_bias would add); its MLP
     rules are the dense layers'."""
-    qwen = cfg.layer_spec.startswith("qwen2_moe")
-    as_llama = dataclasses.replace(cfg, layer_spec="llama_attn_bias" if qwen else "llama")
+    spec = cfg.layer_spec
+    as_llama = dataclasses.replace(cfg, layer_spec="llama_attn_bias" if spec.startswith("qwen2_moe")
+                                   else "qwen3" if spec.startswith("qwen3_moe") else "llama")
     return [r for r in llama_table(as_llama).rules if not getattr(r, "ours", "").endswith("attn.proj.bias")]
 
 
 def _experts(cfg: MoEConfig, layout: Layout) -> list[Any]:
-    qwen = cfg.layer_spec.startswith("qwen2_moe")
+    qwen = cfg.layer_spec.startswith(("qwen2_moe", "qwen3_moe"))  # (Qwen's expert names; Qwen2's shared expert)
     moe = L + ("mlp." if qwen or layout == "fused" else "block_sparse_moe.")
     rules: list[Any] = [Rename("layers.{i}.moe.router.weight", moe + "gate.weight")]
     if layout == "fused":
@@ -50,7 +51,7 @@ def _experts(cfg: MoEConfig, layout: Layout) -> list[Any]:
     else:
         rules += [StackExperts("layers.{i}.moe.gate_up", (moe + "experts.{e}.w1.weight", moe + "experts.{e}.w3.weight")),
                   StackExperts("layers.{i}.moe.down", moe + "experts.{e}.w2.weight")]
-    if qwen:
+    if cfg.layer_spec.startswith("qwen2_moe"):
         rules += [Fuse("layers.{i}.moe.shared.fc.weight", (moe + "shared_expert.gate_proj.weight", moe + "shared_expert.up_proj.weight")),
                   Rename("layers.{i}.moe.shared.proj.weight", moe + "shared_expert.down_proj.weight"),
                   Rename("layers.{i}.moe.shared_gate.weight", moe + "shared_expert_gate.weight")]
@@ -102,11 +103,19 @@ def to_hf_config(cfg: MoEConfig) -> dict[str, Any]:
                 "norm_topk_prob": cfg.layer_spec == "qwen2_moe_norm", "decoder_sparse_step": 1,
                 "mlp_only_layers": [i for i, s in enumerate(cfg.symbols) if s == "T"], "qkv_bias": True,
                 "router_aux_loss_coef": hf_coef, "use_sliding_window": False}
+    if cfg.layer_spec.startswith("qwen3_moe"):
+        return {**base, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "moe_intermediate_size": cfg.ffn_hidden_size, "intermediate_size": cfg.dense_ffn_hidden_size or cfg.ffn_hidden_size,
+                "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k,
+                "norm_topk_prob": cfg.layer_spec == "qwen3_moe_norm", "decoder_sparse_step": 1,
+                "mlp_only_layers": [i for i, s in enumerate(cfg.symbols) if s == "T"], "attention_bias": False,
+                "router_aux_loss_coef": hf_coef, "use_sliding_window": False}
     if "T" in cfg.symbols:
         raise UsageError(f"model.pattern={cfg.pattern!r} has dense layers ('T'), which Hugging Face's Mixtral does not "
-                         "have; only the qwen2_moe specs export with dense layers")
+                         "have; only the Qwen specs export with dense layers")
     if cfg.layer_spec != "mixtral":
-        raise UsageError(f"model.layer_spec={cfg.layer_spec!r} has no Hugging Face architecture (mixtral, qwen2_moe only)")
+        raise UsageError(f"model.layer_spec={cfg.layer_spec!r} has no Hugging Face architecture (mixtral, qwen2_moe, "
+                         "qwen3_moe only)")
     return {**base, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": cfg.num_experts,
             "num_experts_per_tok": cfg.top_k, "router_aux_loss_coef": hf_coef, "router_jitter_noise": 0.0,
             "sliding_window": None}
@@ -114,15 +123,19 @@ def to_hf_config(cfg: MoEConfig) -> dict[str, Any]:
 
 def from_hf_config(hf: dict[str, Any]) -> MoEConfig:
     kind = hf.get("model_type")
-    if kind not in ("mixtral", "qwen2_moe"):
-        raise UsageError(f"model_type {kind!r} is not Mixtral or Qwen2-MoE")
+    if kind not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        raise UsageError(f"model_type {kind!r} is not Mixtral, Qwen2-MoE or Qwen3-MoE")
+    if kind == "qwen3_moe" and hf.get("attention_bias"):
+        raise UsageError("Qwen3-MoE with attention biases is not supported")
     if hf.get("router_jitter_noise"):
         raise UsageError("router_jitter_noise > 0 is not supported (it scales the experts' input too, as in HF)")
-    qwen = kind == "qwen2_moe"
+    qwen = kind in ("qwen2_moe", "qwen3_moe")
+    # (transformers 5 writes Qwen3-MoE's count as num_local_experts; the released configs num_experts)
+    experts = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]
     pattern = ""  # every layer MoE
     if qwen:  # transformers' Qwen2MoeDecoderLayer: sparse unless listed in mlp_only_layers or off the step
         step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or ())
-        pattern = "".join("E" if i not in dense and hf["num_experts"] > 0 and (i + 1) % step == 0 else "T"
+        pattern = "".join("E" if i not in dense and experts > 0 and (i + 1) % step == 0 else "T"
                           for i in range(hf["num_hidden_layers"]))
         pattern = pattern if "T" in pattern else ""
     if hf.get("use_sliding_window") or (not qwen and hf.get("sliding_window")):
@@ -130,8 +143,8 @@ def from_hf_config(hf: dict[str, Any]) -> MoEConfig:
     base = llama_from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False,
                           "intermediate_size": hf["moe_intermediate_size"] if qwen else hf["intermediate_size"]})
     fields = {f: getattr(base, f) for f in base.__dataclass_fields__ if f != "layer_spec"}
-    spec = ("qwen2_moe_norm" if hf.get("norm_topk_prob") else "qwen2_moe") if qwen else "mixtral"
-    return MoEConfig(**fields, num_experts=hf["num_experts"] if qwen else hf["num_local_experts"],
+    spec = (f"{kind}_norm" if hf.get("norm_topk_prob") else kind) if qwen else "mixtral"
+    return MoEConfig(**fields, num_experts=experts,
                      top_k=hf["num_experts_per_tok"], shared_ffn_hidden_size=hf.get("shared_expert_intermediate_size", 0),
                      aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)), aux_loss_convention="hf",
                      pattern=pattern, dense_ffn_hidden_size=hf["intermediate_size"] if pattern else 0,
@@ -140,7 +153,7 @@ def from_hf_config(hf: dict[str, Any]) -> MoEConfig:
 
 HF = ExternalFormat(
     name="hf",
-    architectures={"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2-moe"},
+    architectures={"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2-moe", "Qwen3MoeForCausalLM": "qwen3-moe"},
     table=table,
     to_config=to_hf_config,
     from_config=from_hf_config,

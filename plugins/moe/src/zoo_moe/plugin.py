@@ -97,10 +97,11 @@ _SWIGLU = MLPSpec(activation="silu", gated=True, bias=False)
 
 
 def _spec(*, attn_bias: bool, router: Literal["softmax_topk", "sigmoid_topk"] = "softmax_topk", normalize: bool,
-          shared: bool) -> ModelSpec:
+          shared: bool, qk_norm: bool = False) -> ModelSpec:
     moe = MoESpec(expert=_SWIGLU, router=router, normalize_topk=normalize, shared_expert=_SWIGLU if shared else None)
     # (Qwen2's attention biases are q/k/v only)
-    attn = AttentionSpec(causal=True, bias=attn_bias, out_bias=False if attn_bias else None, positions="rope")
+    attn = AttentionSpec(causal=True, bias=attn_bias, out_bias=False if attn_bias else None, positions="rope",
+                         qk_norm=_NORM if qk_norm else None)
     blocks = {"E": BlockSpec(norm=_NORM, mixer=attn, ffn=moe), "T": BlockSpec(norm=_NORM, mixer=attn, ffn=_SWIGLU)}
     return ModelSpec(blocks=blocks, embedding="token", positions="none", final_norm=_NORM, head="lm")
 
@@ -114,13 +115,18 @@ SPECS = {
     # a sigmoid gate; "_norm" renormalises (norm_topk_prob=true).
     "qwen2_moe": _spec(attn_bias=True, normalize=False, shared=True),
     "qwen2_moe_norm": _spec(attn_bias=True, normalize=True, shared=True),
+    # Qwen3-MoE: no biases, per-head q/k RMSNorm, no shared expert; "_norm": norm_topk_prob=true
+    # (the released Qwen3-30B-A3B and 235B-A22B).
+    "qwen3_moe": _spec(attn_bias=False, normalize=False, shared=False, qk_norm=True),
+    "qwen3_moe_norm": _spec(attn_bias=False, normalize=True, shared=False, qk_norm=True),
 }
 
 
 def _cfg(layers: int, hidden: int, heads: int, kv: int, ffn: int, experts: int, top_k: int, *, vocab: int, ctx: int,
-         theta: float, eps: float = 1e-5, shared: int = 0, spec: str = "mixtral", tie: bool = False) -> MoEConfig:
+         theta: float, eps: float = 1e-5, shared: int = 0, spec: str = "mixtral", tie: bool = False,
+         head_dim: int = 0) -> MoEConfig:
     return MoEConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv,
-                     head_dim=hidden // heads, ffn_hidden_size=ffn, max_seq_length=ctx, norm_eps=eps,
+                     head_dim=head_dim or hidden // heads, ffn_hidden_size=ffn, max_seq_length=ctx, norm_eps=eps,
                      tie_embeddings=tie, rope_theta=theta, num_experts=experts, top_k=top_k,
                      shared_ffn_hidden_size=shared, layer_spec=spec)
 
@@ -151,6 +157,20 @@ def qwen2_moe_57b() -> MoEConfig:  # Qwen2-57B-A14B
                 spec="qwen2_moe")
 
 
+def qwen3_moe_tiny() -> MoEConfig:
+    return _cfg(2, 128, 4, 2, 64, 8, 4, vocab=2048, ctx=256, theta=10000.0, eps=1e-6, spec="qwen3_moe_norm")
+
+
+def qwen3_moe_30b_a3b() -> MoEConfig:
+    return _cfg(48, 2048, 32, 4, 768, 128, 8, vocab=151936, ctx=40960, theta=1e6, eps=1e-6, spec="qwen3_moe_norm",
+                head_dim=128)
+
+
+def qwen3_moe_235b_a22b() -> MoEConfig:
+    return _cfg(94, 4096, 64, 4, 1536, 128, 8, vocab=151936, ctx=40960, theta=1e6, eps=1e-6, spec="qwen3_moe_norm",
+                head_dim=128)
+
+
 _COMMON = dict(
     task="causal_lm",
     config=MoEConfig,
@@ -165,7 +185,8 @@ _COMMON = dict(
     # as torchtitan): they are sharded over parallel.ep instead.
     tp_plan={"embed": "vocab_embedding", "layers.*.attn.qkv": "column", "layers.*.attn.proj": "row",
              "layers.*.moe.shared.fc": "column_gated", "layers.*.moe.shared.proj": "row",
-             "layers.*.mlp.fc": "column_gated", "layers.*.mlp.proj": "row", "head": "vocab_head"},
+             "layers.*.mlp.fc": "column_gated", "layers.*.mlp.proj": "row", "head": "vocab_head",
+             "layers.*.attn.q_norm": "per_head", "layers.*.attn.k_norm": "per_head"},  # (Qwen3-MoE's)
     tp_local={"layers.*.attn": ("h", "kv")},
     # The routing statistics travel with the hidden state to the stage that computes the loss.
     pipeline=PipelineSpec(layers="layers", first=("embed",), last=("norm", "head"), input_key="tokens",
@@ -188,4 +209,8 @@ def zoo_families() -> list[Family]:
         Family(name="qwen2-moe", aliases=("qwen2_moe",),
                description="Qwen2-MoE decoder: many small experts (top-k, not renormalised) plus a gated shared expert",
                flavors={"tiny": qwen2_moe_tiny, "A2.7B": qwen15_moe_a27b, "57B-A14B": qwen2_moe_57b}, **_COMMON),
+        Family(name="qwen3-moe", aliases=("qwen3_moe",),
+               description="Qwen3-MoE decoder: Qwen3's attention (q/k RMSNorm), 128 experts top-8, no shared expert",
+               flavors={"tiny": qwen3_moe_tiny, "30B-A3B": qwen3_moe_30b_a3b, "235B-A22B": qwen3_moe_235b_a22b},
+               **_COMMON),
     ]
