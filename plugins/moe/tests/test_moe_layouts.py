@@ -213,3 +213,13 @@ def test_fsdp_with_expert_tensor_parallelism_from_hugging_face_resumes_in_one_pr
     assert sorted(tuple(p["offset"][:2]) for p in gate_up["pieces"]) == sorted(
         (r, h * f2 // 2 + t * f2 // 4) for r in (0, e // 2) for h in (0, 1) for t in (0, 1))
     assert _close(_resumed_in_one_process(tmp_path, tmp_path / "fsdp"), one[2:])
+
+
+def test_fsdp_with_whole_experts_trains_on_the_same_curve(tmp_path, from_hf):
+    """fsdp2 x ep2 through `zoo train`: FSDP shards the dense parameters (DTensors) and leaves each
+    rank's experts whole (plain tensors, ep = dp); the trainer's fused AdamW takes them in groups
+    of one kind (mixed, it failed: "got mixed torch.Tensor and DTensor")."""
+    load, one = from_hf
+    out = _zoo(2, *_run(tmp_path / "fsdp_ep", load, "parallel.fsdp=2", "parallel.ep=2"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert _close(_curve(tmp_path / "fsdp_ep"), one)

@@ -124,14 +124,17 @@ def adamw_factory(cfg: OptimizerConfig, *, note: Callable[[str], None] = print
 def param_groups(model: nn.Module, weight_decay: float, *, rules: ParamRules | None = None,
                  placements: Placements | None = None) -> list[dict[str, Any]]:
     """Optimizer groups of the model's trainable parameters, one per distinct options (in the
-    order first seen); ``placements`` give single-process names under a parallel layout."""
+    order first seen); ``placements`` give single-process names under a parallel layout.
+    FSDP's DTensors of each device mesh and plain tensors (experts FSDP leaves whole when
+    ep = dp) never share a group: the fused and foreach kernels take one kind per call."""
     rules = rules or ParamRules(weight_decay)
     groups: dict[tuple[Any, ...], dict[str, Any]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         options = rules.options(placements.canonical(name) if placements is not None else name, p)
-        groups.setdefault(tuple(sorted(options.items())), {**options, "params": []})["params"].append(p)
+        mesh = id(p.device_mesh) if hasattr(p, "device_mesh") else None
+        groups.setdefault((*sorted(options.items()), mesh), {**options, "params": []})["params"].append(p)
     return list(groups.values())
 
 
