@@ -406,8 +406,9 @@ class Parallel:
             root.reshard()  # type: ignore[operator]
 
     def finish_grads(self) -> None:
-        """After the last backward of a step: wait for the data-parallel reductions, sum the
-        sequence-parallel norm gradients over TP and tied embeddings over the first and last stage."""
+        """After the last backward of a step: wait for the data-parallel reductions, sum over TP the
+        gradients of what is applied to a part of the data there (norms on sequence shards, per-head
+        norms on a rank's heads) and tied embeddings' over the first and last stage."""
         if self.buckets is not None:
             self.buckets.finish()
         if self.fsdp_roots:

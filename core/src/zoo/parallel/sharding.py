@@ -278,7 +278,7 @@ class Placement:
 
     name: str  # its single-process name
     shard: TPShard | None = None  # tensor-parallel split; None: whole on every TP rank
-    sequence_parallel: bool = False  # applied to sequence shards: its gradient is summed over TP
+    sequence_parallel: bool = False  # applied to sequence shards or a rank's heads: its gradient is summed over TP
     tied: bool = False  # shared by the first and last pipeline stage: gradients summed over both
     duplicate: bool = False  # the last stage's copy of a tied parameter: counted in norms and written once
     fsdp: FSDPChunk | None = None  # FSDP's split over the data-parallel ranks, after tensor parallelism's
