@@ -208,7 +208,8 @@ def resolve_run(args: argparse.Namespace) -> tuple[FamilyEntry, RunConfig]:
 
 def count_parameters(entry: FamilyEntry, run: RunConfig, plan: Layout) -> tuple[int, list[int]]:
     """Build the model on the meta device (no memory); (total parameters, parameters one rank of
-    each pipeline stage holds: its layers, TP-split where the family's plan splits them)."""
+    each pipeline stage holds: its layers, TP-split where the family's plan splits them, routed
+    experts over ep x etp)."""
     import torch
 
     from zoo.family import resolve
@@ -219,14 +220,15 @@ def count_parameters(entry: FamilyEntry, run: RunConfig, plan: Layout) -> tuple[
     with torch.device("meta"):
         model = build(run.model, fam.spec_for(run.model))
     total = sum(p.numel() for p in model.parameters())
+    shares = dict(ep=plan.ep, etp=plan.etp)
     if plan.pp == 1 or fam.pipeline is None:
-        return total, [parameters_per_rank(model, fam.tp_plan, plan.tp)]
+        return total, [parameters_per_rank(model, fam.tp_plan, plan.tp, **shares)]
     from zoo.parallel.pipeline import build_stages
 
     per_stage = []
     for rank in range(plan.pp):
         stages = build_stages(model, fam.pipeline, pp=plan.pp, vpp=plan.vpp, rank=rank, sizes=run.parallel.pp_layers)
-        per_stage.append(parameters_per_rank(stages.local, fam.tp_plan, plan.tp))
+        per_stage.append(parameters_per_rank(stages.local, fam.tp_plan, plan.tp, **shares))
     return total, per_stage
 
 
@@ -248,8 +250,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         if plan.pp > 1:
             for stage, count in enumerate(per_stage):
                 print(f"# parameters per rank of pipeline stage {stage}: {count:,} ({_human(count)})")
-        elif plan.tp > 1:
-            print(f"# parameters per tensor-parallel rank: {per_stage[0]:,} ({_human(per_stage[0])})")
+        elif plan.tp > 1 or plan.ep > 1 or plan.etp > 1:
+            what = "tensor-parallel rank" if plan.ep == plan.etp == 1 else "rank (experts over ep x etp)"
+            print(f"# parameters per {what}: {per_stage[0]:,} ({_human(per_stage[0])})")
         return 0
     from zoo.training.trainer import Trainer
 

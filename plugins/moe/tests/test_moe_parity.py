@@ -403,3 +403,18 @@ def test_flavors_count_what_transformers_builds_from_their_exported_config(flavo
     assert ours == theirs
     if flavor == "qwen3_moe_30b_a3b":
         assert ours == 30_532_122_624
+
+
+def test_dry_run_counts_a_ranks_share_of_the_experts(capsys):
+    """Qwen3-30B-A3B on 16 ranks, ep8 x tp2: independent arithmetic of what one rank holds."""
+    from zoo.cli import main
+
+    assert main(["train", "--model", "qwen3-moe", "--flavor", "30B-A3B", "parallel.ep=8", "parallel.tp=2",
+                 "parallel.sequence_parallel=true", "--world-size", "16", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    layers, d, vocab = 48, 2048, 151936
+    split = 2 * vocab * d + layers * ((32 + 2 * 4) * 128 * d + 32 * 128 * d)  # embeddings, head, q|k|v, o: over tp
+    experts = layers * 128 * 3 * d * 768  # over ep
+    whole = layers * (128 * d + 2 * d + 2 * 128) + d  # router, norms, q/k norms, final norm
+    assert f"# parameters: {split + experts + whole:,}" in out  # (30,532,122,624, as released)
+    assert f"# parameters per rank (experts over ep x etp): {split // 2 + experts // 8 + whole:,}" in out

@@ -278,14 +278,20 @@ def scale_grads(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) 
     torch._foreach_mul_(grads, factor.to(grads[0].device))
 
 
-def parameters_per_rank(model: nn.Module, plan: Mapping[str, str], tp: int) -> int:
-    """Parameters one tensor-parallel rank holds (planned modules split, the rest replicated)."""
+def parameters_per_rank(model: nn.Module, plan: Mapping[str, str], tp: int, *, ep: int = 1, etp: int = 1) -> int:
+    """Parameters one rank holds: planned modules split over ``tp``, routed experts (``gate_up`` and
+    ``down`` of a module with ``shard_experts``) over ``ep`` x ``etp``, the rest replicated."""
+    experts = {f"{n}.{k}" if n else k for n, m in model.named_modules() if hasattr(m, "shard_experts")
+               for k in ("gate_up", "down")}
     total, seen = 0, set()
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
+        if name in experts:
+            total += p.numel() // (ep * etp)
+            continue
         module = name.rpartition(".")[0]
-        split = tp > 1 and any(_matches(module, pat) for pat in plan)
+        split = tp > 1 and any(_matches(module, pat) and plan[pat] != "per_head" for pat in plan)
         total += p.numel() // tp if split else p.numel()
     return total
