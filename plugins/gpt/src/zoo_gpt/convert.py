@@ -81,7 +81,8 @@ def to_hf_config(cfg: GPTConfig) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
     qwen3 = cfg.layer_spec == "qwen3"
     return {
-        "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"], "model_type": "qwen3" if qwen3 else "llama",
+        "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
+        "model_type": "qwen3" if qwen3 else "llama",
         **({"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.num_layers} if qwen3 else {}),
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
@@ -124,13 +125,15 @@ def from_hf_config(hf: dict[str, Any]) -> GPTConfig:
                          ffn_hidden_size=hf["intermediate_size"], max_seq_length=hf.get("max_position_embeddings", 2048),
                          norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                          rope_theta=theta, rope_scaling=scaling, init_std=hf.get("initializer_range", 0.02),
-                         layer_spec="qwen3" if kind == "qwen3" else "llama_attn_bias" if hf.get("attention_bias") else "llama")
+                         layer_spec="qwen3" if kind == "qwen3"
+                         else "llama_attn_bias" if hf.get("attention_bias") else "llama")
     raise UsageError(f"model_type {kind!r} is not GPT-2, LLaMA or Qwen3")
 
 
 HF = ExternalFormat(
     name="hf",
-    architectures={"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"},
+    architectures={"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "LlamaForCausalLM": "llama",
+                   "Qwen3ForCausalLM": "qwen3"},
     table=table,
     to_config=to_hf_config,
     from_config=from_hf_config,

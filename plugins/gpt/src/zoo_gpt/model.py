@@ -26,7 +26,8 @@ class Block(TransformerLayer):
 
 
 class GPT(nn.Module):
-    symbol = "T"  # the layer spec's block symbol (a subclass with other blocks overrides it, `layer_symbols` and `make_block`)
+    # The layer spec's block symbol (a subclass with other blocks overrides it, `layer_symbols` and `make_block`)
+    symbol = "T"
 
     def __init__(self, cfg: GPTConfig, spec: ModelSpec) -> None:
         super().__init__()

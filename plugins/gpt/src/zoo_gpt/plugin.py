@@ -83,9 +83,9 @@ LLAMA_ATTN_BIAS = ModelSpec(
 
 # Qwen3: LLaMA with a per-head RMSNorm of q and k before the rotation (Qwen3ForCausalLM).
 QWEN3 = ModelSpec(
-    blocks={"T": BlockSpec(norm=LLAMA.blocks["T"].norm,
-                           mixer=AttentionSpec(causal=True, bias=False, positions="rope", qk_norm=NormSpec(kind="rmsnorm")),
-                           ffn=LLAMA.blocks["T"].ffn)},
+    blocks={"T": BlockSpec(norm=LLAMA.blocks["T"].norm, ffn=LLAMA.blocks["T"].ffn,
+                           mixer=AttentionSpec(causal=True, bias=False, positions="rope",
+                                               qk_norm=NormSpec(kind="rmsnorm")))},
     embedding="token", positions="none", final_norm=NormSpec(kind="rmsnorm"), head="lm",
 )
 
@@ -154,15 +154,15 @@ def llama2_7b() -> GPTConfig:
 
 
 def _qwen3(layers: int, hidden: int, heads: int, kv: int, ffn: int, *, vocab: int = 151936, ctx: int = 40960,
-           tie: bool = False, theta: float = 1000000.0) -> GPTConfig:
-    # (head_dim 128 whatever the width: Qwen3's q|k|v are wider than the hidden size in the small ones)
+           tie: bool = False, theta: float = 1000000.0, head_dim: int = 128) -> GPTConfig:
+    # (head_dim 128 whatever the width: in the small ones q|k|v are wider than the hidden size)
     return GPTConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv,
-                     head_dim=128 if hidden >= 1024 else hidden // heads, ffn_hidden_size=ffn, max_seq_length=ctx,
-                     norm_eps=1e-6, tie_embeddings=tie, rope_theta=theta, layer_spec="qwen3")
+                     head_dim=head_dim, ffn_hidden_size=ffn, max_seq_length=ctx, norm_eps=1e-6, tie_embeddings=tie,
+                     rope_theta=theta, layer_spec="qwen3")
 
 
 def qwen3_tiny() -> GPTConfig:
-    return _qwen3(2, 128, 4, 2, 384, vocab=2048, ctx=256, theta=10000.0)
+    return _qwen3(2, 128, 4, 2, 384, vocab=2048, ctx=256, theta=10000.0, head_dim=32)
 
 
 def qwen3_0_6b() -> GPTConfig:
