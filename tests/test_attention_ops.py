@@ -12,13 +12,15 @@ from zoo.nn import attention
 from zoo.nn import attention_ops as ops
 
 
-def _reference(q, k, v, *, causal, offset=0, segment_ids=None):
+def _reference(q, k, v, *, causal, offset=0, segment_ids=None, window=None):
     """float64 SDPA with the masks spelled out: key j visible to query i when j <= offset + i
-    (causal) and both lie in the same packed sample."""
+    (causal), offset + i - j < window (a sliding window) and both lie in the same packed sample."""
     t, s = q.shape[2], k.shape[2]
     mask = torch.ones(t, s, dtype=torch.bool)
     if causal:
         mask = torch.ones(t, s, dtype=torch.bool).tril(diagonal=offset)
+    if window is not None:
+        mask &= offset + torch.arange(t)[:, None] - torch.arange(s)[None, :] < window
     mask = mask[None, None]
     if segment_ids is not None:
         mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
@@ -46,13 +48,16 @@ def _rel(a, b):
 
 
 CASES = {
-    # name: (b, h, kv, t, s, hd, causal, offset, packed)
-    "causal-gqa": (2, 8, 2, 40, 40, 16, True, 0, False),
-    "full-mha": (2, 4, 4, 33, 33, 8, False, 0, False),
-    "cross-lengths": (2, 4, 2, 12, 20, 8, False, 0, False),
-    "causal-offset": (1, 6, 3, 9, 25, 8, True, 16, False),
-    "packed-causal": (2, 4, 1, 30, 30, 8, True, 0, True),
-    "packed-full": (3, 2, 2, 21, 21, 8, False, 0, True),
+    # name: (b, h, kv, t, s, hd, causal, offset, packed, sliding window)
+    "causal-gqa": (2, 8, 2, 40, 40, 16, True, 0, False, None),
+    "full-mha": (2, 4, 4, 33, 33, 8, False, 0, False, None),
+    "cross-lengths": (2, 4, 2, 12, 20, 8, False, 0, False, None),
+    "causal-offset": (1, 6, 3, 9, 25, 8, True, 16, False, None),
+    "packed-causal": (2, 4, 1, 30, 30, 8, True, 0, True, None),
+    "packed-full": (3, 2, 2, 21, 21, 8, False, 0, True, None),
+    "causal-window": (2, 8, 2, 40, 40, 16, True, 0, False, 7),
+    "offset-window": (1, 6, 3, 9, 25, 8, True, 16, False, 5),
+    "packed-window": (2, 4, 1, 30, 30, 8, True, 0, True, 6),
 }
 
 
@@ -68,23 +73,24 @@ def test_blocked_attention_matches_float64(case, blocks, keep, monkeypatch):
             monkeypatch.setattr(ops, f"{prefix}_BLOCK_ROWS", blocks[0])
             monkeypatch.setattr(ops, f"{prefix}_BLOCK_ELEMENTS", blocks[1])
         monkeypatch.setattr(ops, "_AMX_BLOCK_ELEMENTS", blocks[1])  # (bf16's on a CPU with AMX)
-    b, h, kv, t, s, hd, causal, offset, packed = CASES[case]
+    b, h, kv, t, s, hd, causal, offset, packed, window = CASES[case]
     q, k, v, grad = _inputs(b, h, kv, t, s, hd)
     seg = None
     if packed:  # samples of uneven lengths packed along the sequence
         seg = torch.cat([torch.full((n,), i) for i, n in enumerate((7, 1, t - 12, 4))])[None].repeat(b, 1)
         seg[-1] = torch.arange(t) // 5
-    ref = _run(lambda q, k, v: _reference(q, k, v, causal=causal, offset=offset, segment_ids=seg), q, k, v, grad,
-               torch.float64)
+    def reference(q, k, v):
+        return _reference(q, k, v, causal=causal, offset=offset, segment_ids=seg, window=window)
+
+    ref = _run(reference, q, k, v, grad, torch.float64)
 
     def ours(q, k, v):
-        return ops.blocked_attention(q, k, v, causal=causal, offset=offset, segment_ids=seg)
+        return ops.blocked_attention(q, k, v, causal=causal, offset=offset, segment_ids=seg, window=window)
 
     for got, want in zip(_run(ours, q, k, v, grad, torch.float32), ref):
         assert _rel(got, want) < 2e-6
     # bf16: the errors of torch's own bf16 kernel on the same inputs, within a factor
-    torch_bf16 = _run(lambda q, k, v: _reference(q, k, v, causal=causal, offset=offset, segment_ids=seg), q, k, v,
-                      grad, torch.bfloat16)
+    torch_bf16 = _run(reference, q, k, v, grad, torch.bfloat16)
     for got, theirs, want in zip(_run(ours, q, k, v, grad, torch.bfloat16), torch_bf16, ref):
         assert _rel(got, want) < max(2.5 * _rel(theirs, want), 4e-3)
 
@@ -145,6 +151,34 @@ def test_attention_dispatch(monkeypatch):
     assert calls == [1, 1]
     assert _rel(out32.double(), ref) < 1e-6
     assert _rel(out_ac.double(), ref) < 1e-2 and _rel(out16.double(), ref) < 1e-2
+
+
+@pytest.mark.parametrize("window", [1, 6, 40])
+def test_sliding_window_on_every_path(window):
+    """`attention` with a window, through each way it is computed (torch's kernel with a mask, the
+    blocked path, a decoding step against a KV cache, a few kept query positions, packed samples):
+    the float64 reference with the window spelled out. A window of 40 covers the whole sequence."""
+    q, k, v, _ = _inputs(2, 4, 2, 24, 24, 8)
+    qd, kd, vd = q.double(), k.double(), v.double()
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)  # one KV head a head: torch's kernel in fp32
+    ref = _reference(qd, kd, vd, causal=True, window=window)
+    assert _rel(attention(q, kr, vr, causal=True, window=window).double(), ref) < 1e-6
+    assert _rel(attention(q, k, v, causal=True, window=window).double(), ref) < 1e-6  # grouped: blocked
+    assert _rel(attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, window=window).double(), ref) < 1e-2
+    # decoding: the last 5 queries against a cache of 19 earlier positions, and one query alone
+    for n in (5, 1):
+        got = attention(q[:, :, -n:], k, v, causal=True, offset=24 - n, window=window)
+        assert _rel(got.double(), ref[:, :, -n:]) < 1e-6
+    at = torch.tensor([[3, 11, 23], [0, 7, 20]])
+    got = attention(q.gather(2, at[:, None, :, None].expand(-1, 4, -1, 8)), k, v, causal=True, window=window,
+                    q_positions=at)
+    assert _rel(got.double(), ref.gather(2, at[:, None, :, None].expand(-1, 4, -1, 8))) < 1e-6
+    seg = (torch.arange(24) // 9)[None].repeat(2, 1)
+    ref_packed = _reference(qd, kd, vd, causal=True, window=window, segment_ids=seg)
+    assert _rel(attention(q, kr, vr, causal=True, window=window, segment_ids=seg).double(), ref_packed) < 1e-6
+    assert _rel(attention(q, k, v, causal=True, window=window, segment_ids=seg).double(), ref_packed) < 1e-6
+    with pytest.raises(ValueError, match="sliding-window attention is causal"):
+        attention(q, k, v, causal=False, window=window)
 
 
 def test_packed_cross_attention_keeps_torch_kernel():

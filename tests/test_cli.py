@@ -90,6 +90,19 @@ def test_debug_shows_the_traceback():
     assert out.returncode != 0 and "Traceback" in out.stderr and "ConfigError" in out.stderr
 
 
+def test_a_reader_that_leaves_early_is_not_an_error():
+    """`zoo list | head -1`: the pipe closes before zoo has written everything; zoo stops quietly
+    with SIGPIPE's status instead of printing a BrokenPipeError."""
+    import subprocess
+    import sys
+
+    # (the reading end is closed before the child starts: every write meets a broken pipe)
+    proc = subprocess.Popen([sys.executable, "-m", "zoo", "list"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and err == ""
+
+
 def test_help_does_not_load_plugins_and_list_does_not_import_model_code(tmp_path):
     probe = (
         "import sys\n"

@@ -286,3 +286,13 @@ def test_megatron_values_that_decide_zoos_form():
     argv = ["--train-iters", "200", "--lr-warmup-fraction", "0.01"]
     assert foreign.flag_hint(argv, [a for a in argv if a.startswith("--")], keys) == \
         " (in zoo: train.steps=200 schedule.warmup_steps=2)"
+    # Megatron's sliding window (left, right) and the layers it skips, as megatron-core decides them
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    argv = ["--num-layers", "8", "--window-size", "(4095,0)", "--window-attn-skip-freq", "3"]
+    sliding = [i for i in range(8) if is_layer_window_attention((4095, 0), 3, i + 1)]  # (1-based layer numbers)
+    assert foreign.flag_hint(argv, [a for a in argv if a.startswith("--")], keys) == \
+        f" (in zoo: model.num_layers=8 model.sliding_window=4096 model.window_layers=[{','.join(map(str, sliding))}])"
+    for size, answer in (("-1,0", "nothing to set: a left size of -1 is no window"),
+                         ("4,4", "nothing like it: zoo's sliding windows are causal")):
+        assert foreign.flag_hint(["--window-size", size], ["--window-size"], keys).startswith(f" (in zoo: {answer}")

@@ -1,6 +1,6 @@
 """Ring attention against PyTorch's own causal attention over the whole sequence (float64, so
 any difference is an error, not rounding): outputs and the gradients of q, k and v, for CP sizes
-2 and 4, multi-head and grouped-query."""
+2 and 4, multi-head and grouped-query, packed samples and sliding windows."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from zoo.parallel.context import local_positions, split_batch
 from zoo.testing import run_distributed
 
 
-def _ring(h: int, kvh: int, mode: str) -> dict:
+def _ring(h: int, kvh: int, mode: str, window: int | None) -> dict:
     import torch.distributed as dist
 
     from zoo.parallel.context import ring_attention
@@ -29,12 +29,15 @@ def _ring(h: int, kvh: int, mode: str) -> dict:
     idx = local_positions(t, dist.get_world_size(), dist.get_rank())
     ql, kl, vl = (x.index_select(2, idx).clone().requires_grad_(True) for x in (q, k, v))
     out = ring_attention(ql, kl, vl, dist.group.WORLD, causal=causal,
-                         segment_ids=None if seg is None else seg.index_select(1, idx))
+                         segment_ids=None if seg is None else seg.index_select(1, idx), window=window)
     (out * dout.index_select(2, idx)).sum().backward()
     qf, kf, vf = (x.clone().requires_grad_(True) for x in (q, k, v))
     mask = torch.ones(b, 1, t, t, dtype=torch.bool)
     if causal:
         mask &= torch.ones(t, t, dtype=torch.bool).tril()
+    if window is not None:  # query i sees keys i - window + 1 .. i
+        i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+        mask &= i - j < window
     if seg is not None:
         mask &= seg[:, None, :, None] == seg[:, None, None, :]
     ref = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, enable_gqa=h != kvh)
@@ -44,12 +47,15 @@ def _ring(h: int, kvh: int, mode: str) -> dict:
             "dk": (kl.grad - pick(kf.grad)).abs().max().item(), "dv": (vl.grad - pick(vf.grad)).abs().max().item()}
 
 
-@pytest.mark.parametrize(("cp", "heads", "kv_heads", "mode"), [
-    (2, 4, 4, "causal"), (2, 4, 2, "causal"), (4, 4, 1, "causal"),
+@pytest.mark.parametrize(("cp", "heads", "kv_heads", "mode", "window"), [
+    (2, 4, 4, "causal", None), (2, 4, 2, "causal", None), (4, 4, 1, "causal", None),
     # a DiT's: every block computed; packed samples' ids travel with the keys (some blocks see none)
-    (2, 4, 2, "bidirectional"), (4, 4, 4, "causal-packed")])
-def test_ring_attention_equals_full_attention(cp, heads, kv_heads, mode):
-    for errors in run_distributed(_ring, cp, heads, kv_heads, mode, timeout=120):
+    (2, 4, 2, "bidirectional", None), (4, 4, 4, "causal-packed", None),
+    # sliding windows (Mistral's): chunks of 6 / 3 positions, blocks partly inside the window of 5
+    # and, at cp=4, blocks wholly outside it (skipped)
+    (2, 4, 2, "causal", 5), (4, 4, 2, "causal-packed", 5)])
+def test_ring_attention_equals_full_attention(cp, heads, kv_heads, mode, window):
+    for errors in run_distributed(_ring, cp, heads, kv_heads, mode, window, timeout=120):
         assert max(errors.values()) < 1e-12, errors
 
 

@@ -483,6 +483,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("zoo: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader left (`zoo list | head`): nothing is wrong with the command. Point stdout at
+        # nothing so that the interpreter's last flush does not fail again, and exit as SIGPIPE would.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except Exception as e:
         if debug:
             raise

@@ -24,6 +24,17 @@ PUBLISHED = {
     plugin.llama3_8b: 8_030_261_248,
     plugin.llama3_70b: 70_553_706_496,
     plugin.llama2_7b: 6_738_415_616,
+    # Mistral AI's and Qwen's released checkpoints (Qwen2.5's sizes)
+    plugin.mistral_7b_v01: 7_241_732_096,
+    plugin.mistral_7b_v03: 7_248_023_552,
+    plugin.mistral_nemo_12b: 12_247_782_400,
+    plugin.qwen2_0_5b: 494_032_768,
+    plugin.qwen2_1_5b: 1_543_714_304,
+    plugin.qwen2_3b: 3_085_938_688,
+    plugin.qwen2_7b: 7_615_616_512,
+    plugin.qwen2_14b: 14_770_033_664,
+    plugin.qwen2_32b: 32_763_876_352,
+    plugin.qwen2_72b: 72_706_203_648,
 }
 
 
@@ -40,7 +51,9 @@ def test_meta_build_matches_published_size(flavor):
 
 
 @pytest.mark.parametrize("flavor", [plugin.gpt2_124m, plugin.llama3_1b, plugin.llama2_7b, plugin.qwen3_0_6b,
-                                    plugin.qwen3_1_7b, plugin.qwen3_4b, plugin.qwen3_8b], ids=lambda f: f.__name__)
+                                    plugin.qwen3_1_7b, plugin.qwen3_4b, plugin.qwen3_8b, plugin.mistral_7b_v01,
+                                    plugin.mistral_nemo_12b, plugin.qwen2_0_5b, plugin.qwen2_7b],
+                         ids=lambda f: f.__name__)
 def test_same_count_as_hf_from_exported_config(flavor):
     cfg = flavor()
     hf_cfg = to_hf_config(cfg)

@@ -6,7 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 from _gpt_helpers import small_run, zoo
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import zoo as zoo_api
 from zoo.nn.sampling import filter_logits, generate_tokens
@@ -38,6 +49,14 @@ HF = {
     "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                                   max_position_embeddings=64)),  # the cache holds normed keys
+    # a window of 6: the 27 positions decoded reach far past it, the cached queries see only its keys
+    "mistral-window": lambda: MistralForCausalLM(MistralConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=6)),
+    "qwen2-window": lambda: Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, use_sliding_window=True, sliding_window=6,
+        max_window_layers=1)),
 }
 
 

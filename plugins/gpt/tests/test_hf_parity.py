@@ -1,5 +1,5 @@
-"""GPT-2, LLaMA and Qwen3 against Hugging Face transformers, built from tiny configs (no download):
-logits match to 1e-5 in float32 and HF -> zoo -> HF is bitwise identical."""
+"""GPT-2, LLaMA, Mistral, Qwen2 and Qwen3 against Hugging Face transformers, built from tiny configs
+(no download): logits match to 1e-5 in float32 and HF -> zoo -> HF is bitwise identical."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -29,6 +33,9 @@ def _llama(**kw):
                 num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
     return LlamaForCausalLM(LlamaConfig(**{**base, **kw}))
 
+
+_SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
 
 CASES = {
     "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
@@ -47,6 +54,15 @@ CASES = {
     "qwen3-tied": lambda: Qwen3ForCausalLM(Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=48,
                                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                                        max_position_embeddings=64, tie_word_embeddings=True)),
+    # Sliding windows of 8 positions over the 40 tokens compared
+    "mistral-window": lambda: MistralForCausalLM(MistralConfig(**_SMALL, sliding_window=8)),
+    "mistral-no-window": lambda: MistralForCausalLM(MistralConfig(**_SMALL, sliding_window=None, head_dim=16)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**{**_SMALL, "tie_word_embeddings": True})),  # q/k/v biases, o none
+    "qwen2-window-layer-1": lambda: Qwen2ForCausalLM(Qwen2Config(**_SMALL, use_sliding_window=True, sliding_window=8,
+                                                                 max_window_layers=1)),
+    "qwen3-window-layer-types": lambda: Qwen3ForCausalLM(Qwen3Config(
+        **{**_SMALL, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
 
 
@@ -90,6 +106,21 @@ def test_logits_match_hf_and_round_trip_is_bitwise(case, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(back).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(tokens).logits, expected)
+
+
+@pytest.mark.parametrize(("case", "windows"), [("mistral-window", [8, 8]), ("qwen2-window-layer-1", [None, 8]),
+                                               ("qwen3-window-layer-types", [8, None, 8])])
+def test_the_window_reaches_the_layers_it_names_and_changes_the_result(case, windows, tmp_path):
+    """Each layer gets the window Hugging Face's config gives it, and the window matters: the same
+    weights with every layer attending to the whole past give other logits."""
+    hf_model, src = _hf(case, tmp_path)
+    ours = zoo.load_model(str(src)).eval()
+    assert [layer.attn.window for layer in ours.layers] == windows
+    tokens = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(1))
+    for layer in ours.layers:
+        layer.attn.window = None
+    with torch.no_grad():
+        assert (ours(tokens) - hf_model(tokens).logits).abs().max() > 1e-3
 
 
 def test_sharded_export_and_import(tmp_path):

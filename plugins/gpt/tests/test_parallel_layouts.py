@@ -66,6 +66,24 @@ def test_layout_equals_one_process(world, layout, family, layers, zero):
         assert_same_training(got, ref)
 
 
+def _train_with(layout: dict, family: str, model: dict) -> dict:
+    from zoo.testing import train_layout
+
+    return train_layout(layout, family, 2, False, steps=STEPS, micro=MICRO, seq_length=SEQ, model=model)
+
+
+@pytest.mark.parametrize(("world", "layout", "family", "model"), [
+    # a window of 5 over 16 positions: at cp2 the ring's 4-position chunks lie partly inside it and
+    # wholly outside it (skipped)
+    (4, {"tp": 2, "cp": 2, "sequence_parallel": True}, "mistral", {"sliding_window": 5}),
+    (2, {"tp": 2}, "qwen2", {}),  # q/k/v biases split with their columns, o without one
+], ids=["mistral-window5-w4-tp2-cp2-sp", "qwen2-w2-tp2"])
+def test_windows_and_qkv_biases_equal_one_process(world, layout, family, model):
+    ref = _train_with({}, family, model)
+    for got in run_distributed(_train_with, world, layout, family, model, timeout=240):
+        assert_same_training(got, ref)
+
+
 @pytest.mark.slow
 def test_eight_processes_tp_pp_dp_with_sequence_parallel_and_zero():
     layout = {"tp": 2, "pp": 2, "vpp": 2, "sequence_parallel": True}

@@ -60,11 +60,19 @@ DENSE = [({"mlp_only_layers": [0]}, "TE"),  # DeepSeek's first dense layer
          ({"mlp_only_layers": [1, 2], "num_hidden_layers": 4, "norm_topk_prob": True}, "ETTE")]
 
 
+# Sliding windows of 4 positions (the inputs have 12): Mixtral's on every layer, Qwen2-MoE's on the
+# even layers below max_window_layers (transformers' rule), Qwen3-MoE's on every layer.
+WINDOWS = [("mixtral", {"sliding_window": 4}),
+           ("qwen", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}),
+           ("qwen3", {"use_sliding_window": True, "sliding_window": 4})]
+
+
 @pytest.mark.parametrize(("kind", "over"), [("mixtral", {}), ("qwen", {}), ("qwen", {"norm_topk_prob": True}),
                                             *(("qwen", over) for over, _ in DENSE), ("qwen3", {}),
-                                            ("qwen3", {"norm_topk_prob": True, "mlp_only_layers": [0]})],
+                                            ("qwen3", {"norm_topk_prob": True, "mlp_only_layers": [0]}), *WINDOWS],
                          ids=["mixtral", "qwen2-moe", "qwen2-moe-norm-topk", *(f"qwen2-moe-{p}" for _, p in DENSE),
-                              "qwen3-moe", "qwen3-moe-norm-topk-TE"])
+                              "qwen3-moe", "qwen3-moe-norm-topk-TE", "mixtral-window", "qwen2-moe-window",
+                              "qwen3-moe-window"])
 def test_logits_and_aux_loss_match_hugging_face(kind, over):
     hf = _hf(kind, **over)
     ours, cfg, _ = _ours(hf)
@@ -369,6 +377,31 @@ def test_dense_layers_round_trip_through_zoo_convert_into_a_model_transformers_l
     x = torch.randint(0, 64, (1, 9))
     with torch.no_grad():
         assert torch.equal(again(x).logits, hf(x).logits)
+
+
+@pytest.mark.parametrize(("kind", "over"), WINDOWS, ids=["mixtral", "qwen2-moe", "qwen3-moe"])
+def test_sliding_windows_round_trip_through_zoo_convert(tmp_path, capsys, kind, over):
+    """The layers that slide and their window survive zoo convert both ways: transformers builds the
+    same attention from the exported config (its logits bitwise the original's), and the window
+    matters (the same weights without it give other logits)."""
+    from transformers import AutoModelForCausalLM
+
+    from zoo.cli import main
+
+    hf = _hf(kind, **over)
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "zoo")]) == 0
+    assert main(["convert", "--to", "hf", str(tmp_path / "zoo"), str(tmp_path / "back")]) == 0
+    capsys.readouterr()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert again.config.sliding_window == 4
+    assert getattr(again.config, "layer_types", None) == getattr(hf.config, "layer_types", None)
+    x = torch.randint(0, 64, (1, 12))
+    windowless = _hf(kind)
+    windowless.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, hf(x).logits)
+        assert (windowless(x).logits - hf(x).logits).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize(("family", "symbol"), [("mixtral", "E"), ("mamba2", "M")])

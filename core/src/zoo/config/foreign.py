@@ -11,6 +11,7 @@ the family has that key (``model.num_heads`` is LLaMA's, not CLIP's).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -210,7 +211,8 @@ def flag_hint(argv: Sequence[str], stray: Sequence[str], keys: Iterable[str]) ->
         if not eq:
             at = argv.index(flag) if flag in argv else -1
             nxt = argv[at + 1] if 0 <= at < len(argv) - 1 else None
-            value = nxt if nxt is not None and (not nxt.startswith("-") or _number(nxt)) and "=" not in nxt else None
+            value = nxt if nxt is not None and (not nxt.startswith("-") or _number(nxt) or _PAIR.fullmatch(nxt)) \
+                and "=" not in nxt else None
         given[_norm(name)] = value
     # Megatron's --save X --load X resumes from X: zoo resumes from its run directory by itself
     # (checkpoint.load is where a fresh run's first weights come from)
@@ -230,6 +232,21 @@ def flag_hint(argv: Sequence[str], stray: Sequence[str], keys: Iterable[str]) ->
                 and (given.get("num_layers") or "").isdigit():  # Megatron's rule: layer i is MoE iff i % N == 0
             forms.append("model.pattern=" + "".join("T" if i % int(value) else "E"
                                                     for i in range(int(given["num_layers"] or 0))))
+            continue
+        if name == "window_size" and value is not None:  # Megatron's (left, right): keys i-left .. i+right
+            sizes = [int(n) for n in re.findall(r"-?\d+", value)]
+            if len(sizes) == 2 and sizes[1] == 0:
+                forms.append("nothing to set: a left size of -1 is no window" if sizes[0] < 0
+                             else f"model.sliding_window={sizes[0] + 1}")
+                continue
+            if len(sizes) == 2:
+                forms.append("nothing like it: zoo's sliding windows are causal (model.sliding_window; right size 0)")
+                continue
+        if name == "window_attn_skip_freq" and value is not None and value.isdigit() and int(value) > 1 \
+                and (given.get("num_layers") or "").isdigit():  # every N-th layer (1-based) attends to everything
+            skip = int(value)
+            forms.append("model.window_layers=[" + ",".join(str(i) for i in range(int(given["num_layers"] or 0))
+                                                              if (i + 1) % skip) + "]")
             continue
         if name in _IN_SAMPLES and value is not None and value.isdigit() \
                 and (given.get("global_batch_size") or "").isdigit():  # Megatron's sample counts: steps here
@@ -256,6 +273,9 @@ def flag_hint(argv: Sequence[str], stray: Sequence[str], keys: Iterable[str]) ->
 # Megatron's sample-based lengths (--train-samples ...), as step counts with --global-batch-size
 _IN_SAMPLES = {"train_samples": "train.steps={}", "lr_decay_samples": "schedule.decay_steps={}",
                "lr_warmup_samples": "schedule.warmup_steps={}", "lr_wsd_decay_samples": "schedule.wsd_decay_steps={}"}
+
+
+_PAIR = re.compile(r"[(\[]?\s*-?\d+\s*,\s*-?\d+\s*[)\]]?")  # a value such as --window-size's -1,0
 
 
 def _number(text: str) -> bool:

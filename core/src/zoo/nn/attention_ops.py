@@ -82,51 +82,66 @@ def blocked_supported(q: torch.Tensor, k: torch.Tensor, *, causal: bool, segment
 
 
 def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, offset: int = 0,
-                      segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      segment_ids: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """``softmax(q k^T / sqrt(hd)) v`` for q (B, H, T, hd), k/v (B, KV, S, hd), H a multiple of KV
     (query head i reads KV head i // (H // KV)). ``causal``: query i sees keys up to ``offset + i``
     (S = offset + T with a KV cache). ``segment_ids`` (B, T), self-attention only: attention stays
-    inside each packed sample. Returns (B, H, T, hd) laid out as (B, T, H, hd) in memory, so the
+    inside each packed sample. ``window`` (causal): query i sees keys offset + i - window + 1 .. offset + i.
+    Returns (B, H, T, hd) laid out as (B, T, H, hd) in memory, so the
     usual ``transpose(1, 2).reshape(B, T, H * hd)`` before the output projection copies nothing."""
     if torch.is_autocast_enabled("cpu"):  # what autocast does to scaled_dot_product_attention
         dtype = torch.get_autocast_dtype("cpu")
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     with torch.autocast("cpu", enabled=False):
-        return _BlockedAttention.apply(q, k, v, causal, offset, segment_ids, backward)
+        return _BlockedAttention.apply(q, k, v, causal, offset, segment_ids, backward, window)
+
+
+def causal_mask(t: int, s: int, offset: int, window: int | None, device: Any) -> torch.Tensor:
+    """(T, S) booleans: query i (position ``offset + i``) sees key j when j <= offset + i and, with
+    a sliding ``window``, offset + i - j < window (itself and the window - 1 keys before it)."""
+    mask = torch.ones(t, s, dtype=torch.bool, device=device).tril(diagonal=offset)
+    return mask if window is None else mask.triu(diagonal=offset - window + 1)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
-           segment_ids: torch.Tensor | None = None, kv_segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+           segment_ids: torch.Tensor | None = None, kv_segment_ids: torch.Tensor | None = None,
+           window: int | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(hd)) v with the masks `zoo.nn.attention` describes: the blocked path
     where it is the faster one, torch's scaled_dot_product_attention otherwise."""
+    t, s = q.shape[2], k.shape[2]
+    if window is not None and offset + t <= window:
+        window = None  # no query reaches past the window: plain causal attention
     if blocked_supported(q, k, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids):
-        return blocked_attention(q, k, v, causal=causal, offset=offset, segment_ids=segment_ids)
+        return blocked_attention(q, k, v, causal=causal, offset=offset, segment_ids=segment_ids, window=window)
     # enable_gqa: query head i attends with KV head i // (H // KV) (HF's grouping) without copying K/V.
     gqa = q.shape[1] != k.shape[1]
-    t, s = q.shape[2], k.shape[2]
     if segment_ids is not None:  # block-diagonal (causal) mask: (B, 1, T, S)
         keys = segment_ids if kv_segment_ids is None else kv_segment_ids
         mask = segment_ids[:, None, :, None] == keys[:, None, None, :]
         if causal:
-            mask = mask & torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+            mask = mask & causal_mask(t, s, offset, window, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    if not causal or t == 1:
+    if not causal or (t == 1 and window is None):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-    if offset == 0 and s == t:
+    if offset == 0 and s == t and window is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=offset)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(t, s, offset, window, q.device),
+                                          enable_gqa=gqa)
 
 
 def attend_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
-              segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None, at: torch.Tensor) -> torch.Tensor:
-    """`attend` for q holding the queries of positions ``at`` (B, T') only: the causal and document
-    masks are those rows of the full masks."""
+              segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None, at: torch.Tensor,
+              window: int | None = None) -> torch.Tensor:
+    """`attend` for q holding the queries of positions ``at`` (B, T') only: the causal, window and
+    document masks are those rows of the full masks."""
     s = k.shape[2]
     mask = None
     if causal:
-        mask = torch.arange(s, device=q.device)[None, None, None, :] <= (at + offset)[:, None, :, None]
+        keys, last = torch.arange(s, device=q.device)[None, None, None, :], (at + offset)[:, None, :, None]
+        mask = keys <= last
+        if window is not None:
+            mask = mask & (keys > last - window)
     if segment_ids is not None:
         keys = segment_ids if kv_segment_ids is None else kv_segment_ids
         same = segment_ids.gather(1, at)[:, None, :, None] == keys[:, None, None, :]
@@ -146,9 +161,9 @@ class _Plan:
     (batch, KV head) pairs; a matrix's rows are (position, query head of the group) pairs."""
 
     def __init__(self, b: int, h: int, kv: int, t: int, s: int, causal: bool, offset: int,
-                 segment_ids: torch.Tensor | None, like: torch.Tensor) -> None:
+                 segment_ids: torch.Tensor | None, like: torch.Tensor, window: int | None = None) -> None:
         self.b, self.kv, self.g, self.t, self.s = b, kv, h // kv, t, s
-        self.causal, self.offset = causal, offset
+        self.causal, self.offset, self.window = causal, offset, window
         # The softmax scale is the products' own alpha (``scaled``): a scaled copy of q cost 4x a
         # plain one (0.24 against 0.05 ms for DiT-S's bf16 q), and a rounded scaled q is no more
         # exact; with a power-of-two scale (64-wide heads) the bits are the same either way.
@@ -221,6 +236,12 @@ class _Plan:
         view = scores.view(m1 - m0, tb, self.g, end)
         if self.causal and tb != self.tb:  # keys before the block's first position are visible to all its queries
             view[..., self.offset + i0:end].masked_fill_(self.strip[:tb, :, :tb], float("-inf"))
+        if self.window is not None:  # keys a window or more before the query: a second pass, as packing's
+            first = self.offset + i0 - self.window + 1  # the first key query i0 sees
+            if first + tb - 1 > 0:  # (the block's last query sees from first + tb - 1 on)
+                rows = torch.arange(tb, device=scores.device)[:, None]
+                seen = torch.arange(end, device=scores.device)[None, :] >= first + rows
+                view.masked_fill_(~seen[:, None, :], float("-inf"))
         if self.segment_ids is not None:
             ids = self.segment_ids[m0:m1]
             view.masked_fill_((ids[:, i0:i1, None] != ids[:, None, :end])[:, :, None], float("-inf"))
@@ -243,10 +264,10 @@ def _keeps_probs(plan: _Plan, hd: int, dtype: torch.dtype) -> bool:
 class _BlockedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
-                segment_ids: torch.Tensor | None, keep_probs: bool) -> torch.Tensor:
+                segment_ids: torch.Tensor | None, keep_probs: bool, window: int | None) -> torch.Tensor:
         b, h, t, hd = q.shape
         kv, s = k.shape[1], k.shape[2]
-        plan = _Plan(b, h, kv, t, s, causal, offset, segment_ids, q)
+        plan = _Plan(b, h, kv, t, s, causal, offset, segment_ids, q, window)
         qs = _row_stacked(q, kv)  # (B*KV, T, G, hd)
         kf, vf = k.reshape(b * kv, s, hd), v.reshape(b * kv, s, hd)
         out = q.new_empty(b, t, kv, plan.g, hd)
@@ -299,7 +320,7 @@ class _BlockedAttention(torch.autograd.Function):
                 dv[m0:m1, :end] += torch.bmm(probs.transpose(1, 2), gb)
                 dk[m0:m1, :end] += plan.scaled(dscores.transpose(1, 2), qb)
         return (dq.view(b, t, h, hd).transpose(1, 2), dk.view(b, kv, s, hd).to(kf.dtype),
-                dv.view(b, kv, s, hd).to(vf.dtype), None, None, None, None)
+                dv.view(b, kv, s, hd).to(vf.dtype), None, None, None, None, None)
 
 
-__all__ = ["attend", "attend_at", "blocked_attention", "blocked_supported"]
+__all__ = ["attend", "attend_at", "blocked_attention", "blocked_supported", "causal_mask"]

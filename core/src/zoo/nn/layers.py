@@ -22,9 +22,10 @@ from zoo.spec import AttentionSpec, BlockSpec, MLPSpec
 
 class SelfAttention(nn.Module):
     def __init__(self, spec: AttentionSpec, *, hidden: int, heads: int, kv_heads: int, head_dim: int, layer: int,
-                 eps: float = 1e-6) -> None:
+                 eps: float = 1e-6, window: int | None = None) -> None:
         super().__init__()
         self.layer, self.spec = layer, spec
+        self.window = window  # sliding-window attention: a query sees itself and window - 1 keys before it
         self.h, self.kv, self.hd = heads, kv_heads, head_dim
         self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=spec.bias)
         # Per-head norms of q and k before the rotation (Qwen3, OLMo 2); a family's tp_plan marks
@@ -57,7 +58,7 @@ class SelfAttention(nn.Module):
         if keep is not None:
             q = q.gather(2, keep[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3]))
         y = self.core(q, k, v, causal=self.spec.causal, offset=offset, segment_ids=segment_ids,
-                      q_positions=keep)  # (B, H, T or K, hd)
+                      q_positions=keep, window=self.window)  # (B, H, T or K, hd)
         return self.proj(y.transpose(1, 2).reshape(b, y.shape[2], self.h * self.hd))
 
 
@@ -79,12 +80,12 @@ class TransformerLayer(nn.Module):
     layer (its spec non-causal for images). ``layer`` indexes the KV cache."""
 
     def __init__(self, spec: BlockSpec, *, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn_hidden: int,
-                 eps: float, layer: int) -> None:
+                 eps: float, layer: int, window: int | None = None) -> None:
         super().__init__()
         assert isinstance(spec.mixer, AttentionSpec) and isinstance(spec.ffn, MLPSpec)
         self.attn_norm = make_norm(spec.norm, hidden, eps)
         self.attn = SelfAttention(spec.mixer, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                                  layer=layer, eps=eps)
+                                  layer=layer, eps=eps, window=window)
         self.mlp_norm = make_norm(spec.norm, hidden, eps)
         self.mlp = MLP(spec.ffn, hidden=hidden, ffn_hidden=ffn_hidden)
 

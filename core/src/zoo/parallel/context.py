@@ -162,19 +162,21 @@ def _exchange(t: torch.Tensor, nxt: int, prv: int, tag: int) -> tuple[Any, Any, 
     return send, recv, incoming
 
 
-def _blocks(r: int, src: int, cp: int, causal: bool) -> list[tuple[int, int, bool]]:
-    """(q chunk 0/1, kv chunk 0/1, diagonal?) pairs with any unmasked entry, for rank ``r``'s
-    queries against rank ``src``'s keys (all four pairs when attention is not causal)."""
+def _blocks(r: int, src: int, cp: int, causal: bool, c: int, window: int | None
+            ) -> list[tuple[int, int, int | None]]:
+    """(q chunk 0/1, kv chunk 0/1, distance) triples with any unmasked entry, for rank ``r``'s
+    queries against rank ``src``'s keys: the distance from the key chunk's first position to the
+    query chunk's (0 on the diagonal; None when attention is not causal: all four pairs). With a
+    sliding ``window``, pairs whose nearest query and key are ``window`` or more apart are left out."""
     if not causal:
-        return [(a, b, False) for a in (0, 1) for b in (0, 1)]
+        return [(a, b, None) for a in (0, 1) for b in (0, 1)]
     q_idx, k_idx = (r, 2 * cp - 1 - r), (src, 2 * cp - 1 - src)
     out = []
     for a, qi in enumerate(q_idx):
         for b, kj in enumerate(k_idx):
-            if kj < qi:
-                out.append((a, b, False))
-            elif kj == qi:
-                out.append((a, b, True))
+            distance = (qi - kj) * c
+            if kj <= qi and (window is None or distance - (c - 1) < window):
+                out.append((a, b, distance))
     return out
 
 
@@ -182,14 +184,17 @@ def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)  # softmax statistics never below float32
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool, q_seg: torch.Tensor | None,
-            k_seg: torch.Tensor | None) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, distance: int | None, window: int | None,
+            q_seg: torch.Tensor | None, k_seg: torch.Tensor | None) -> torch.Tensor:
     # q (B, KV, G, Tq, hd), k (B, KV, Tk, hd) -> (B, KV, G, Tq, Tk) in float32 (or wider)
     acc = _acc(q)
     s = torch.matmul(q.to(acc), k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale
-    if diagonal:
-        t = s.shape[-1]
-        s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    tq, tk = s.shape[-2:]
+    # Causal (and window) mask where the block needs one: query x is distance + x - y after key y.
+    if distance is not None and (distance == 0 or (window is not None and distance + tq - 1 >= window)):
+        apart = distance + torch.arange(tq, device=s.device)[:, None] - torch.arange(tk, device=s.device)[None, :]
+        seen = apart >= 0 if window is None else (apart >= 0) & (apart < window)
+        s = s.masked_fill(~seen, float("-inf"))
     if q_seg is not None and k_seg is not None:  # packed samples: attention stays inside each one
         s = s.masked_fill(q_seg[:, None, None, :, None] != k_seg[:, None, None, None, :], float("-inf"))
     return s
@@ -215,7 +220,7 @@ def _travel(kv: torch.Tensor, seg: torch.Tensor | None, nxt: int, prv: int) -> t
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, causal: bool,
-                seg: torch.Tensor | None) -> torch.Tensor:
+                seg: torch.Tensor | None, window: int | None) -> torch.Tensor:
         cp, r, nxt, prv = _peers(group)
         b, h, t, hd = q.shape
         kvh = k.shape[1]
@@ -229,10 +234,10 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             src = (r - step) % cp
             pending = _travel(kv, kv_seg, nxt, prv) if step < cp - 1 else None
-            for a, bb, diag in _blocks(r, src, cp, causal):
+            for a, bb, distance in _blocks(r, src, cp, causal, c, window):
                 qs, ks = slice(a * c, (a + 1) * c), slice(bb * c, (bb + 1) * c)
-                s = _scores(qg[..., qs, :], kv[0][..., ks, :], scale, diag, None if seg is None else seg[:, qs],
-                            None if kv_seg is None else kv_seg[:, ks])
+                s = _scores(qg[..., qs, :], kv[0][..., ks, :], scale, distance, window,
+                            None if seg is None else seg[:, qs], None if kv_seg is None else kv_seg[:, ks])
                 blk_lse = torch.logsumexp(s, dim=-1)
                 blk_out = torch.matmul(torch.exp(s - _finite(blk_lse)[..., None]),
                                        kv[1][..., ks, :].to(acc).unsqueeze(2))
@@ -245,7 +250,7 @@ class _RingAttention(torch.autograd.Function):
                 for op in pending[0]:
                     op.wait()
                 kv, kv_seg = pending[1], pending[2]
-        ctx.group, ctx.scale, ctx.causal = group, scale, causal
+        ctx.group, ctx.scale, ctx.causal, ctx.window = group, scale, causal, window
         ctx.save_for_backward(q, k, v, out, lse, *([] if seg is None else [seg]))
         return out.to(q.dtype).view(b, h, t, hd)
 
@@ -267,11 +272,12 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             src = (r - step) % cp
             pending = _travel(kv, kv_seg, nxt, prv) if step < cp - 1 else None
-            for a, bb, diag in _blocks(r, src, cp, ctx.causal):
+            for a, bb, distance in _blocks(r, src, cp, ctx.causal, c, ctx.window):
                 qs, ks = slice(a * c, (a + 1) * c), slice(bb * c, (bb + 1) * c)
                 kb, vb = kv[0][..., ks, :].to(acc), kv[1][..., ks, :].to(acc)
-                p = torch.exp(_scores(qg[..., qs, :], kb, ctx.scale, diag, None if seg is None else seg[:, qs],
-                                      None if kv_seg is None else kv_seg[:, ks]) - lse[..., qs, None])
+                p = torch.exp(_scores(qg[..., qs, :], kb, ctx.scale, distance, ctx.window,
+                                      None if seg is None else seg[:, qs], None if kv_seg is None else kv_seg[:, ks])
+                              - lse[..., qs, None])
                 dkv[1][..., ks, :] += torch.matmul(p.transpose(-1, -2), do[..., qs, :]).sum(2)
                 dp = torch.matmul(do[..., qs, :], vb.unsqueeze(2).transpose(-1, -2))
                 ds = p * (dp - delta[..., qs, None]) * ctx.scale
@@ -285,17 +291,18 @@ class _RingAttention(torch.autograd.Function):
                 for op in pending[0]:
                     op.wait()
                 kv, kv_seg = pending[1], pending[2]
-        return (dq.to(q.dtype).view(b, h, t, hd), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None)
+        return (dq.to(q.dtype).view(b, h, t, hd), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, *, causal: bool = True,
-                   segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+                   segment_ids: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, whose other parts the ring brings.
     q: (B, H, T_local, hd), k/v: (B, KV, T_local, hd) with T_local = 2 chunks (causal: the
     load-balanced chunks of `local_positions`; otherwise any split). ``segment_ids`` (B, T_local):
-    the packed sample of each local token; a query sees only keys of its own sample."""
+    the packed sample of each local token; a query sees only keys of its own sample. ``window``
+    (causal only): sliding-window attention; chunk pairs wholly outside the window are skipped."""
     if q.shape[2] % 2:
         raise ValueError(f"context-parallel attention needs an even local length, got {q.shape[2]}")
     if segment_ids is not None:
         segment_ids = segment_ids.contiguous()
-    return _RingAttention.apply(q, k, v, group, causal, segment_ids)
+    return _RingAttention.apply(q, k, v, group, causal, segment_ids, window)

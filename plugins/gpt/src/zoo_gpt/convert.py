@@ -1,5 +1,6 @@
-"""Hugging Face layouts of GPT-2 (`GPT2LMHeadModel`) and LLaMA (`LlamaForCausalLM`): key tables
-and config translation. The tables are data; `zoo.checkpoint.mapping` applies them strictly both ways."""
+"""Hugging Face layouts of GPT-2 (`GPT2LMHeadModel`) and the LLaMA-like decoders (`LlamaForCausalLM`,
+`MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`): key tables and config translation.
+The tables are data; `zoo.checkpoint.mapping` applies them strictly both ways."""
 
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ def _llama_table(cfg: GPTConfig) -> MappingTable:
     if cfg.layer_spec == "qwen3":
         rules += [Rename("layers.{i}.attn.q_norm.weight", L + "self_attn.q_norm.weight"),
                   Rename("layers.{i}.attn.k_norm.weight", L + "self_attn.k_norm.weight")]
-    if cfg.layer_spec == "llama_attn_bias":
+    if cfg.layer_spec in ("llama_attn_bias", "qwen2"):  # q|k|v biases; LLaMA's attention_bias has o's too
         rules.append(Fuse("layers.{i}.attn.qkv.bias", tuple(k.replace(".weight", ".bias") for k in qkv),
                           groups="num_kv_heads", sizes=("q_size", "kv_size", "kv_size")))
+    if cfg.layer_spec == "llama_attn_bias":
         rules.append(Rename("layers.{i}.attn.proj.bias", L + "self_attn.o_proj.bias"))
     if cfg.tie_embeddings:
         rules.append(Ignore(r"lm_head\.weight"))  # some exports store the tied copy as well
@@ -79,22 +81,92 @@ def to_hf_config(cfg: GPTConfig) -> dict[str, Any]:
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
         }
     rope: dict[str, Any] = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
-    qwen3 = cfg.layer_spec == "qwen3"
+    spec = cfg.layer_spec
+    if spec == "llama" and cfg.sliding_window is not None:
+        spec = "mistral"  # LlamaConfig has no window: LLaMA with one is Mistral's architecture
+    if spec not in _ARCHITECTURES:
+        raise UsageError(f"model.layer_spec={cfg.layer_spec!r} has no Hugging Face architecture")
+    architecture, kind, windows = _ARCHITECTURES[spec]
     return {
-        "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
-        "model_type": "qwen3" if qwen3 else "llama",
-        **({"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.num_layers} if qwen3 else {}),
+        "architectures": [architecture], "model_type": kind,
+        **windows_to_hf(cfg, windows, architecture, flag=kind.startswith("qwen")),
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_length, "rms_norm_eps": cfg.norm_eps,
         "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": cfg.layer_spec == "llama_attn_bias", "mlp_bias": False,
+        **({"attention_bias": spec == "llama_attn_bias", "mlp_bias": False} if kind in ("llama", "qwen3") else {}),
         # transformers 5 reads rope_parameters; older releases read rope_theta and rope_scaling.
         "rope_parameters": rope, "rope_theta": cfg.rope_theta,
         "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
     }
+
+
+# layer_spec -> (architecture, model_type, how its config says which layers slide: see windows_from_hf)
+_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama", None),
+    "llama_attn_bias": ("LlamaForCausalLM", "llama", None),
+    "mistral": ("MistralForCausalLM", "mistral", "all"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", "from_max_window_layers"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", "from_max_window_layers"),
+}
+
+
+def windows_from_hf(hf: dict[str, Any], rule: str | None, *, flag: bool) -> dict[str, Any]:
+    """GPTConfig's ``sliding_window`` and ``window_layers`` from a Hugging Face config whose
+    layers slide by ``rule``: "all" (Mistral, Mixtral, Qwen3-MoE: every layer when a window is set),
+    "from_max_window_layers" (Qwen2, Qwen3: layers from max_window_layers on), "qwen2_moe" (every
+    other layer below max_window_layers, as transformers builds Qwen2-MoE); an explicit
+    ``layer_types`` list decides except under "all", whose models ignore it. ``flag``: the window
+    is on only with ``use_sliding_window`` (the Qwen configs, which keep a window size either way)."""
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", not flag) else None
+    if not window or rule is None:
+        if window:
+            raise UsageError(f"{hf.get('model_type')} with sliding_window={window}: the architecture has none")
+        return {}
+    n, types = hf["num_hidden_layers"], hf.get("layer_types")
+    if rule == "all":
+        layers = list(range(n))
+    elif types is not None:
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown or len(types) != n:
+            raise UsageError(f"layer_types={types}: one of 'sliding_attention', 'full_attention' per layer "
+                             f"({n} layers)")
+        layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    elif rule == "from_max_window_layers":
+        layers = list(range(int(hf.get("max_window_layers", 28)), n))
+    else:
+        layers = [i for i in range(n) if i % 2 == 0 and i < int(hf.get("max_window_layers", 28))]
+    if not layers:
+        return {}
+    return {"sliding_window": int(window), "window_layers": None if len(layers) == n else layers}
+
+
+def windows_to_hf(cfg: GPTConfig, rule: str | None, architecture: str, *, flag: bool) -> dict[str, Any]:
+    """The window fields of a Hugging Face config for ``cfg`` (the inverse of `windows_from_hf`):
+    the "all" architectures hold one window for every layer; the others also the list of layers
+    that slide (``layer_types``, and ``max_window_layers`` for readers from before it)."""
+    layers = [i for i in range(cfg.num_layers) if cfg.window(i) is not None]
+    if rule is None:
+        if layers:
+            raise UsageError(f"{architecture} has no sliding-window attention (model.sliding_window="
+                             f"{cfg.sliding_window})")
+        return {}
+    fields: dict[str, Any] = {"sliding_window": cfg.sliding_window if layers else None}
+    if flag:
+        fields["use_sliding_window"] = bool(layers)
+    if rule == "all":
+        if layers and len(layers) != cfg.num_layers:
+            raise UsageError(f"{architecture} slides every layer's attention or none; model.window_layers="
+                             f"{cfg.window_layers} has no place in its config")
+        return fields
+    fields["max_window_layers"] = cfg.num_layers
+    if layers:
+        fields["layer_types"] = ["sliding_attention" if i in layers else "full_attention" for i in range(cfg.num_layers)]
+        if rule == "from_max_window_layers" and layers == list(range(layers[0], cfg.num_layers)):
+            fields["max_window_layers"] = layers[0]
+    return fields
 
 
 def from_hf_config(hf: dict[str, Any]) -> GPTConfig:
@@ -108,32 +180,35 @@ def from_hf_config(hf: dict[str, Any]) -> GPTConfig:
                          num_kv_heads=hf["n_head"], head_dim=d // hf["n_head"], ffn_hidden_size=hf.get("n_inner") or 4 * d,
                          max_seq_length=hf.get("n_positions", 1024), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                          tie_embeddings=True, init_std=hf.get("initializer_range", 0.02), layer_spec="gpt2")
-    if kind in ("llama", "qwen3"):
+    if kind in _SPEC_OF:
         if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias", False):
-            raise UsageError("LLaMA with a non-SiLU activation or MLP biases is not supported")
-        if kind == "qwen3" and (hf.get("use_sliding_window") or hf.get("attention_bias")):
-            raise UsageError("Qwen3 with sliding-window attention or attention biases is not supported")
+            raise UsageError(f"{kind} with a non-SiLU activation or MLP biases is not supported")
+        if kind == "qwen3" and hf.get("attention_bias"):
+            raise UsageError("Qwen3 with attention biases is not supported")
         rope = dict(hf.get("rope_parameters") or {})
         theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
         scaling = {k: v for k, v in rope.items() if k != "rope_type" or v != "default"} or hf.get("rope_scaling")
         if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
         heads = hf["num_attention_heads"]
+        spec = "llama_attn_bias" if kind == "llama" and hf.get("attention_bias") else _SPEC_OF[kind]
         return GPTConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
                          num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
                          head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
                          ffn_hidden_size=hf["intermediate_size"], max_seq_length=hf.get("max_position_embeddings", 2048),
                          norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                          rope_theta=theta, rope_scaling=scaling, init_std=hf.get("initializer_range", 0.02),
-                         layer_spec="qwen3" if kind == "qwen3"
-                         else "llama_attn_bias" if hf.get("attention_bias") else "llama")
-    raise UsageError(f"model_type {kind!r} is not GPT-2, LLaMA or Qwen3")
+                         layer_spec=spec, **windows_from_hf(hf, _ARCHITECTURES[spec][2], flag=kind.startswith("qwen")))
+    raise UsageError(f"model_type {kind!r} is not GPT-2, LLaMA, Mistral, Qwen2 or Qwen3")
+
+
+_SPEC_OF = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}  # model_type -> layer_spec
 
 
 HF = ExternalFormat(
     name="hf",
     architectures={"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "LlamaForCausalLM": "llama",
-                   "Qwen3ForCausalLM": "qwen3"},
+                   "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"},
     table=table,
     to_config=to_hf_config,
     from_config=from_hf_config,

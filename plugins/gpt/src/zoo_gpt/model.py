@@ -22,7 +22,8 @@ from zoo_gpt.plugin import GPTConfig
 class Block(TransformerLayer):
     def __init__(self, cfg: GPTConfig, spec: BlockSpec, layer: int) -> None:
         super().__init__(spec, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
-                         head_dim=cfg.head_dim, ffn_hidden=cfg.ffn_hidden_size, eps=cfg.norm_eps, layer=layer)
+                         head_dim=cfg.head_dim, ffn_hidden=cfg.ffn_hidden_size, eps=cfg.norm_eps, layer=layer,
+                         window=cfg.window(layer))
 
 
 class GPT(nn.Module):

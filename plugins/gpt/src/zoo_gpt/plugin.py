@@ -1,4 +1,5 @@
-"""Declarations of the GPT-2 and LLaMA families (light: no torch). The model is in `model.py`."""
+"""Declarations of the GPT-2, LLaMA, Mistral, Qwen2 and Qwen3 families (light: no torch). The model is in
+`model.py`."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ class GPTConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3"|"linear", "factor": ...}
     init_std: float = 0.02
+    # Sliding-window attention (Mistral, Qwen2's use_sliding_window): a query sees itself and the
+    # sliding_window - 1 positions before it. window_layers: the layers that do (None: every one;
+    # Qwen2's max_window_layers=m is layers m..num_layers-1).
+    sliding_window: int | None = None
+    window_layers: list[int] | None = None
     layer_spec: str = "llama"
 
     def __post_init__(self) -> None:
@@ -35,6 +41,21 @@ class GPTConfig:
                     + 2 * self.vocab_size * h)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.sliding_window is not None:
+            check_sizes(self, "sliding_window")
+        if self.window_layers is not None:
+            if self.sliding_window is None:
+                raise ValueError("window_layers is set without sliding_window")
+            outside = [i for i in self.window_layers if not 0 <= i < self.num_layers]
+            if outside:
+                raise ValueError(f"window_layers={self.window_layers}: {outside} not among the "
+                                 f"num_layers={self.num_layers} layers (0..{self.num_layers - 1})")
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s attention window (None: it sees every earlier position)."""
+        if self.window_layers is not None and layer not in self.window_layers:
+            return None
+        return self.sliding_window
 
     @property
     def q_size(self) -> int:
@@ -89,7 +110,16 @@ QWEN3 = ModelSpec(
     embedding="token", positions="none", final_norm=NormSpec(kind="rmsnorm"), head="lm",
 )
 
-SPECS = {"gpt2": GPT2, "llama": LLAMA, "llama_attn_bias": LLAMA_ATTN_BIAS, "qwen3": QWEN3}
+# Qwen2/2.5: LLaMA with q, k and v biases (not o's), Qwen2ForCausalLM.
+QWEN2 = ModelSpec(
+    blocks={"T": BlockSpec(norm=LLAMA.blocks["T"].norm, ffn=LLAMA.blocks["T"].ffn,
+                           mixer=AttentionSpec(causal=True, bias=True, out_bias=False, positions="rope"))},
+    embedding="token", positions="none", final_norm=NormSpec(kind="rmsnorm"), head="lm",
+)
+
+# (Mistral's layers are LLaMA's; its own key exports MistralForCausalLM, which holds the window)
+SPECS = {"gpt2": GPT2, "llama": LLAMA, "llama_attn_bias": LLAMA_ATTN_BIAS, "mistral": LLAMA, "qwen2": QWEN2,
+         "qwen3": QWEN3}
 
 
 def _gpt2(layers: int, hidden: int, heads: int, *, vocab: int = 50257, ctx: int = 1024) -> GPTConfig:
@@ -151,6 +181,68 @@ def llama3_70b() -> GPTConfig:  # Llama 3.1 70B
 
 def llama2_7b() -> GPTConfig:
     return _llama(32, 4096, 32, 32, 11008, vocab=32000, ctx=4096, theta=10000.0)
+
+
+def _mistral(layers: int, hidden: int, heads: int, kv: int, ffn: int, *, vocab: int = 32000, ctx: int = 32768,
+             theta: float = 10000.0, window: int | None = 4096, head_dim: int | None = None) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+                     head_dim=head_dim or hidden // heads, ffn_hidden_size=ffn, max_seq_length=ctx, norm_eps=1e-5,
+                     tie_embeddings=False, rope_theta=theta, sliding_window=window, layer_spec="mistral")
+
+
+def mistral_tiny() -> GPTConfig:  # a window of half the recipe's 128 tokens, so that it matters
+    return _mistral(2, 128, 4, 2, 384, vocab=2048, ctx=256, window=64)
+
+
+def mistral_7b_v01() -> GPTConfig:  # Mistral 7B v0.1: a 4,096-token window
+    return _mistral(32, 4096, 32, 8, 14336)
+
+
+def mistral_7b_v03() -> GPTConfig:  # v0.2/v0.3: no window, 32,768-token vocabulary (v0.3)
+    return _mistral(32, 4096, 32, 8, 14336, vocab=32768, theta=1000000.0, window=None)
+
+
+def mistral_nemo_12b() -> GPTConfig:  # Mistral NeMo 12B: 128-wide heads (q is narrower than the width)
+    return _mistral(40, 5120, 32, 8, 14336, vocab=131072, ctx=1024000, theta=1000000.0, window=None, head_dim=128)
+
+
+def _qwen2(layers: int, hidden: int, heads: int, kv: int, ffn: int, *, vocab: int = 151936, ctx: int = 32768,
+           tie: bool = False, theta: float = 1000000.0) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+                     head_dim=hidden // heads, ffn_hidden_size=ffn, max_seq_length=ctx, norm_eps=1e-6,
+                     tie_embeddings=tie, rope_theta=theta, layer_spec="qwen2")
+
+
+def qwen2_tiny() -> GPTConfig:
+    return _qwen2(2, 128, 4, 2, 384, vocab=2048, ctx=256, theta=10000.0)
+
+
+def qwen2_0_5b() -> GPTConfig:  # Qwen2.5-0.5B (the sizes below are Qwen2.5's)
+    return _qwen2(24, 896, 14, 2, 4864, tie=True)
+
+
+def qwen2_1_5b() -> GPTConfig:
+    return _qwen2(28, 1536, 12, 2, 8960, tie=True)
+
+
+def qwen2_3b() -> GPTConfig:
+    return _qwen2(36, 2048, 16, 2, 11008, tie=True)
+
+
+def qwen2_7b() -> GPTConfig:
+    return _qwen2(28, 3584, 28, 4, 18944, vocab=152064, ctx=131072)
+
+
+def qwen2_14b() -> GPTConfig:
+    return _qwen2(48, 5120, 40, 8, 13824, vocab=152064, ctx=131072)
+
+
+def qwen2_32b() -> GPTConfig:
+    return _qwen2(64, 5120, 40, 8, 27648, vocab=152064, ctx=131072)
+
+
+def qwen2_72b() -> GPTConfig:
+    return _qwen2(80, 8192, 64, 8, 29568, vocab=152064, ctx=131072)
 
 
 def _qwen3(layers: int, hidden: int, heads: int, kv: int, ffn: int, *, vocab: int = 151936, ctx: int = 40960,
@@ -215,6 +307,22 @@ def zoo_families() -> list[Family]:
             flavors={"tiny": llama_tiny, "3-1B": llama3_1b, "3-3B": llama3_3b, "3-8B": llama3_8b,
                      "3-70B": llama3_70b, "2-7B": llama2_7b},
             tp_plan=_tp_plan("column_gated"),  # SwiGLU's fused [gate; up]
+            **_COMMON,
+        ),
+        Family(
+            name="mistral",
+            description="Mistral decoder: LLaMA's with sliding-window attention (v0.1; none in v0.3 and NeMo)",
+            flavors={"tiny": mistral_tiny, "7B-v0.1": mistral_7b_v01, "7B-v0.3": mistral_7b_v03,
+                     "Nemo-12B": mistral_nemo_12b},
+            tp_plan=_tp_plan("column_gated"),
+            **_COMMON,
+        ),
+        Family(
+            name="qwen2", aliases=("qwen2.5",),
+            description="Qwen2/Qwen2.5 decoder: LLaMA's with q/k/v biases, grouped-query attention",
+            flavors={"tiny": qwen2_tiny, "0.5B": qwen2_0_5b, "1.5B": qwen2_1_5b, "3B": qwen2_3b, "7B": qwen2_7b,
+                     "14B": qwen2_14b, "32B": qwen2_32b, "72B": qwen2_72b},
+            tp_plan=_tp_plan("column_gated"),
             **_COMMON,
         ),
         Family(

@@ -23,6 +23,7 @@ from zoo.checkpoint.mapping import Fuse, MappingError, MappingTable, Rename, Sta
 from zoo.errors import UsageError
 from zoo_gpt.convert import from_hf_config as llama_from_hf
 from zoo_gpt.convert import table as llama_table
+from zoo_gpt.convert import windows_from_hf
 from zoo_moe.plugin import MoEConfig
 
 Layout = Literal["per_expert", "fused"]
@@ -92,8 +93,11 @@ def to_hf_config(cfg: MoEConfig) -> dict[str, Any]:
         raise UsageError("group-limited routing and router_scaling have no place in Hugging Face's Mixtral or "
                          "Qwen2-MoE configs; zoo's own checkpoints hold them")
     from zoo_gpt.convert import to_hf_config as llama_to_hf
+    from zoo_gpt.convert import windows_to_hf
 
-    base = {k: v for k, v in llama_to_hf(cfg).items() if k not in ("attention_bias", "mlp_bias")}
+    # (as LLaMA's: the windows are written below)
+    window_free = dataclasses.replace(cfg, sliding_window=None, window_layers=None, layer_spec="llama")
+    base = {k: v for k, v in llama_to_hf(window_free).items() if k not in ("attention_bias", "mlp_bias")}
     hf_coef = cfg.aux_loss_coeff if cfg.aux_loss_convention == "hf" else 0.001
     if cfg.layer_spec.startswith("qwen2_moe"):
         return {**base, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
@@ -102,14 +106,14 @@ def to_hf_config(cfg: MoEConfig) -> dict[str, Any]:
                 "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k,
                 "norm_topk_prob": cfg.layer_spec == "qwen2_moe_norm", "decoder_sparse_step": 1,
                 "mlp_only_layers": [i for i, s in enumerate(cfg.symbols) if s == "T"], "qkv_bias": True,
-                "router_aux_loss_coef": hf_coef, "use_sliding_window": False}
+                "router_aux_loss_coef": hf_coef, **windows_to_hf(cfg, "qwen2_moe", "Qwen2MoeForCausalLM", flag=True)}
     if cfg.layer_spec.startswith("qwen3_moe"):
         return {**base, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
                 "moe_intermediate_size": cfg.ffn_hidden_size, "intermediate_size": cfg.dense_ffn_hidden_size or cfg.ffn_hidden_size,
                 "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k,
                 "norm_topk_prob": cfg.layer_spec == "qwen3_moe_norm", "decoder_sparse_step": 1,
                 "mlp_only_layers": [i for i, s in enumerate(cfg.symbols) if s == "T"], "attention_bias": False,
-                "router_aux_loss_coef": hf_coef, "use_sliding_window": False}
+                "router_aux_loss_coef": hf_coef, **windows_to_hf(cfg, "all", "Qwen3MoeForCausalLM", flag=True)}
     if "T" in cfg.symbols:
         raise UsageError(f"model.pattern={cfg.pattern!r} has dense layers ('T'), which Hugging Face's Mixtral does not "
                          "have; only the Qwen specs export with dense layers")
@@ -118,7 +122,7 @@ def to_hf_config(cfg: MoEConfig) -> dict[str, Any]:
                          "qwen3_moe only)")
     return {**base, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": cfg.num_experts,
             "num_experts_per_tok": cfg.top_k, "router_aux_loss_coef": hf_coef, "router_jitter_noise": 0.0,
-            "sliding_window": None}
+            **windows_to_hf(cfg, "all", "MixtralForCausalLM", flag=False)}
 
 
 def from_hf_config(hf: dict[str, Any]) -> MoEConfig:
@@ -138,11 +142,10 @@ def from_hf_config(hf: dict[str, Any]) -> MoEConfig:
         pattern = "".join("E" if i not in dense and experts > 0 and (i + 1) % step == 0 else "T"
                           for i in range(hf["num_hidden_layers"]))
         pattern = pattern if "T" in pattern else ""
-    if hf.get("use_sliding_window") or (not qwen and hf.get("sliding_window")):
-        raise UsageError("sliding-window attention is not supported")
-    base = llama_from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False,
+    base = llama_from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False, "sliding_window": None,
                           "intermediate_size": hf["moe_intermediate_size"] if qwen else hf["intermediate_size"]})
     fields = {f: getattr(base, f) for f in base.__dataclass_fields__ if f != "layer_spec"}
+    fields.update(windows_from_hf(hf, "qwen2_moe" if kind == "qwen2_moe" else "all", flag=qwen))
     spec = (f"{kind}_norm" if hf.get("norm_topk_prob") else kind) if qwen else "mixtral"
     return MoEConfig(**fields, num_experts=experts,
                      top_k=hf["num_experts_per_tok"], shared_ffn_hidden_size=hf.get("shared_expert_intermediate_size", 0),

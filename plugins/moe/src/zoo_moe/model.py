@@ -32,7 +32,7 @@ class MoEBlock(nn.Module):
         self.index = index
         self.attn_norm = make_norm(spec.norm, cfg.hidden_size, cfg.norm_eps)
         self.attn = SelfAttention(spec.mixer, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
-                                  head_dim=cfg.head_dim, layer=layer, eps=cfg.norm_eps)
+                                  head_dim=cfg.head_dim, layer=layer, eps=cfg.norm_eps, window=cfg.window(layer))
         self.mlp_norm = make_norm(spec.norm, cfg.hidden_size, cfg.norm_eps)
         self.moe = MoE(spec.ffn, hidden=cfg.hidden_size, ffn_hidden=cfg.ffn_hidden_size, num_experts=cfg.num_experts,
                        top_k=cfg.top_k, shared_ffn_hidden=cfg.shared_ffn_hidden_size,
@@ -55,7 +55,7 @@ class MoEDecoder(GPT):
         if not isinstance(spec.ffn, MoESpec):
             return TransformerLayer(spec, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                                     head_dim=cfg.head_dim, ffn_hidden=cfg.dense_ffn_hidden_size, eps=cfg.norm_eps,
-                                    layer=layer)
+                                    layer=layer, window=cfg.window(layer))
         return MoEBlock(cfg, spec, layer, cfg.symbols[:layer].count("E"))
 
     def _init(self, cfg: Any) -> None:
