@@ -181,7 +181,7 @@ def clip_from_hf(hf: dict[str, Any]) -> CLIPConfig:
 
 
 def llava_to_hf(cfg: LlavaConfig) -> dict[str, Any]:
-    text = gpt_convert.to_hf_config(cfg)
+    text = gpt_convert.to_hf_config(dataclasses.replace(cfg, layer_spec="llama"))  # (its language model's)
     text.pop("architectures")
     return {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
             "image_token_index": cfg.image_token_id, "projector_hidden_act": "gelu",
