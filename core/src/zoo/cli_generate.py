@@ -78,6 +78,9 @@ def _generate(args: argparse.Namespace, path: Any, loaded: Any) -> int:
     new = out[0, len(ids):].tolist()
     if tok.eod_id in new:
         new = new[: new.index(tok.eod_id)]
+    elif len(new) < args.max_new_tokens:  # (said, not silent: the model's context ended the text)
+        print(f"zoo: {len(new)} of the {args.max_new_tokens} new tokens asked: the model's context ends at "
+              f"{len(ids) + len(new)} positions", file=sys.stderr, flush=True)
     print(args.prompt + tok.decode(new))
     return 0
 

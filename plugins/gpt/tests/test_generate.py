@@ -135,6 +135,11 @@ def test_generate_cli_on_a_trained_checkpoint(tmp_path, corpus_cache):
     too_long = zoo("generate", "--checkpoint", str(run_dir), "--prompt", "word " * 400)
     assert too_long.returncode == 2
     assert "the model's context is 256" in too_long.stderr and "Traceback" not in too_long.stderr
+    # a text the context ends early: what it has, and a line saying why it is shorter than asked
+    near = zoo("generate", "--checkpoint", str(run_dir), "--prompt", "word " * 100, "--greedy",
+               "--max-new-tokens", "200")
+    assert near.returncode == 0 and near.stdout.startswith("word "), near.stderr
+    assert "of the 200 new tokens asked: the model's context ends at 256 positions" in near.stderr
     if not torch.cuda.is_available():  # (tests/test_cuda.py runs --device cuda where there is a GPU)
         no_gpu = zoo("generate", "--checkpoint", str(run_dir), "--prompt", "x", "--device", "cuda")
         assert no_gpu.returncode == 2 and "--device=cuda but no CUDA device is available" in no_gpu.stderr
