@@ -278,6 +278,9 @@ def test_megatron_values_that_decide_zoos_form():
     argv[-1] = "aux_loss"
     assert foreign.flag_hint(argv, [a for a in argv if a.startswith("--")], keys).endswith(
         "; nothing to set: the Switch aux loss is on by default (model.aux_loss_coeff))")
+    argv[-1] = "seq_aux_loss"
+    assert foreign.flag_hint(argv, [a for a in argv if a.startswith("--")], keys).endswith(
+        " model.aux_loss_convention=sequence)")
     # Megatron's lengths in samples, and the warmup as a fraction: zoo's steps
     argv = ["--train-samples", "1000", "--global-batch-size", "32", "--lr-warmup-samples", "320", "--lr-decay-samples",
             "960"]

@@ -97,6 +97,27 @@ def test_dense_and_moe_layers_mixed_under_tp_sp_ep_and_pp_cut_by_the_pattern_equ
             assert got["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
 
 
+def _train_sequence_balanced(layout: dict) -> dict:
+    from zoo.testing import train_layout
+
+    return train_layout(layout, "mixtral", 2, False, steps=2, micro=4, seq_length=16,
+                        model={"aux_loss_convention": "sequence"})
+
+
+@pytest.mark.parametrize(("world", "layout"), [(2, {"tp": 2, "sequence_parallel": True, "ep": 2}),
+                                               (4, {"cp": 2, "ep": 2, "zero": 1})], ids=["tp2-sp-ep2", "cp2-ep2-zero"])
+def test_sequence_aux_loss_over_sequence_shards_equals_one_process(world, layout):
+    """Megatron's seq_aux_loss where each rank holds part of every sequence (sequence parallel,
+    context parallel): each sequence's routing counted whole, each rank's probabilities its own,
+    the same loss, gradients and metrics as one process."""
+    ref = _train_sequence_balanced({})
+    assert ref["metrics"]["aux_loss"] > 0
+    for got in run_distributed(_train_sequence_balanced, world, layout, timeout=240):
+        assert_same_training(got, ref)
+        for k, v in ref["metrics"].items():
+            assert got["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+
+
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 def test_idle_experts_train_under_ep2_without_hanging(dispatcher):
     # Every token goes to experts 0 and 1, both on EP rank 0: rank 1's experts see no token at all.

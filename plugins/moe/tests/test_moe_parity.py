@@ -16,7 +16,7 @@ from zoo_moe.plugin import SPECS
 
 from zoo.checkpoint.mapping import MappingError, from_external, to_external
 from zoo.errors import UsageError
-from zoo.nn.moe import MoE, balance_losses
+from zoo.nn.moe import MoE, balance_losses, stats_width
 from zoo.spec import MLPSpec, MoESpec
 
 
@@ -276,10 +276,10 @@ def test_capacity_factor_drops_what_the_policy_says(policy):
 
 def test_megatron_aux_loss_is_one_per_layer_when_balanced_and_the_z_loss_is_the_mean_squared_lse():
     e, k, n = 4, 2, 8
-    stats = torch.zeros(2, 2 * e + 3)
+    stats = torch.zeros(2, stats_width(e))
     stats[:, :e] = n * k / e  # every expert gets its share
     stats[:, e:2 * e] = n / e  # uniform probabilities
-    stats[:, 2 * e + 1] = n
+    stats[:, 2 * e + 2] = n
     assert balance_losses(stats, num_experts=e, top_k=k)["aux"].item() == pytest.approx(2.0)
     assert balance_losses(stats, num_experts=e, top_k=k, convention="hf")["aux"].item() == pytest.approx(k)
     layer = _layer(MoESpec(expert=SWIGLU))
@@ -289,6 +289,34 @@ def test_megatron_aux_loss_is_one_per_layer_when_balanced_and_the_z_loss_is_the_
         z = balance_losses(layer.stats[None], num_experts=6, top_k=2)["z"]
         lse = torch.logsumexp(x.reshape(-1, 16) @ layer.router.weight.t(), -1)
     assert z.item() == pytest.approx(lse.square().mean().item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("router", ["softmax_topk", "sigmoid_topk"])
+def test_sequence_aux_loss_equals_megatron_cores_seq_aux_loss(router):
+    """aux_loss_convention="sequence" against megatron-core's ``seq_aux_loss`` as its router computes
+    it (`TopKRouter._apply_seq_aux_loss`: the routing map and scores of
+    `compute_routing_scores_for_aux_loss`, tokens in its [sequence, batch] order, every sequence's
+    experts as experts of their own, divided by the batch): the loss and its gradient."""
+    from megatron.core.transformer.moe.moe_utils import (
+        compute_routing_scores_for_aux_loss,
+        switch_load_balancing_loss_func,
+    )
+
+    layer = _layer(MoESpec(expert=SWIGLU, router=router), sequence_stats=True)
+    b, t, e, k = 3, 8, 6, 2
+    x = torch.randn(b, t, 16)
+    layer(x)
+    ours = balance_losses(layer.stats[None], num_experts=e, top_k=k, convention="sequence")["aux"]
+    (grad_ours,) = torch.autograd.grad(ours, layer.router.weight)
+    logits = (x.transpose(0, 1).reshape(-1, 16) @ layer.router.weight.t())  # [s, b] order
+    routing_map, scores = compute_routing_scores_for_aux_loss(logits, k, router.split("_")[0])
+    per_seq_map, per_seq_scores = routing_map.reshape(t, -1), scores.reshape(t, -1)  # (s, b * E)
+    theirs = switch_load_balancing_loss_func(per_seq_scores, per_seq_map.sum(0), t, k, e, 1.0) / b
+    (grad_theirs,) = torch.autograd.grad(theirs, layer.router.weight)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
+    torch.testing.assert_close(grad_ours, grad_theirs, rtol=1e-5, atol=1e-7)
+    # and it is not the micro-batch-wide loss: the sequences are balanced one by one
+    assert ours.item() != pytest.approx(balance_losses(layer.stats[None], num_experts=e, top_k=k)["aux"].item())
 
 
 def test_expert_bias_moves_against_the_load_and_only_steers_the_choice():

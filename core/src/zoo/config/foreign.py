@@ -153,6 +153,7 @@ BY_VALUE: dict[tuple[str, str], str] = {
     ("moe_router_load_balancing_type", "aux_loss"): "nothing to set: the Switch aux loss is on by default "
                                                     "(model.aux_loss_coeff)",
     ("moe_router_load_balancing_type", "none"): "model.aux_loss_coeff=0",
+    ("moe_router_load_balancing_type", "seq_aux_loss"): "model.aux_loss_convention=sequence",
 }
 
 

@@ -17,10 +17,11 @@ GEMM per slice (or one grouped GEMM where torch has a working one for the device
 gate and summed back per token. A capacity factor drops the assignments over capacity instead.
 
 Load balancing is computed from per-layer sufficient statistics (`stats_width` columns per MoE
-layer: tokens per expert, router probability per expert, sum of squared log-sum-exp, token count,
-dropped assignments). The model carries them to its loss (across pipeline stages too), where
-`balance_losses` turns them into the Switch aux loss (Megatron's per-layer convention or Hugging
-Face's layer-pooled one) and the z-loss, so balancing never depends on a flag the user forgets.
+layer: tokens per expert, router probability per expert, sum of squared log-sum-exp, the
+sequence-wise balance term, token count, dropped assignments). The model carries them to its loss
+(across pipeline stages too), where `balance_losses` turns them into the Switch aux loss
+(Megatron's per-layer convention, Hugging Face's layer-pooled one, or Megatron's per-sequence
+``seq_aux_loss``) and the z-loss, so balancing never depends on a flag the user forgets.
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ from zoo.nn import Float32Buffers
 from zoo.nn.moe_experts import ExpertMLPs, grouped_mm_works
 from zoo.spec import MoESpec, check_routing
 
-AuxConvention = Literal["megatron", "hf"]
+AuxConvention = Literal["megatron", "hf", "sequence"]
 
 
 def stats_width(num_experts: int) -> int:
-    """Columns of one MoE layer's statistics row: counts (E), probability sums (E), z sum, tokens, dropped."""
-    return 2 * num_experts + 3
+    """Columns of one MoE layer's statistics row: counts (E), probability sums (E), z sum, sequence
+    term, tokens, dropped."""
+    return 2 * num_experts + 4
 
 
 class _SumStats(torch.autograd.Function):
@@ -171,7 +173,7 @@ class MoE(nn.Module):
                  shared_ffn_hidden: int = 0, capacity_factor: float | None = None,
                  drop_policy: Literal["probs", "position"] = "probs", expert_bias: bool = False,
                  bias_update_rate: float = 1e-3, router_groups: int = 1, router_group_topk: int = 1,
-                 router_scaling: float = 1.0) -> None:
+                 router_scaling: float = 1.0, sequence_stats: bool = False) -> None:
         super().__init__()
         from zoo.nn import ACTIVATIONS
 
@@ -180,6 +182,7 @@ class MoE(nn.Module):
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be positive (or None: dropless)")
         self.spec, self.num_experts, self.top_k = spec, num_experts, top_k
+        self.sequence_stats = sequence_stats  # the per-sequence balance term (aux_loss_convention "sequence")
         self.capacity_factor, self.drop_policy, self.bias_update_rate = capacity_factor, drop_policy, bias_update_rate
         self.gated, self.activation, self.act = spec.expert.gated, spec.expert.activation, ACTIVATIONS[spec.expert.activation]
         self.router = Router(hidden, num_experts, top_k, score="softmax" if spec.router == "softmax_topk" else "sigmoid",
@@ -241,23 +244,45 @@ class MoE(nn.Module):
         if self.shared is not None:
             shared = self.shared(x)
             y = y + (torch.sigmoid(self.shared_gate(x)) * shared if self.shared_gate is not None else shared)
-        self.stats = self._statistics(experts, logits, scores, n, dropped)
+        self.stats = self._statistics(experts, logits, scores, n, dropped, b)
         return y
 
     def _statistics(self, experts: torch.Tensor, logits: torch.Tensor, scores: torch.Tensor, n: int,
-                    dropped: torch.Tensor) -> torch.Tensor:
-        """[tokens per expert (E) | router probability summed over tokens (E) | sum of lse^2 | N | dropped].
-        The probabilities are the softmax over all experts (sigmoid scores normalised to sum to one),
-        unbiased: the Switch loss's P_i, as Megatron and HF compute it."""
+                    dropped: torch.Tensor, batch: int) -> torch.Tensor:
+        """[tokens per expert (E) | router probability summed over tokens (E) | sum of lse^2 | sequence
+        term | N | dropped]. The probabilities are the softmax over all experts (sigmoid scores
+        normalised to sum to one), unbiased: the Switch loss's P_i, as Megatron and HF compute it."""
         with torch.no_grad():
             counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
         probs = scores if self.router.score == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
         z = torch.logsumexp(logits, dim=-1).square().sum()
+        seq = self._sequence_term(experts, probs, batch) if self.sequence_stats else z.new_zeros(())
         tail = torch.stack([torch.full((), float(n), device=logits.device), dropped.float()])
-        row = torch.cat([counts, probs.sum(0), z[None], tail])
+        row = torch.cat([counts, probs.sum(0), z[None], seq[None], tail])
         if self.stats_group is not None:
             row = _SumStats.apply(row, self.stats_group, self.stats_scale)
         return row
+
+    def _sequence_term(self, experts: torch.Tensor, probs: torch.Tensor, batch: int) -> torch.Tensor:
+        """Megatron's ``seq_aux_loss`` (DeepSeek-V3's sequence-wise balance loss) before its
+        coefficient: the Switch loss of each sequence of the micro-batch, ``E sum_i f_bi P_bi`` with
+        f_bi the fraction of sequence b's assignments routed to expert i and P_bi its mean router
+        probability over the sequence, averaged over the sequences. A rank holding part of each
+        sequence (sequence or context parallel) counts the whole sequence's assignments (summed over
+        ``stats_group``) and adds its own tokens' probabilities: summed over the group by the
+        statistics row, the term is the whole sequences'."""
+        e, k = self.num_experts, self.top_k
+        with torch.no_grad():
+            rows = experts.view(batch, -1, k)
+            counts = torch.zeros(batch, e, device=probs.device).scatter_add_(
+                1, rows.flatten(1), torch.ones(rows.flatten(1).shape, device=probs.device))
+            if self.stats_group is not None:
+                from zoo.parallel import comm
+
+                counts = comm.all_reduce(counts, self.stats_group)
+            tokens = counts.sum(1, keepdim=True) / k  # each sequence's length, all of it
+        p = probs.view(batch, -1, e).sum(1)  # (B, E): this rank's tokens of each sequence
+        return (e * (counts / (tokens * k)) * (p / tokens)).sum() / batch
 
     def _experts(self, xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """Rows of ``xs`` sorted by (local) expert, ``counts`` per expert -> expert outputs, same order."""
@@ -370,20 +395,24 @@ def balance_losses(stats: torch.Tensor, *, num_experts: int, top_k: int, convent
     ``P_i`` its mean router probability, summed over layers (1 per layer when perfectly balanced).
     ``hf``: Hugging Face's ``load_balancing_loss_func``, every layer's tokens pooled into one set and
     counts divided by tokens, not assignments (k per layer pooled when balanced).
+    ``sequence``: Megatron's ``seq_aux_loss``, the per-layer loss of each sequence averaged over the
+    micro-batch's sequences, summed over layers (the layers must be built with ``sequence_stats``).
     ``z``: the router z-loss (Zoph et al. 2022), ``mean(logsumexp(logits)^2)`` summed over layers.
     ``load``: per layer, tokens of the busiest expert / mean tokens per expert;
     ``dropped``: assignments dropped by the capacity factor."""
     e = num_experts
     counts, probs = stats[:, :e], stats[:, e:2 * e]
-    z_sum, n, dropped = stats[:, 2 * e], stats[:, 2 * e + 1], stats[:, 2 * e + 2]
+    z_sum, seq, n, dropped = stats[:, 2 * e], stats[:, 2 * e + 1], stats[:, 2 * e + 2], stats[:, 2 * e + 3]
     n = n.clamp(min=1)
     if convention == "megatron":
         aux = (e * (counts / (n[:, None] * top_k)) * (probs / n[:, None])).sum()
     elif convention == "hf":
         rows = n.sum()
         aux = e * ((counts.sum(0) / rows) * (probs.sum(0) / rows)).sum()
+    elif convention == "sequence":
+        aux = seq.sum()
     else:
-        raise ValueError(f"aux loss convention {convention!r}: one of megatron, hf")
+        raise ValueError(f"aux loss convention {convention!r}: one of megatron, hf, sequence")
     mean = counts.sum(1) / e
     load = counts.max(1).values / mean.clamp(min=1e-9)
     return {"aux": aux, "z": (z_sum / n).sum(), "load": load.detach(), "dropped": dropped.sum().detach()}

@@ -38,7 +38,8 @@ class MoEBlock(nn.Module):
                        top_k=cfg.top_k, shared_ffn_hidden=cfg.shared_ffn_hidden_size,
                        capacity_factor=cfg.capacity_factor, drop_policy=cfg.drop_policy, expert_bias=cfg.expert_bias,
                        bias_update_rate=cfg.bias_update_rate, router_groups=cfg.router_groups,
-                       router_group_topk=cfg.router_group_topk, router_scaling=cfg.router_scaling)
+                       router_group_topk=cfg.router_group_topk, router_scaling=cfg.router_scaling,
+                       sequence_stats=cfg.aux_loss_convention == "sequence")
 
     def forward(self, x: torch.Tensor, rope: Any, cache: KVCache | None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope, cache, segment_ids)

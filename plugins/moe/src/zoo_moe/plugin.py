@@ -29,9 +29,10 @@ class MoEConfig(GPTConfig):
     shared_ffn_hidden_size: int = 0  # the shared expert's width (specs with a shared expert)
     # Load balancing, on by default: the Switch aux loss (coefficient applied to what the convention
     # computes: "megatron" sums per-layer losses that are 1 when balanced; "hf" pools all layers as
-    # transformers' load_balancing_loss_func does) and the router z-loss.
+    # transformers' load_balancing_loss_func does; "sequence" is Megatron's seq_aux_loss, each
+    # sequence's loss averaged, DeepSeek-V3's sequence-wise balance) and the router z-loss.
     aux_loss_coeff: float = 1e-2
-    aux_loss_convention: Literal["megatron", "hf"] = "megatron"
+    aux_loss_convention: Literal["megatron", "hf", "sequence"] = "megatron"
     z_loss_coeff: float = 1e-3
     # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the top-k choice, moved by
     # bias_update_rate * sign(mean load - load) once per optimizer step.
@@ -66,8 +67,8 @@ class MoEConfig(GPTConfig):
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
         check_routing(self.num_experts, self.top_k, self.router_groups, self.router_group_topk)
-        if self.aux_loss_convention not in ("megatron", "hf"):
-            raise ValueError(f"aux_loss_convention={self.aux_loss_convention!r}: one of 'megatron', 'hf'")
+        if self.aux_loss_convention not in ("megatron", "hf", "sequence"):
+            raise ValueError(f"aux_loss_convention={self.aux_loss_convention!r}: one of 'megatron', 'hf', 'sequence'")
         if self.drop_policy not in ("probs", "position"):
             raise ValueError(f"drop_policy={self.drop_policy!r}: one of 'probs', 'position'")
         if self.aux_loss_coeff == 0 and not self.expert_bias:
