@@ -230,6 +230,11 @@ def test_trains_on_megatron_indexed_data(tmp_path, corpus_cache):
     masked, cp, unmasked = ([r["loss"] for r in _metrics(tmp_path / d)] for d in ("docs", "docs-cp", "across"))
     assert all(abs(a - b) <= 1e-5 * a for a, b in zip(masked, cp)) and len(cp) == 2
     assert abs(masked[1] - unmasked[1]) > 1e-5 * masked[1]
+    # The built-in corpus knows its tokenizer's end-of-document id: the same documents, no data.tokenizer
+    builtin = zoo(*small_run(tmp_path / "builtin", corpus_cache, "train.steps=2", "data.reset_position_ids=true",
+                             "data.eod_mask_loss=true", "data.reset_attention_mask=true"))
+    assert builtin.returncode == 0, builtin.stderr
+    assert [r["loss"] for r in _metrics(tmp_path / "builtin")] == masked
     no_eod = zoo(*small_run(tmp_path / "noeod", corpus_cache, "train.steps=1", f"data.path={prefix}",
                             "data.eod_mask_loss=true"))
     assert no_eod.returncode == 2 and "data.eod_id" in no_eod.stderr

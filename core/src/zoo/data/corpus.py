@@ -132,9 +132,9 @@ def _build(run: Any, root: Path, tok_spec: str | None, vocab: int | None) -> Non
 
 def build(run: Any, *, split: str, dp_rank: int, dp_size: int, consumed_samples: int = 0) -> Iterator[dict[str, Any]]:
     """Micro-batches of the corpus through the Megatron pipeline (`zoo.data.megatron`)."""
-    root, _ = prepare(run)
+    root, tok = prepare(run)
     return batches(run, [(None, str(root / PREFIX))], split=split, dp_rank=dp_rank, dp_size=dp_size,
-                   consumed_samples=consumed_samples, cache_dir=root / "index-cache")
+                   consumed_samples=consumed_samples, cache_dir=root / "index-cache", eod=tok.eod_id)
 
 
 def tokenizer_dir(run: Any) -> Path | None:

@@ -128,13 +128,17 @@ def samples_needed(run: Any, split: str, dp_size: int) -> int:
     return evals * run.train.eval_steps * run.train.micro_batch_size * dp_size
 
 
-def eod_id(run: Any) -> int:
+def eod_id(run: Any, known: int | None = None) -> int:
+    """The end-of-document id: data.eod_id, else data.tokenizer's, else ``known`` (the dataset's own
+    tokenizer, as the built-in corpus has)."""
     if run.data.eod_id is not None:
         return int(run.data.eod_id)
     if run.data.tokenizer:
         from zoo.data.tokenizer import load_tokenizer
 
         return load_tokenizer(run.data.tokenizer).eod_id
+    if known is not None:
+        return known
     raise ConfigError("data.reset_position_ids / reset_attention_mask / eod_mask_loss need the end-of-document id: "
                       "set data.tokenizer or data.eod_id")
 
@@ -209,9 +213,11 @@ class Source:
 
 
 def batches(run: Any, blend: list[tuple[float | None, str]], *, split: str, dp_rank: int, dp_size: int,
-            consumed_samples: int, cache_dir: Path, whole: bool = False) -> Iterator[dict[str, Any]]:
+            consumed_samples: int, cache_dir: Path, whole: bool = False, eod: int | None = None
+            ) -> Iterator[dict[str, Any]]:
     """Micro-batches of ``blend`` (weight, prefix) pairs for one data-parallel rank; ``whole``: the
-    split uses every document of its datasets (a per-split blend) instead of ``data.split``."""
+    split uses every document of its datasets (a per-split blend) instead of ``data.split``; ``eod``:
+    the end-of-document id the dataset's own tokenizer has (see `eod_id`)."""
     import torch
 
     source = Source(run, blend, split=split, target=samples_needed(run, split, dp_size), cache_dir=cache_dir, whole=whole)
@@ -220,7 +226,7 @@ def batches(run: Any, blend: list[tuple[float | None, str]], *, split: str, dp_r
     per_rank = gbs // dp_size
     d = run.data
     documents = d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
-    eod = eod_id(run) if documents else None
+    eod = eod_id(run, eod) if documents else None
     g = consumed_samples
     while True:
         mine = g + dp_rank * per_rank
