@@ -92,6 +92,13 @@ def test_eight_processes_tp_pp_dp_with_sequence_parallel_and_zero():
         assert_same_training(got, ref)
 
 
+def _val_curve(run_dir) -> list[float]:
+    import json
+
+    return [r["val_loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "val_loss" in r]
+
+
 def test_zoo_train_curves_match_one_process_and_resume_across_layouts(tmp_path, corpus_cache):
     """`zoo train` on 4 ranks as torchrun starts them: TP x PP (interleaved) with sequence
     parallelism, and CP x PP with ZeRO-1, each follow the single-process curve for 12 steps; each resumes the other's step-6
@@ -101,11 +108,14 @@ def test_zoo_train_curves_match_one_process_and_resume_across_layouts(tmp_path, 
     from _gpt_helpers import curve as _curve
     from _gpt_helpers import ranks, small_run, zoo
 
+    # (3 validation micro-batches: not a multiple of pp, which interleaved training needs and evaluation does not)
     args = ("train.steps=12", "checkpoint.interval=6", "optimizer.grad_clip=0.5", "train.global_batch_size=16",
-            "train.micro_batch_size=4", "model.num_layers=4", "train.eval_interval=6")
+            "train.micro_batch_size=4", "model.num_layers=4", "train.eval_interval=6", "train.eval_steps=3")
     one = zoo(*small_run(tmp_path / "one", corpus_cache, *args))
     assert one.returncode == 0, one.stderr
     ref = _curve(tmp_path / "one")
+    ref_val = _val_curve(tmp_path / "one")
+    assert len(ref_val) == 2
     layouts = {"a": ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.sequence_parallel=true"],
                "b": ["parallel.cp=2", "parallel.pp=2", "parallel.zero=1"]}
     for name, layout in layouts.items():
@@ -115,6 +125,8 @@ def test_zoo_train_curves_match_one_process_and_resume_across_layouts(tmp_path, 
         assert len(got) == 12
         for a, b in zip(got, ref):
             assert abs(a - b) <= 1e-5 * abs(b), (name, got, ref)
+        for a, b in zip(_val_curve(tmp_path / name), ref_val, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (name, ref_val)
     for src, dst in (("a", "b"), ("b", "a")):
         cont = tmp_path / f"{src}-then-{dst}"
         (cont / "checkpoints").mkdir(parents=True)

@@ -158,7 +158,7 @@ def sync_tied_grads(params: Sequence[nn.Parameter], group: Any) -> None:
 
 def schedule(kind: str, *, pp: int, vpp: int, rank: int, micro_batches: int) -> list[tuple[str, int, int]]:
     """The ordered actions of pipeline rank ``rank``: ``("F" | "B", chunk, micro_batch)``."""
-    if vpp > 1 and micro_batches % pp:
+    if vpp > 1 and micro_batches % pp and kind != "forward":
         raise ValueError(f"interleaved 1F1B needs the micro-batches per step ({micro_batches}) to be a multiple of pp={pp}")
     total = micro_batches * vpp
     group = pp * vpp
@@ -172,8 +172,11 @@ def schedule(kind: str, *, pp: int, vpp: int, rank: int, micro_batches: int) -> 
     def bwd(k: int) -> tuple[str, int, int]:
         return ("B", vpp - 1 - (k % group) // pp, mb(k))
 
-    if kind == "forward":  # evaluation: forwards only
-        return [fwd(k) for k in range(total)]
+    if kind == "forward":  # evaluation: forwards only, in the same order; micro-batches past the last
+        # (eval_steps need not be a multiple of pp) are left out of every rank's list alike, so each
+        # receive still meets its send, which comes earlier in the order on the rank before
+        rounded = -(-micro_batches // pp) * pp * vpp
+        return [a for a in map(fwd, range(rounded)) if a[2] < micro_batches]
     if kind == "gpipe":
         warmup = total
     elif kind == "1f1b":
