@@ -86,6 +86,53 @@ def main() -> None:
     print("# times: forward + backward; err: the largest relative error (norm) of the output and the three "
           "gradients against float64. On a CPU zoo.nn.attention takes the blocked path for bf16/fp16 (over "
           "fewer than 1,024 keys on a CPU with AMX), and for fp32 causal attention with grouped KV heads.")
+    windows()
+
+
+# Sliding windows (Mistral's): (name, B, H, KV, T, hd, window)
+WINDOWS = [("T=4096, window 512", 1, 8, 2, 4096, 64, 512), ("T=2048, window 256", 2, 8, 2, 2048, 64, 256)]
+
+
+def windows() -> None:
+    """Sliding-window attention: torch's kernel with the window as a mask (what it can do: every
+    query against every key) against the blocked path, which reads each query block's keys from
+    its window's start, and against the blocked path's plain causal attention (the work saved)."""
+    from zoo.nn.attention_ops import blocked_attention, causal_mask
+
+    print(f"\n{'sliding window':<22} {'dtype':<8} {'torch ms':>9} {'zoo ms':>8} {'speed':>6} {'causal ms':>10} "
+          f"{'torch err':>10} {'zoo err':>9}")
+    for name, b, h, kv, t, hd, w in WINDOWS:
+        g = torch.Generator().manual_seed(0)
+        base = [torch.randn(b, t, n, hd, generator=g).transpose(1, 2) for n in (h, kv, kv)]
+        grad = torch.randn(b, h, t, hd, generator=g)
+        mask = causal_mask(t, t, 0, w, "cpu")
+        ref = [x.detach().double().requires_grad_(True) for x in base]
+        out = F.scaled_dot_product_attention(*ref, attn_mask=mask, enable_gqa=True)
+        out.backward(grad.double())
+        want = [out.detach(), *(x.grad for x in ref)]
+        for dtype in (torch.bfloat16, torch.float32):
+            sides = {"torch": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+                     "zoo": lambda q, k, v: blocked_attention(q, k, v, causal=True, window=w),
+                     "causal": lambda q, k, v: blocked_attention(q, k, v, causal=True)}
+            row = {}
+            for side, fn in sides.items():
+                xs = [x.detach().to(dtype).clone().requires_grad_(True) for x in base]
+                gd = grad.to(dtype)
+
+                def step(fn=fn, xs=xs, gd=gd):
+                    for x in xs:
+                        x.grad = None
+                    fn(*xs).backward(gd)
+
+                out = fn(*xs)
+                out.backward(gd)
+                got = [out.detach(), *(x.grad for x in xs)]
+                err = max(float((a.double() - r).norm() / r.norm()) for a, r in zip(got, want))
+                row[side] = (median_ms(step, n=5), err)
+            print(f"{name:<22} {str(dtype)[6:]:<8} {row['torch'][0]:>9.1f} {row['zoo'][0]:>8.1f} "
+                  f"{row['torch'][0] / row['zoo'][0]:>5.2f}x {row['causal'][0]:>10.1f} {row['torch'][1]:>10.1e} "
+                  f"{row['zoo'][1]:>9.1e}")
+    print("# causal ms: the blocked path without the window (every earlier key), for the work the window saves.")
 
 
 if __name__ == "__main__":

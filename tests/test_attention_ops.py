@@ -154,16 +154,20 @@ def test_attention_dispatch(monkeypatch):
 
 
 @pytest.mark.parametrize("window", [1, 6, 40])
-def test_sliding_window_on_every_path(window):
-    """`attention` with a window, through each way it is computed (torch's kernel with a mask, the
-    blocked path, a decoding step against a KV cache, a few kept query positions, packed samples):
+def test_sliding_window_on_every_path(window, monkeypatch):
+    """`attention` with a window, through each way it is computed (the blocked path, torch's kernel
+    with a mask, a decoding step against a KV cache, a few kept query positions, packed samples):
     the float64 reference with the window spelled out. A window of 40 covers the whole sequence."""
     q, k, v, _ = _inputs(2, 4, 2, 24, 24, 8)
     qd, kd, vd = q.double(), k.double(), v.double()
-    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)  # one KV head a head: torch's kernel in fp32
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)  # one KV head a head
     ref = _reference(qd, kd, vd, causal=True, window=window)
+    assert ops.blocked_supported(q, kr, causal=True, segment_ids=None, kv_segment_ids=None, window=window)
     assert _rel(attention(q, kr, vr, causal=True, window=window).double(), ref) < 1e-6
-    assert _rel(attention(q, k, v, causal=True, window=window).double(), ref) < 1e-6  # grouped: blocked
+    assert _rel(attention(q, k, v, causal=True, window=window).double(), ref) < 1e-6
+    with monkeypatch.context() as m:  # torch's kernel with the window as a mask (a GPU's path)
+        m.setattr(ops, "blocked_supported", lambda *a, **kw: False)
+        assert _rel(attention(q, k, v, causal=True, window=window).double(), ref) < 1e-6
     assert _rel(attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, window=window).double(), ref) < 1e-2
     # decoding: the last 5 queries against a cache of 19 earlier positions, and one query alone
     for n in (5, 1):

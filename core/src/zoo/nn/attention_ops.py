@@ -16,7 +16,8 @@ times taller and half of them skipped; without both, 0.7-1.0x).
   positions form one matrix against that KV head's keys, so K and V are never repeated and each
   product is one `bmm` over (batch x KV head) matrices;
 - causal blocks stop at their last key (about half the products of the square) and only the
-  diagonal strip of each block is masked;
+  diagonal strip of each block is masked; under a sliding window (Mistral's) a block's keys start
+  at its first query's window, so the products are T x window, not T x T / 2;
 - backward recomputes each block's probabilities (one GEMM and one softmax) instead of keeping
   the (T x S) matrix: forward keeps q (row-stacked), k and v, as flash attention does;
   dK and dV add up over the query blocks in float32.
@@ -64,15 +65,21 @@ _AMX_TORCH_KEYS = 1024
 
 
 def blocked_supported(q: torch.Tensor, k: torch.Tensor, *, causal: bool, segment_ids: torch.Tensor | None,
-                      kv_segment_ids: torch.Tensor | None) -> bool:
+                      kv_segment_ids: torch.Tensor | None, window: int | None = None) -> bool:
     """Whether `attend` takes the blocked path: on a CPU, bf16/fp16 (or autocast to them) except over
-    1,024 keys or more on a CPU with AMX, or fp32 causal attention with grouped KV heads; more than
-    one query (a decoding step is a matrix-vector product either way); self-attention or
-    cross-attention without packed keys."""
+    1,024 keys or more on a CPU with AMX, or fp32 causal attention with grouped KV heads or a sliding
+    window; more than one query (a decoding step is a matrix-vector product either way);
+    self-attention or cross-attention without packed keys.
+
+    A sliding window is a mask to torch's kernel, which then computes every query against every key:
+    forward and backward on a 2-core Zen 4 (`benchmarks/attention_cpu.py`), (1, 8 / 2, 4,096, 64)
+    with a window of 512 took 671 / 114 ms in bf16 and 843 / 212 ms in fp32; multi-head fp32
+    (1, 16, 2,048, 64) with 256, 455 / 143 ms; (4, 8, 512, 64) with 128, level (56 ms)."""
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
     if q.device.type != "cpu" or q.shape[2] < 2:
         return False
-    if dtype not in (torch.bfloat16, torch.float16) and not (dtype == torch.float32 and causal and q.shape[1] > k.shape[1]):
+    fp32_blocked = causal and (q.shape[1] > k.shape[1] or window is not None)
+    if dtype not in (torch.bfloat16, torch.float16) and not (dtype == torch.float32 and fp32_blocked):
         return False
     if dtype != torch.float32 and k.shape[2] >= _AMX_TORCH_KEYS and has_amx():
         return False
@@ -112,7 +119,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offs
     t, s = q.shape[2], k.shape[2]
     if window is not None and offset + t <= window:
         window = None  # no query reaches past the window: plain causal attention
-    if blocked_supported(q, k, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids):
+    if blocked_supported(q, k, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, window=window):
         return blocked_attention(q, k, v, causal=causal, offset=offset, segment_ids=segment_ids, window=window)
     # enable_gqa: query head i attends with KV head i // (H // KV) (HF's grouping) without copying K/V.
     gqa = q.shape[1] != k.shape[1]
@@ -199,8 +206,10 @@ class _Plan:
 
     def blocks(self) -> list[tuple[slice, slice, slice, int, int, int, int]]:
         """Per block: its batch rows, KV heads and queries (slices of the (B, T, KV, G, hd) output),
-        its first and end matrix of the (B*KV) ones, its first query and the end of the keys it
-        reads (a causal block's own end rounded up to a multiple of key_step)."""
+        its first and end matrix of the (B*KV) ones, its first query and the range of the keys it
+        reads: up to a causal block's own end rounded up to a multiple of key_step, and under a
+        sliding window from its first query's first key rounded down to one (the keys before are
+        no product of the block's, which is what a window saves)."""
         out = []
         for b0 in range(0, self.b, self.bb):
             b1 = min(self.b, b0 + self.bb)
@@ -209,8 +218,11 @@ class _Plan:
                 for i0 in range(0, self.t, self.tb):
                     i1 = min(self.t, i0 + self.tb)
                     end = min(self.s, -(-(self.offset + i1) // self.key_step) * self.key_step) if self.causal else self.s
+                    start = 0
+                    if self.window is not None:
+                        start = max(0, self.offset + i0 - self.window + 1) // self.key_step * self.key_step
                     out.append((slice(b0, b1), slice(k0, k1), slice(i0, i1), b0 * self.kv + k0,
-                                (b1 - 1) * self.kv + k1, i0, end))
+                                (b1 - 1) * self.kv + k1, i0, start, end))
         return out
 
     def scaled(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -225,26 +237,29 @@ class _Plan:
         nb, nk = bs.stop - bs.start, ks.stop - ks.start
         out[bs, ts, ks] = value.view(nb, nk, ts.stop - ts.start, self.g, value.shape[-1]).transpose(1, 2)
 
-    def scores(self, qb: torch.Tensor, kb: torch.Tensor, m0: int, m1: int, i0: int, i1: int) -> torch.Tensor:
-        """Masked ``qb kb^T`` of one block: (m1-m0, (i1-i0)*G, end)."""
-        tb, end = i1 - i0, kb.shape[1]
+    def scores(self, qb: torch.Tensor, kb: torch.Tensor, m0: int, m1: int, i0: int, i1: int, start: int = 0
+               ) -> torch.Tensor:
+        """Masked ``qb kb^T`` of one block, kb the keys from ``start`` on: (m1-m0, (i1-i0)*G, keys)."""
+        tb, n = i1 - i0, kb.shape[1]
+        end = start + n
         if self.bias is not None and tb == self.tb:
             first = self.s - (self.offset + i1)  # the bias column of key 0: the strip ends at the block's end
-            scores = torch.baddbmm(self.bias[:, first:first + end], qb.flatten(1, 2), kb.transpose(1, 2), alpha=self.scale)
+            scores = torch.baddbmm(self.bias[:, first + start:first + end], qb.flatten(1, 2), kb.transpose(1, 2),
+                                   alpha=self.scale)
         else:  # the last block, fewer rows: its keys end at its own end (S)
             scores = self.scaled(qb.flatten(1, 2), kb.transpose(1, 2))
-        view = scores.view(m1 - m0, tb, self.g, end)
+        view = scores.view(m1 - m0, tb, self.g, n)
         if self.causal and tb != self.tb:  # keys before the block's first position are visible to all its queries
-            view[..., self.offset + i0:end].masked_fill_(self.strip[:tb, :, :tb], float("-inf"))
+            view[..., self.offset + i0 - start:].masked_fill_(self.strip[:tb, :, :tb], float("-inf"))
         if self.window is not None:  # keys a window or more before the query: a second pass, as packing's
             first = self.offset + i0 - self.window + 1  # the first key query i0 sees
             if first + tb - 1 > 0:  # (the block's last query sees from first + tb - 1 on)
                 rows = torch.arange(tb, device=scores.device)[:, None]
-                seen = torch.arange(end, device=scores.device)[None, :] >= first + rows
+                seen = torch.arange(start, end, device=scores.device)[None, :] >= first + rows
                 view.masked_fill_(~seen[:, None, :], float("-inf"))
         if self.segment_ids is not None:
             ids = self.segment_ids[m0:m1]
-            view.masked_fill_((ids[:, i0:i1, None] != ids[:, None, :end])[:, :, None], float("-inf"))
+            view.masked_fill_((ids[:, i0:i1, None] != ids[:, None, start:end])[:, :, None], float("-inf"))
         return scores
 
 
@@ -256,7 +271,8 @@ def _keeps_probs(plan: _Plan, hd: int, dtype: torch.dtype) -> bool:
     recomputation a larger share of the step. That keeps a DiT's 256 tokens (6 MiB a layer in bf16)
     and a bf16 causal LLaMA's 512 of 64-wide heads (9 MiB a layer for 4 x 512 tokens: 7% more
     saved memory for a 5% faster step on a 2-core Zen 4), never a long sequence."""
-    kept = sum((m1 - m0) * (ts.stop - ts.start) * plan.g * end for _, _, ts, m0, m1, _, end in plan.blocks())
+    kept = sum((m1 - m0) * (ts.stop - ts.start) * plan.g * (end - start)
+               for _, _, ts, m0, m1, _, start, end in plan.blocks())
     budget = plan.b * plan.kv * hd * (2 * plan.g * plan.t + 2 * plan.s)
     return kept <= (2 if dtype.itemsize == 2 else 1) * budget
 
@@ -274,10 +290,10 @@ class _BlockedAttention(torch.autograd.Function):
         keep = keep_probs and _keeps_probs(plan, hd, q.dtype)
         kept = []
         for block in plan.blocks():
-            m0, m1, i0, end = block[3:]
+            m0, m1, i0, start, end = block[3:]
             i1 = block[2].stop
-            probs = torch.softmax(plan.scores(qs[m0:m1, i0:i1], kf[m0:m1, :end], m0, m1, i0, i1), -1)
-            plan.put(out, block, torch.bmm(probs, vf[m0:m1, :end]))
+            probs = torch.softmax(plan.scores(qs[m0:m1, i0:i1], kf[m0:m1, start:end], m0, m1, i0, i1, start), -1)
+            plan.put(out, block, torch.bmm(probs, vf[m0:m1, start:end]))
             if keep:
                 kept.append(probs)
         ctx.save_for_backward(qs, kf, vf, *kept)
@@ -302,23 +318,24 @@ class _BlockedAttention(torch.autograd.Function):
             dk = torch.zeros(b * kv, s, hd, dtype=torch.float32, device=qs.device)
             dv = torch.zeros_like(dk)
         for n, block in enumerate(plan.blocks()):
-            m0, m1, i0, end = block[3:]
+            m0, m1, i0, start, end = block[3:]
             i1 = block[2].stop
             qb, gb = qs[m0:m1, i0:i1].flatten(1, 2), gs[m0:m1, i0:i1].flatten(1, 2)
-            kb, vb = kf[m0:m1, :end], vf[m0:m1, :end]
-            probs = kept[n] if kept else torch.softmax(plan.scores(qs[m0:m1, i0:i1], kb, m0, m1, i0, i1), -1)
+            kb, vb = kf[m0:m1, start:end], vf[m0:m1, start:end]
+            probs = kept[n] if kept else torch.softmax(plan.scores(qs[m0:m1, i0:i1], kb, m0, m1, i0, i1, start), -1)
             # d scores = P * (dP - rowsum(dP * P)): torch's fused softmax backward
             dscores = torch._softmax_backward_data(torch.bmm(gb, vb.transpose(1, 2)), probs, -1, probs.dtype)
             plan.put(dq, block, plan.scaled(dscores, kb))
             if direct:
-                torch.bmm(probs.transpose(1, 2), gb, out=dv[m0:m1, :end])
-                plan.scaled(dscores.transpose(1, 2), qb, out=dk[m0:m1, :end])
-                if end < s:  # keys no query of the block sees
-                    dv[m0:m1, end:] = 0
-                    dk[m0:m1, end:] = 0
+                torch.bmm(probs.transpose(1, 2), gb, out=dv[m0:m1, start:end])
+                plan.scaled(dscores.transpose(1, 2), qb, out=dk[m0:m1, start:end])
+                for outside in (slice(0, start), slice(end, s)):  # keys no query of the block sees
+                    if outside.start < outside.stop:
+                        dv[m0:m1, outside] = 0
+                        dk[m0:m1, outside] = 0
             else:
-                dv[m0:m1, :end] += torch.bmm(probs.transpose(1, 2), gb)
-                dk[m0:m1, :end] += plan.scaled(dscores.transpose(1, 2), qb)
+                dv[m0:m1, start:end] += torch.bmm(probs.transpose(1, 2), gb)
+                dk[m0:m1, start:end] += plan.scaled(dscores.transpose(1, 2), qb)
         return (dq.view(b, t, h, hd).transpose(1, 2), dk.view(b, kv, s, hd).to(kf.dtype),
                 dv.view(b, kv, s, hd).to(vf.dtype), None, None, None, None, None)
 
