@@ -111,8 +111,9 @@ def windows() -> None:
         out.backward(grad.double())
         want = [out.detach(), *(x.grad for x in ref)]
         for dtype in (torch.bfloat16, torch.float32):
-            sides = {"torch": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
-                     "zoo": lambda q, k, v: blocked_attention(q, k, v, causal=True, window=w),
+            sides = {"torch": lambda q, k, v, mask=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                                        enable_gqa=True),
+                     "zoo": lambda q, k, v, w=w: blocked_attention(q, k, v, causal=True, window=w),
                      "causal": lambda q, k, v: blocked_attention(q, k, v, causal=True)}
             row = {}
             for side, fn in sides.items():
