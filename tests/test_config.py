@@ -292,6 +292,12 @@ def test_megatron_values_that_decide_zoos_form():
     # Megatron's sliding window (left, right) and the layers it skips, as megatron-core decides them
     from megatron.core.transformer.utils import is_layer_window_attention
 
+    # the list forms, which Megatron evaluates as Python and zoo reads without evaluating
+    argv = ["--moe-layer-freq", "([0]+[1]*3)", "--window-attn-skip-freq", "[1,0]*2"]
+    assert foreign.flag_hint(argv, [a for a in argv if a.startswith("--")], keys) == \
+        " (in zoo: model.pattern=TEEE model.window_layers=[0,2])"
+    for text in ("__import__('os').system('x')", "[1]*100000*100000", "[2, 1]", "[]"):
+        assert foreign.int_list(text) is None, text
     argv = ["--num-layers", "8", "--window-size", "(4095,0)", "--window-attn-skip-freq", "3"]
     sliding = [i for i in range(8) if is_layer_window_attention((4095, 0), 3, i + 1)]  # (1-based layer numbers)
     assert foreign.flag_hint(argv, [a for a in argv if a.startswith("--")], keys) == \

@@ -234,6 +234,11 @@ def flag_hint(argv: Sequence[str], stray: Sequence[str], keys: Iterable[str]) ->
             forms.append("model.pattern=" + "".join("T" if i % int(value) else "E"
                                                     for i in range(int(given["num_layers"] or 0))))
             continue
+        if name in ("moe_layer_freq", "window_attn_skip_freq") and value is not None \
+                and (flags := int_list(value)) is not None:  # the list form, one 0/1 per layer
+            forms.append("model.pattern=" + "".join("E" if f else "T" for f in flags) if name == "moe_layer_freq"
+                         else "model.window_layers=[" + ",".join(str(i) for i, f in enumerate(flags) if f) + "]")
+            continue
         if name == "window_size" and value is not None:  # Megatron's (left, right): keys i-left .. i+right
             sizes = [int(n) for n in re.findall(r"-?\d+", value)]
             if len(sizes) == 2 and sizes[1] == 0:
@@ -274,6 +279,34 @@ def flag_hint(argv: Sequence[str], stray: Sequence[str], keys: Iterable[str]) ->
 # Megatron's sample-based lengths (--train-samples ...), as step counts with --global-batch-size
 _IN_SAMPLES = {"train_samples": "train.steps={}", "lr_decay_samples": "schedule.decay_steps={}",
                "lr_warmup_samples": "schedule.warmup_steps={}", "lr_wsd_decay_samples": "schedule.wsd_decay_steps={}"}
+
+
+def int_list(text: str) -> list[int] | None:
+    """A list of integers Megatron's flags write as Python (``[1,0,1]``, ``([0]+[1]*23)``), read
+    without evaluating anything: list literals of integers joined by ``+`` and repeated by ``* n``.
+    None for anything else."""
+    import ast
+
+    def value(node: ast.AST) -> list[int]:
+        if isinstance(node, (ast.List, ast.Tuple)) and all(
+                isinstance(e, ast.Constant) and type(e.value) is int for e in node.elts):
+            return [e.value for e in node.elts]  # type: ignore[attr-defined]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            return value(node.left) + value(node.right)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            for items, times in ((node.left, node.right), (node.right, node.left)):
+                if isinstance(times, ast.Constant) and type(times.value) is int and times.value >= 0:
+                    part = value(items)
+                    if len(part) * times.value > 100_000:  # (no model has that many layers)
+                        raise ValueError(node)
+                    return part * times.value
+        raise ValueError(node)
+
+    try:
+        out = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+    return out if out and all(v in (0, 1) for v in out) else None
 
 
 _PAIR = re.compile(r"[(\[]?\s*-?\d+\s*,\s*-?\d+\s*[)\]]?")  # a value such as --window-size's -1,0
