@@ -33,6 +33,9 @@ class NormSpec:
     kind: NormKind
     affine: bool = True  # DiT's adaLN norms carry no weight of their own
     bias: bool = True  # LayerNorm only; RMSNorm never has one
+    # The weight is stored as scale - 1, starting at zero (Gemma; Megatron's apply_layernorm_1p):
+    # weight decay then pulls the scale towards one, not zero. RMSNorm only.
+    zero_centered: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,14 +103,15 @@ class AdaLNSpec(ConditioningSpec):
 
 @dataclass(frozen=True, kw_only=True)
 class BlockSpec:
-    """One residual block: ``x + mixer(norm(x))`` then ``x + ffn(norm(x))`` (pre-norm)."""
+    """One residual block: ``x + mixer(norm(x))`` then ``x + ffn(norm(x))`` (pre-norm); ``sandwich``
+    (Gemma 2/3): ``x + norm(mixer(norm(x)))``, each sublayer's output normed too before the residual."""
 
     norm: NormSpec
     mixer: MixerSpec | None
     ffn: FeedForwardSpec | None
     cross_attention: AttentionSpec | None = None
     conditioning: ConditioningSpec | None = None
-    residual: Literal["pre_norm", "post_norm"] = "pre_norm"
+    residual: Literal["pre_norm", "post_norm", "sandwich"] = "pre_norm"
 
 
 @dataclass(frozen=True, kw_only=True)

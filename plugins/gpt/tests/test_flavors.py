@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from zoo_gpt import plugin
 from zoo_gpt.convert import to_hf_config
-from zoo_gpt.model import build
+from zoo_gpt.model import build, build_gemma
 
 # Published sizes (OpenAI GPT-2 paper/model cards; Meta Llama model cards, exact counts as in
 # the released checkpoints).
@@ -35,7 +35,13 @@ PUBLISHED = {
     plugin.qwen2_14b: 14_770_033_664,
     plugin.qwen2_32b: 32_763_876_352,
     plugin.qwen2_72b: 72_706_203_648,
+    plugin.gemma3_270m: 268_098_176,  # Google's
+    plugin.gemma3_1b: 999_885_952,
 }
+
+
+def _build(cfg):
+    return (build_gemma if isinstance(cfg, plugin.GemmaConfig) else build)(cfg, plugin.SPECS[cfg.layer_spec])
 
 
 def _count(model) -> int:
@@ -46,13 +52,14 @@ def _count(model) -> int:
 def test_meta_build_matches_published_size(flavor):
     cfg = flavor()
     with torch.device("meta"):
-        ours = build(cfg, plugin.SPECS[cfg.layer_spec])
+        ours = _build(cfg)
     assert _count(ours) == PUBLISHED[flavor]
 
 
 @pytest.mark.parametrize("flavor", [plugin.gpt2_124m, plugin.llama3_1b, plugin.llama2_7b, plugin.qwen3_0_6b,
                                     plugin.qwen3_1_7b, plugin.qwen3_4b, plugin.qwen3_8b, plugin.mistral_7b_v01,
-                                    plugin.mistral_nemo_12b, plugin.qwen2_0_5b, plugin.qwen2_7b],
+                                    plugin.mistral_nemo_12b, plugin.qwen2_0_5b, plugin.qwen2_7b, plugin.gemma3_1b,
+                                    plugin.gemma3_4b, plugin.gemma3_27b],
                          ids=lambda f: f.__name__)
 def test_same_count_as_hf_from_exported_config(flavor):
     cfg = flavor()
@@ -60,7 +67,7 @@ def test_same_count_as_hf_from_exported_config(flavor):
     config = AutoConfig.for_model(hf_cfg.pop("model_type"), **{k: v for k, v in hf_cfg.items() if k != "architectures"})
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config)
-        ours = build(cfg, plugin.SPECS[cfg.layer_spec])
+        ours = _build(cfg)
     assert _count(hf) == _count(ours)
 
 

@@ -7,6 +7,8 @@ import pytest
 import torch
 from _gpt_helpers import small_run, zoo
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -53,6 +55,10 @@ HF = {
     "mistral-window": lambda: MistralForCausalLM(MistralConfig(
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, sliding_window=6)),
+    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"])),
     "qwen2-window": lambda: Qwen2ForCausalLM(Qwen2Config(
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, use_sliding_window=True, sliding_window=6,

@@ -1,4 +1,4 @@
-"""GPT-2, LLaMA, Mistral, Qwen2 and Qwen3 against Hugging Face transformers, built from tiny configs
+"""GPT-2, LLaMA, Mistral, Qwen2, Qwen3 and Gemma 3 against Hugging Face transformers, built from tiny configs
 (no download): logits match to 1e-5 in float32 and HF -> zoo -> HF is bitwise identical."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -60,6 +62,13 @@ CASES = {
     "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**{**_SMALL, "tie_word_embeddings": True})),  # q/k/v biases, o none
     "qwen2-window-layer-1": lambda: Qwen2ForCausalLM(Qwen2Config(**_SMALL, use_sliding_window=True, sliding_window=8,
                                                                  max_window_layers=1)),
+    # Gemma 3: sandwich zero-centred norms, q/k norms, GeGLU, scaled embeddings, a softmax scale of
+    # 1/sqrt(24) (not head_dim's 16), sliding layers with their own RoPE base, linear-scaled global RoPE
+    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        **{**_SMALL, "num_hidden_layers": 3, "tie_word_embeddings": True}, head_dim=16, sliding_window=8,
+        query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
     "qwen3-window-layer-types": lambda: Qwen3ForCausalLM(Qwen3Config(
         **{**_SMALL, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=8,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
@@ -109,7 +118,7 @@ def test_logits_match_hf_and_round_trip_is_bitwise(case, tmp_path):
 
 
 @pytest.mark.parametrize(("case", "windows"), [("mistral-window", [8, 8]), ("qwen2-window-layer-1", [None, 8]),
-                                               ("qwen3-window-layer-types", [8, None, 8])])
+                                               ("qwen3-window-layer-types", [8, None, 8]), ("gemma3", [8, None, 8])])
 def test_the_window_reaches_the_layers_it_names_and_changes_the_result(case, windows, tmp_path):
     """Each layer gets the window Hugging Face's config gives it, and the window matters: the same
     weights with every layer attending to the whole past give other logits."""

@@ -70,15 +70,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32."""
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32. ``zero_centered``: the
+    weight holds scale - 1 and starts at zero (Gemma's)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, *, zero_centered: bool = False) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.zero_centered = eps, zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight + 1 if self.zero_centered else self.weight, self.eps)
 
 
 class _SwiGLUFn(torch.autograd.Function):
@@ -271,7 +272,9 @@ _DERIVATIVES = {
 
 def make_norm(spec: NormSpec, dim: int, eps: float) -> nn.Module:
     if spec.kind == "rmsnorm":
-        return RMSNorm(dim, eps)
+        return RMSNorm(dim, eps, zero_centered=spec.zero_centered)
+    if spec.zero_centered:
+        raise ValueError("NormSpec: zero_centered is an RMSNorm option")
     return nn.LayerNorm(dim, eps=eps, elementwise_affine=spec.affine, bias=spec.bias and spec.affine)
 
 

@@ -22,10 +22,13 @@ from zoo.spec import AttentionSpec, BlockSpec, MLPSpec
 
 class SelfAttention(nn.Module):
     def __init__(self, spec: AttentionSpec, *, hidden: int, heads: int, kv_heads: int, head_dim: int, layer: int,
-                 eps: float = 1e-6, window: int | None = None) -> None:
+                 eps: float = 1e-6, window: int | None = None, scale: float | None = None) -> None:
         super().__init__()
         self.layer, self.spec = layer, spec
         self.window = window  # sliding-window attention: a query sees itself and window - 1 keys before it
+        # The softmax scale when it is not 1/sqrt(head_dim) (Gemma's query_pre_attn_scalar): q is
+        # multiplied by the ratio, so every attention path keeps its own 1/sqrt(head_dim).
+        self.q_factor = None if scale is None or scale == head_dim ** -0.5 else scale * head_dim ** 0.5
         self.h, self.kv, self.hd = heads, kv_heads, head_dim
         self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=spec.bias)
         # Per-head norms of q and k before the rotation (Qwen3, OLMo 2); a family's tp_plan marks
@@ -57,6 +60,8 @@ class SelfAttention(nn.Module):
             k, v = cache.update(self.layer, k, v)
         if keep is not None:
             q = q.gather(2, keep[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3]))
+        if self.q_factor is not None:
+            q = q * self.q_factor
         y = self.core(q, k, v, causal=self.spec.causal, offset=offset, segment_ids=segment_ids,
                       q_positions=keep, window=self.window)  # (B, H, T or K, hd)
         return self.proj(y.transpose(1, 2).reshape(b, y.shape[2], self.h * self.hd))
@@ -80,25 +85,30 @@ class TransformerLayer(nn.Module):
     layer (its spec non-causal for images). ``layer`` indexes the KV cache."""
 
     def __init__(self, spec: BlockSpec, *, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn_hidden: int,
-                 eps: float, layer: int, window: int | None = None) -> None:
+                 eps: float, layer: int, window: int | None = None, scale: float | None = None) -> None:
         super().__init__()
         assert isinstance(spec.mixer, AttentionSpec) and isinstance(spec.ffn, MLPSpec)
+        if spec.residual == "post_norm":
+            raise ValueError("TransformerLayer: residual='post_norm' is not a decoder layer zoo builds "
+                             "(pre_norm or sandwich)")
         self.attn_norm = make_norm(spec.norm, hidden, eps)
         self.attn = SelfAttention(spec.mixer, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                                  layer=layer, eps=eps, window=window)
+                                  layer=layer, eps=eps, window=window, scale=scale)
+        sandwich = spec.residual == "sandwich"  # each sublayer's output normed before the residual add
+        self.post_attn_norm = make_norm(spec.norm, hidden, eps) if sandwich else None
         self.mlp_norm = make_norm(spec.norm, hidden, eps)
         self.mlp = MLP(spec.ffn, hidden=hidden, ffn_hidden=ffn_hidden)
+        self.post_mlp_norm = make_norm(spec.norm, hidden, eps) if sandwich else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 cache: KVCache | None = None, segment_ids: torch.Tensor | None = None,
                 keep: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T, D) -> (B, T, D); with ``keep`` (B, K) the outputs at those positions only, (B, K, D),
         computed for them alone (see `run_layers`)."""
-        if keep is None:
-            x = x + self.attn(self.attn_norm(x), rope, cache, segment_ids)
-        else:
-            x = take_positions(x, keep) + self.attn(self.attn_norm(x), rope, cache, segment_ids, keep)
-        return x + self.mlp(self.mlp_norm(x))
+        y = self.attn(self.attn_norm(x), rope, cache, segment_ids, keep)
+        x = (x if keep is None else take_positions(x, keep)) + (y if self.post_attn_norm is None else self.post_attn_norm(y))
+        y = self.mlp(self.mlp_norm(x))
+        return x + (y if self.post_mlp_norm is None else self.post_mlp_norm(y))
 
     def selects_positions(self) -> bool:
         """Whether ``keep`` can be computed here: not when this rank holds a slice of the sequence

@@ -67,11 +67,87 @@ def _gpt2_table(cfg: GPTConfig) -> MappingTable:
     return MappingTable(rules=rules, import_prefixes=(("transformer.", ""),))
 
 
+def _gemma3_table(cfg: GPTConfig) -> MappingTable:
+    L = "model.layers.{i}."
+    qkv = tuple(L + f"self_attn.{n}_proj.weight" for n in "qkv")
+    return MappingTable(rules=(
+        Rename("embed.weight", "model.embed_tokens.weight"),
+        Rename("layers.{i}.attn_norm.weight", L + "input_layernorm.weight"),
+        Fuse("layers.{i}.attn.qkv.weight", qkv, groups="num_kv_heads", sizes=("q_size", "kv_size", "kv_size")),
+        Rename("layers.{i}.attn.q_norm.weight", L + "self_attn.q_norm.weight"),
+        Rename("layers.{i}.attn.k_norm.weight", L + "self_attn.k_norm.weight"),
+        Rename("layers.{i}.attn.proj.weight", L + "self_attn.o_proj.weight"),
+        Rename("layers.{i}.post_attn_norm.weight", L + "post_attention_layernorm.weight"),  # (after attention)
+        Rename("layers.{i}.mlp_norm.weight", L + "pre_feedforward_layernorm.weight"),
+        Fuse("layers.{i}.mlp.fc.weight", (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight")),
+        Rename("layers.{i}.mlp.proj.weight", L + "mlp.down_proj.weight"),
+        Rename("layers.{i}.post_mlp_norm.weight", L + "post_feedforward_layernorm.weight"),
+        Rename("norm.weight", "model.norm.weight"),
+        Tie("head.weight", to="embed.weight"),
+        Ignore(r"lm_head\.weight"),  # (the tied copy some exports store)
+    ))
+
+
 def table(cfg: GPTConfig) -> MappingTable:
+    if cfg.layer_spec == "gemma3":
+        return _gemma3_table(cfg)
     return _gpt2_table(cfg) if cfg.layer_spec == "gpt2" else _llama_table(cfg)
 
 
+def _gemma3_to_hf(cfg: Any) -> dict[str, Any]:
+    if not cfg.tie_embeddings:
+        raise UsageError("Gemma3ForCausalLM ties its embeddings (model.tie_embeddings=true)")
+    layers = [i for i in range(cfg.num_layers) if cfg.window(i) is not None]
+    full = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": cfg.max_seq_length,
+        "rms_norm_eps": cfg.norm_eps, "initializer_range": cfg.init_std, "tie_word_embeddings": True,
+        "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
+        "sliding_window": cfg.sliding_window if layers else None,
+        "layer_types": ["sliding_attention" if i in layers else "full_attention" for i in range(cfg.num_layers)],
+        "rope_parameters": {"full_attention": full,
+                            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}},
+        # (what transformers before 5 reads)
+        "rope_theta": cfg.rope_theta, "rope_local_base_freq": cfg.rope_local_theta,
+        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        "attn_logit_softcapping": None, "final_logit_softcapping": None, "attention_bias": False,
+    }
+
+
+def _gemma3_from_hf(hf: dict[str, Any]) -> Any:
+    from zoo_gpt.plugin import GemmaConfig
+
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise UsageError(f"Gemma with {key}={hf[key]} (Gemma 2's) is not supported: zoo converts Gemma 3")
+    if hf.get("attention_bias") or hf.get("use_bidirectional_attention"):
+        raise UsageError("Gemma 3 with attention biases or bidirectional attention is not supported")
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UsageError(f"Gemma 3 with hidden_activation={hf['hidden_activation']!r}: zoo's is tanh-GELU")
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % int(hf.get("sliding_window_pattern", 6)) == 0
+                                      else "sliding_attention" for i in range(n)]
+    params = hf.get("rope_parameters") or {}
+    full = dict(params.get("full_attention") or hf.get("rope_scaling") or {})
+    theta = float(full.pop("rope_theta", hf.get("rope_theta", 1000000.0)))
+    local = (params.get("sliding_attention") or {}).get("rope_theta", hf.get("rope_local_base_freq", 10000.0))
+    scaling = full if full.get("rope_type", full.get("type", "default")) != "default" else None
+    windows = windows_from_hf({**hf, "layer_types": types}, "layer_types", flag=False)
+    heads = hf["num_attention_heads"]
+    return GemmaConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=n, num_heads=heads,
+                       num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim", 256),
+                       ffn_hidden_size=hf["intermediate_size"], max_seq_length=hf.get("max_position_embeddings", 131072),
+                       norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=True, rope_theta=theta,
+                       rope_scaling=scaling, init_std=hf.get("initializer_range", 0.02), rope_local_theta=float(local),
+                       query_pre_attn_scalar=int(hf.get("query_pre_attn_scalar", 256)), **windows)
+
+
 def to_hf_config(cfg: GPTConfig) -> dict[str, Any]:
+    if cfg.layer_spec == "gemma3":
+        return _gemma3_to_hf(cfg)
     if cfg.layer_spec == "gpt2":
         return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
@@ -134,6 +210,8 @@ def windows_from_hf(hf: dict[str, Any], rule: str | None, *, flag: bool) -> dict
             raise UsageError(f"layer_types={types}: one of 'sliding_attention', 'full_attention' per layer "
                              f"({n} layers)")
         layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    elif rule == "layer_types":
+        raise UsageError(f"{hf.get('model_type')}: its config names no layer_types")
     elif rule == "from_max_window_layers":
         layers = list(range(int(hf.get("max_window_layers", 28)), n))
     else:
@@ -180,6 +258,8 @@ def from_hf_config(hf: dict[str, Any]) -> GPTConfig:
                          num_kv_heads=hf["n_head"], head_dim=d // hf["n_head"], ffn_hidden_size=hf.get("n_inner") or 4 * d,
                          max_seq_length=hf.get("n_positions", 1024), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                          tie_embeddings=True, init_std=hf.get("initializer_range", 0.02), layer_spec="gpt2")
+    if kind in ("gemma3_text", "gemma3"):
+        return _gemma3_from_hf(hf.get("text_config") or hf if kind == "gemma3" else hf)
     if kind in _SPEC_OF:
         if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias", False):
             raise UsageError(f"{kind} with a non-SiLU activation or MLP biases is not supported")
@@ -199,7 +279,7 @@ def from_hf_config(hf: dict[str, Any]) -> GPTConfig:
                          norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                          rope_theta=theta, rope_scaling=scaling, init_std=hf.get("initializer_range", 0.02),
                          layer_spec=spec, **windows_from_hf(hf, _ARCHITECTURES[spec][2], flag=kind.startswith("qwen")))
-    raise UsageError(f"model_type {kind!r} is not GPT-2, LLaMA, Mistral, Qwen2 or Qwen3")
+    raise UsageError(f"model_type {kind!r} is not GPT-2, LLaMA, Mistral, Qwen2, Qwen3 or Gemma 3")
 
 
 _SPEC_OF = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}  # model_type -> layer_spec
@@ -208,7 +288,8 @@ _SPEC_OF = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "
 HF = ExternalFormat(
     name="hf",
     architectures={"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "LlamaForCausalLM": "llama",
-                   "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"},
+                   "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                   "Gemma3ForCausalLM": "gemma3"},
     table=table,
     to_config=to_hf_config,
     from_config=from_hf_config,

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from zoo.nn import KVCache, Rotary, linear_cross_entropy, make_norm
+from zoo.nn import KVCache, RMSNorm, Rotary, linear_cross_entropy, make_norm
 from zoo.nn.layers import TransformerLayer, kept_positions, run_layers, take_positions
 from zoo.spec import AttentionSpec, BlockSpec, ModelSpec
-from zoo_gpt.plugin import GPTConfig
+from zoo_gpt.plugin import GemmaConfig, GPTConfig
 
 
 class Block(TransformerLayer):
@@ -63,6 +63,9 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
             else:
                 nn.init.normal_(p, std=cfg.init_std)
+        for m in self.modules():  # a zero-centred norm's weight is its scale - 1
+            if isinstance(m, RMSNorm) and m.zero_centered:
+                nn.init.zeros_(m.weight)
 
     def forward(self, tokens: torch.Tensor, *, cache: KVCache | None = None, labels: torch.Tensor | None = None,
                 loss_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -90,14 +93,19 @@ class GPT(nn.Module):
             return None
         return kept_positions(loss_mask)
 
-    def embed_input(self, tokens: torch.Tensor, cache: KVCache | None, position_ids: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, Any]:
-        """The blocks' input and rotary tables: (B, T, D) and (cos, sin) or None."""
+    def positions(self, tokens: torch.Tensor, cache: KVCache | None, position_ids: torch.Tensor | None
+                  ) -> torch.Tensor:
+        """The positions of ``tokens``: ``position_ids``, or the next ones after the cache's."""
         t = tokens.shape[1]
         start = cache.pos if cache is not None else 0
         if start + t > self.cfg.max_seq_length:
             raise ValueError(f"{start + t} positions exceed the model's context of {self.cfg.max_seq_length}")
-        positions = position_ids if position_ids is not None else torch.arange(start, start + t, device=tokens.device)
+        return position_ids if position_ids is not None else torch.arange(start, start + t, device=tokens.device)
+
+    def embed_input(self, tokens: torch.Tensor, cache: KVCache | None, position_ids: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, Any]:
+        """The blocks' input and rotary tables: (B, T, D) and (cos, sin) or None."""
+        positions = self.positions(tokens, cache, position_ids)
         # A later pipeline stage has no embedding and receives the hidden state instead of tokens.
         x = self.embed(tokens) if self.embed is not None else tokens  # (B, T, D)
         if self.pos_embed is not None:
@@ -122,8 +130,46 @@ class GPT(nn.Module):
                        head_dim=self.cfg.head_dim, max_len=max_len, dtype=p.dtype, device=p.device)
 
 
+class GemmaBlock(TransformerLayer):
+    """A Gemma 3 layer: sliding-window layers rotate with the local RoPE base, the others with the
+    global one (``rope`` holds both: ``{True: local, False: global}``)."""
+
+    def __init__(self, cfg: GemmaConfig, spec: BlockSpec, layer: int) -> None:
+        qpas = cfg.query_pre_attn_scalar
+        super().__init__(spec, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                         head_dim=cfg.head_dim, ffn_hidden=cfg.ffn_hidden_size, eps=cfg.norm_eps, layer=layer,
+                         window=cfg.window(layer), scale=None if qpas is None else qpas ** -0.5)
+
+    def forward(self, x: torch.Tensor, rope: Any = None, cache: KVCache | None = None,
+                segment_ids: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x, rope[self.attn.window is not None], cache, segment_ids, keep)
+
+
+class Gemma(GPT):
+    """Gemma 3's decoder: GPT's with the embeddings scaled by sqrt(hidden) (rounded to their dtype,
+    as Gemma does) and two rotary tables, the global layers' and the sliding-window layers'."""
+
+    def __init__(self, cfg: GemmaConfig, spec: ModelSpec) -> None:
+        super().__init__(cfg, spec)
+        self.rotary_local = Rotary(cfg.head_dim, cfg.rope_local_theta, None)
+
+    def make_block(self, cfg: GemmaConfig, spec: BlockSpec, layer: int) -> nn.Module:
+        return GemmaBlock(cfg, spec, layer)
+
+    def embed_input(self, tokens: torch.Tensor, cache: KVCache | None, position_ids: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, Any]:
+        x, rope = super().embed_input(tokens, cache, position_ids)
+        if self.embed is not None:  # (a later pipeline stage receives the scaled hidden state)
+            x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
+        return x, {False: rope, True: self.rotary_local(self.positions(tokens, cache, position_ids))}
+
+
 def build(cfg: GPTConfig, spec: ModelSpec) -> GPT:
     return GPT(cfg, spec)
+
+
+def build_gemma(cfg: GemmaConfig, spec: ModelSpec) -> Gemma:
+    return Gemma(cfg, spec)
 
 
 def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:

@@ -117,9 +117,19 @@ QWEN2 = ModelSpec(
     embedding="token", positions="none", final_norm=NormSpec(kind="rmsnorm"), head="lm",
 )
 
+# Gemma 3: zero-centred RMSNorms before and after each sublayer (sandwich), per-head q/k norms, GeGLU.
+# (Its embedding scale and the local layers' own RoPE base are the model's: zoo_gpt.model.Gemma.)
+_GEMMA_NORM = NormSpec(kind="rmsnorm", zero_centered=True)
+GEMMA3 = ModelSpec(
+    blocks={"T": BlockSpec(norm=_GEMMA_NORM, residual="sandwich",
+                           mixer=AttentionSpec(causal=True, bias=False, positions="rope", qk_norm=_GEMMA_NORM),
+                           ffn=MLPSpec(activation="gelu_tanh", gated=True, bias=False))},
+    embedding="token", positions="none", final_norm=_GEMMA_NORM, head="lm",
+)
+
 # (Mistral's layers are LLaMA's; its own key exports MistralForCausalLM, which holds the window)
 SPECS = {"gpt2": GPT2, "llama": LLAMA, "llama_attn_bias": LLAMA_ATTN_BIAS, "mistral": LLAMA, "qwen2": QWEN2,
-         "qwen3": QWEN3}
+         "qwen3": QWEN3, "gemma3": GEMMA3}
 
 
 def _gpt2(layers: int, hidden: int, heads: int, *, vocab: int = 50257, ctx: int = 1024) -> GPTConfig:
@@ -181,6 +191,58 @@ def llama3_70b() -> GPTConfig:  # Llama 3.1 70B
 
 def llama2_7b() -> GPTConfig:
     return _llama(32, 4096, 32, 32, 11008, vocab=32000, ctx=4096, theta=10000.0)
+
+
+@dataclass(kw_only=True)
+class GemmaConfig(GPTConfig):
+    """Gemma 3's decoder: GPTConfig's fields (``rope_theta`` / ``rope_scaling``: the global layers'),
+    the sliding-window layers' own RoPE base, and the softmax scale 1/sqrt(query_pre_attn_scalar)."""
+
+    rope_local_theta: float = 10000.0
+    query_pre_attn_scalar: int | None = None  # None: head_dim (the usual scale)
+    layer_spec: str = "gemma3"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
+            raise ValueError(f"query_pre_attn_scalar={self.query_pre_attn_scalar} must be positive")
+
+
+def _gemma3(layers: int, hidden: int, heads: int, kv: int, ffn: int, *, head_dim: int = 256, window: int = 1024,
+            vocab: int = 262208, ctx: int = 131072, scaling: float | None = 8.0, qpas: int = 256,
+            theta: float = 1000000.0) -> GemmaConfig:
+    # every sixth layer attends to the whole context, the others to a window (Gemma 3's 5:1)
+    return GemmaConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+                       head_dim=head_dim, ffn_hidden_size=ffn, max_seq_length=ctx, norm_eps=1e-6, tie_embeddings=True,
+                       rope_theta=theta, rope_scaling={"rope_type": "linear", "factor": scaling} if scaling else None,
+                       sliding_window=window, window_layers=[i for i in range(layers) if (i + 1) % 6],
+                       query_pre_attn_scalar=qpas)
+
+
+def gemma3_tiny() -> GemmaConfig:  # a window of half the recipe's 128 tokens on the first layer
+    return GemmaConfig(vocab_size=2048, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                       ffn_hidden_size=384, max_seq_length=256, norm_eps=1e-6, tie_embeddings=True,
+                       rope_theta=10000.0, sliding_window=64, window_layers=[0])
+
+
+def gemma3_270m() -> GemmaConfig:
+    return _gemma3(18, 640, 4, 1, 2048, window=512, vocab=262144, ctx=32768, scaling=None)
+
+
+def gemma3_1b() -> GemmaConfig:
+    return _gemma3(26, 1152, 4, 1, 6912, window=512, vocab=262144, ctx=32768, scaling=None)
+
+
+def gemma3_4b() -> GemmaConfig:  # (the language model of the 4B/12B/27B image-text releases)
+    return _gemma3(34, 2560, 8, 4, 10240)
+
+
+def gemma3_12b() -> GemmaConfig:
+    return _gemma3(48, 3840, 16, 8, 15360)
+
+
+def gemma3_27b() -> GemmaConfig:  # 128-wide heads, softmax scale 1/sqrt(168) = 1/sqrt(hidden / heads)
+    return _gemma3(62, 5376, 32, 16, 21504, head_dim=128, qpas=168)
 
 
 def _mistral(layers: int, hidden: int, heads: int, kv: int, ffn: int, *, vocab: int = 32000, ctx: int = 32768,
@@ -324,6 +386,15 @@ def zoo_families() -> list[Family]:
                      "14B": qwen2_14b, "32B": qwen2_32b, "72B": qwen2_72b},
             tp_plan=_tp_plan("column_gated"),
             **_COMMON,
+        ),
+        Family(
+            name="gemma3", aliases=("gemma",),
+            description="Gemma 3 decoder: sandwich zero-centred RMSNorms, q/k norms, GeGLU, 5:1 sliding-window "
+                        "and global layers with their own RoPE bases, scaled embeddings",
+            flavors={"tiny": gemma3_tiny, "270M": gemma3_270m, "1B": gemma3_1b, "4B": gemma3_4b, "12B": gemma3_12b,
+                     "27B": gemma3_27b},
+            tp_plan=_tp_plan("column_gated"),
+            **{**_COMMON, "config": GemmaConfig, "build": "zoo_gpt.model:build_gemma"},
         ),
         Family(
             name="qwen3",
