@@ -40,6 +40,25 @@ def median_ms(fn, n: int = 7) -> float:
     return sorted(times)[n // 2] * 1e3
 
 
+def timed(fn, base: list[torch.Tensor], grad: torch.Tensor, want: list[torch.Tensor], dtype: torch.dtype,
+          n: int = 7) -> tuple[float, float]:
+    """``fn(q, k, v)`` forward and backward in ``dtype``: (median ms, the largest relative error of
+    the output and the three gradients against ``want``, float64's)."""
+    xs = [x.detach().to(dtype).clone().requires_grad_(True) for x in base]
+    gd = grad.to(dtype)
+
+    def step():
+        for x in xs:
+            x.grad = None
+        fn(*xs).backward(gd)
+
+    out = fn(*xs)
+    out.backward(gd)
+    got = [out.detach(), *(x.grad for x in xs)]
+    err = max(float((a.double() - w).norm() / w.norm()) for a, w in zip(got, want))
+    return median_ms(step, n), err
+
+
 def main() -> None:
     from zoo.nn.attention_ops import blocked_attention
 
@@ -67,19 +86,7 @@ def main() -> None:
                     return blocked_attention(q, k, v, causal=causal)
 
                 for side, fn in (("torch", torch_side), ("zoo", zoo_side)):
-                    xs = [x.detach().to(dtype).clone().requires_grad_(True) for x in base]
-                    gd = grad.to(dtype)
-
-                    def step(fn=fn, xs=xs, gd=gd):
-                        for x in xs:
-                            x.grad = None
-                        fn(*xs).backward(gd)
-
-                    out = fn(*xs)
-                    out.backward(gd)
-                    got = [out.detach(), *(x.grad for x in xs)]
-                    err = max(float((a.double() - w).norm() / w.norm()) for a, w in zip(got, want))
-                    row[side] = (median_ms(step), err)
+                    row[side] = timed(fn, base, grad, want, dtype)
                 print(f"{name:<22} {str(dtype)[6:]:<8} {'causal' if causal else 'full':<6} {row['torch'][0]:>9.1f} "
                       f"{row['zoo'][0]:>8.1f} {row['torch'][0] / row['zoo'][0]:>5.2f}x {row['torch'][1]:>10.1e} "
                       f"{row['zoo'][1]:>9.1e}")
@@ -115,21 +122,7 @@ def windows() -> None:
                                                                                         enable_gqa=True),
                      "zoo": lambda q, k, v, w=w: blocked_attention(q, k, v, causal=True, window=w),
                      "causal": lambda q, k, v: blocked_attention(q, k, v, causal=True)}
-            row = {}
-            for side, fn in sides.items():
-                xs = [x.detach().to(dtype).clone().requires_grad_(True) for x in base]
-                gd = grad.to(dtype)
-
-                def step(fn=fn, xs=xs, gd=gd):
-                    for x in xs:
-                        x.grad = None
-                    fn(*xs).backward(gd)
-
-                out = fn(*xs)
-                out.backward(gd)
-                got = [out.detach(), *(x.grad for x in xs)]
-                err = max(float((a.double() - r).norm() / r.norm()) for a, r in zip(got, want))
-                row[side] = (median_ms(step, n=5), err)
+            row = {side: timed(fn, base, grad, want, dtype, n=5) for side, fn in sides.items()}
             print(f"{name:<22} {str(dtype)[6:]:<8} {row['torch'][0]:>9.1f} {row['zoo'][0]:>8.1f} "
                   f"{row['torch'][0] / row['zoo'][0]:>5.2f}x {row['causal'][0]:>10.1f} {row['torch'][1]:>10.1e} "
                   f"{row['zoo'][1]:>9.1e}")

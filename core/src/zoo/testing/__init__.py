@@ -208,6 +208,12 @@ def train_layout(layout: Mapping[str, Any], family: str, layers: int, zero: bool
     from zoo.registry import get_registry
     from zoo.training.optim import ParamRules, param_groups
 
+    from zoo import gemm
+
+    # The CPU products `zoo train` picks (train.cpu_gemm=auto), in the test process whatever ran there
+    # before (an in-process `zoo train` switches them) as in the spawned ranks: oneDNN's and torch's
+    # default kernels round differently (Gemma's tanh-GELU by 1e-5 of a gradient after three steps).
+    gemm.configure("auto")
     fam = get_registry().get(family).family
     cfg = fam.flavors[flavor]()
     cfg.num_layers = layers
