@@ -203,12 +203,11 @@ def train_layout(layout: Mapping[str, Any], family: str, layers: int, zero: bool
     import torch
     import torch.distributed as dist
 
+    from zoo import gemm
     from zoo.family import resolve
     from zoo.parallel.engine import Parallel
     from zoo.registry import get_registry
     from zoo.training.optim import ParamRules, param_groups
-
-    from zoo import gemm
 
     # The CPU products `zoo train` picks (train.cpu_gemm=auto), in the test process whatever ran there
     # before (an in-process `zoo train` switches them) as in the spawned ranks: oneDNN's and torch's
