@@ -132,6 +132,39 @@ def test_the_window_reaches_the_layers_it_names_and_changes_the_result(case, win
         assert (ours(tokens) - hf_model(tokens).logits).abs().max() > 1e-3
 
 
+def test_gemma3_image_text_checkpoint_gives_its_language_model(tmp_path):
+    """The Gemma 3 4B-27B releases are Gemma3ForConditionalGeneration checkpoints: their language
+    model imports as the gemma3 family (the vision tower and projector left out, by name), with the
+    logits the image-text model gives a text; a release's config (its text_config names only what
+    differs from transformers' defaults) reads as zoo's flavor of that size."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from zoo_gpt import plugin
+    from zoo_gpt.convert import from_hf_config
+
+    torch.manual_seed(0)
+    text = {**_SMALL, "num_hidden_layers": 3, "head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 2}
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    hf_model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision,
+                                                           mm_tokens_per_image=4)).eval()
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf_model.save_pretrained(tmp_path / "hf")
+    import_external("hf", tmp_path / "hf", tmp_path / "zoo")
+    ours = zoo.load_model(str(tmp_path / "zoo")).eval()
+    assert ours.cfg.window_layers == [0, 2]
+    tokens = torch.randint(0, 90, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf_model(input_ids=tokens).logits, atol=1e-5, rtol=0)
+    release = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+               "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                               "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                               "sliding_window": 1024}}
+    assert from_hf_config(release) == plugin.gemma3_4b()
+
+
 def test_sharded_export_and_import(tmp_path):
     hf_model, src = _hf("llama-gqa", tmp_path)
     dst = tmp_path / "zoo"

@@ -85,7 +85,11 @@ def _gemma3_table(cfg: GPTConfig) -> MappingTable:
         Rename("norm.weight", "model.norm.weight"),
         Tie("head.weight", to="embed.weight"),
         Ignore(r"lm_head\.weight"),  # (the tied copy some exports store)
-    ))
+        # Gemma3ForConditionalGeneration (the 4B-27B releases): its language model is this model;
+        # the vision tower and projector are not (zoo's gemma3 family is the text decoder)
+        Ignore(r"(vision_tower|multi_modal_projector)\..*"),
+        Ignore(r"language_model\.lm_head\.weight"),
+    ), import_prefixes=(("model.", "language_model.model."),))
 
 
 def table(cfg: GPTConfig) -> MappingTable:
@@ -117,9 +121,17 @@ def _gemma3_to_hf(cfg: Any) -> dict[str, Any]:
     }
 
 
+# transformers' Gemma3TextConfig defaults, which the released image-text configs leave out of text_config
+_GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                         "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                         "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+                         "sliding_window": 4096, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0}
+
+
 def _gemma3_from_hf(hf: dict[str, Any]) -> Any:
     from zoo_gpt.plugin import GemmaConfig
 
+    hf = {**_GEMMA3_TEXT_DEFAULTS, **hf}
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if hf.get(key) is not None:
             raise UsageError(f"Gemma with {key}={hf[key]} (Gemma 2's) is not supported: zoo converts Gemma 3")
@@ -259,7 +271,7 @@ def from_hf_config(hf: dict[str, Any]) -> GPTConfig:
                          max_seq_length=hf.get("n_positions", 1024), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                          tie_embeddings=True, init_std=hf.get("initializer_range", 0.02), layer_spec="gpt2")
     if kind in ("gemma3_text", "gemma3"):
-        return _gemma3_from_hf(hf.get("text_config") or hf if kind == "gemma3" else hf)
+        return _gemma3_from_hf((hf.get("text_config") or hf) if kind == "gemma3" else hf)
     if kind in _SPEC_OF:
         if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias", False):
             raise UsageError(f"{kind} with a non-SiLU activation or MLP biases is not supported")
@@ -289,7 +301,7 @@ HF = ExternalFormat(
     name="hf",
     architectures={"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "LlamaForCausalLM": "llama",
                    "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                   "Gemma3ForCausalLM": "gemma3"},
+                   "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3"},
     table=table,
     to_config=to_hf_config,
     from_config=from_hf_config,
