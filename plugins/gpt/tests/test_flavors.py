@@ -75,3 +75,22 @@ def test_dry_run_prints_the_count():
     out = zoo("train", "--model", "llama", "--flavor", "3-8B", "--dry-run")
     assert out.returncode == 0, out.stderr
     assert "# parameters: 8,030,261,248" in out.stdout
+
+
+def test_training_flops_count_each_layers_window():
+    """MFU's numerator (PaLM's 6N + 12 H T per layer): a layer with a sliding window reads its
+    window of keys, not the sequence (Gemma 3 tiny: layer 0 a window of 64, layer 1 all 128)."""
+    from types import SimpleNamespace
+
+    from zoo.training.metrics import lm_flops_per_token, linear_weights
+
+    cfg = plugin.gemma3_tiny()
+    model = _build(cfg)
+    run = SimpleNamespace(model=cfg, train=SimpleNamespace(seq_length=128))
+    n = linear_weights(model)
+    assert lm_flops_per_token(model, run) == 6 * n + 12 * cfg.hidden_size * (64 + 128)
+    run.train.seq_length = 48  # shorter than the window: every layer reads the sequence
+    assert lm_flops_per_token(model, run) == 6 * n + 12 * cfg.hidden_size * (48 + 48)
+    llama = plugin.llama_tiny()
+    run = SimpleNamespace(model=llama, train=SimpleNamespace(seq_length=128))
+    assert lm_flops_per_token(_build(llama), run) == 6 * linear_weights(_build(llama)) + 12 * 128 * 2 * 128

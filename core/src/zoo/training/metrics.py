@@ -112,13 +112,17 @@ def log_fields(record: Mapping[str, Any], family: Any) -> dict[str, str]:
 def lm_flops_per_token(model: torch.nn.Module, run: RunConfig) -> float:
     """Training FLOPs per token: 6 x (weights used in matmuls) + attention (PaLM, Chowdhery et al.
     2022 app. B). Counts every `nn.Linear` weight once (a tied head counts once, embedding lookups
-    are free) and adds ``12 * layers * hidden * seq`` for the attention scores and values when the
-    config names ``num_layers`` and ``hidden_size``."""
+    are free) and adds ``12 * hidden * seq`` per layer for the attention scores and values when the
+    config names ``num_layers`` and ``hidden_size``; a layer whose config ``window(layer)`` names a
+    sliding window reads ``min(seq, window)`` keys a query instead of ``seq``."""
     n = linear_weights(model)
     cfg = run.model
     attn = 0.0
     if isinstance(getattr(cfg, "num_layers", None), int) and isinstance(getattr(cfg, "hidden_size", None), int):
-        attn = 12.0 * cfg.num_layers * cfg.hidden_size * run.train.seq_length
+        seq = run.train.seq_length
+        window = getattr(cfg, "window", None)
+        keys = [min(seq, w) if callable(window) and (w := window(i)) is not None else seq for i in range(cfg.num_layers)]
+        attn = 12.0 * cfg.hidden_size * sum(keys)
     return 6.0 * n + attn
 
 
