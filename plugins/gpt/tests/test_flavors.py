@@ -82,7 +82,7 @@ def test_training_flops_count_each_layers_window():
     window of keys, not the sequence (Gemma 3 tiny: layer 0 a window of 64, layer 1 all 128)."""
     from types import SimpleNamespace
 
-    from zoo.training.metrics import lm_flops_per_token, linear_weights
+    from zoo.training.metrics import linear_weights, lm_flops_per_token
 
     cfg = plugin.gemma3_tiny()
     model = _build(cfg)
