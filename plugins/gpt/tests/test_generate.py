@@ -81,6 +81,21 @@ def test_greedy_equals_hf_generate_and_cache_equals_no_cache(arch, tmp_path):
     assert torch.equal(uncached, cached)
 
 
+@pytest.mark.parametrize("prompt_len", [3, 9])
+def test_windowed_layers_cache_only_their_window(prompt_len, tmp_path):
+    """A sliding-window layer's cache holds window - 1 positions (Gemma 3's local layer: 5 for a
+    window of 6; its global layer the whole context) and decoding with it samples exactly what
+    recomputing the whole sequence does, from prompts shorter and longer than the window."""
+    hf = _perturbed(HF["gemma3"]())
+    hf.save_pretrained(tmp_path / "hf")
+    ours = zoo_api.load_model(str(tmp_path / "hf"))
+    cache = ours.new_cache(2, 64)
+    assert [k.shape[2] for k in cache.k] == [5, 64]
+    prompt = torch.randint(0, 96, (2, prompt_len), generator=torch.Generator().manual_seed(4))
+    kw = dict(prompt=prompt, max_new_tokens=30, context=64, temperature=0.8, top_k=30, seed=5)
+    assert torch.equal(generate_tokens(ours, **kw), generate_tokens(ours, use_cache=False, **kw))
+
+
 def test_bf16_load_holds_half_the_bytes_and_is_as_accurate_as_hf_in_bf16(tmp_path):
     """`zoo.load_model(dtype=torch.bfloat16)` (what `zoo generate --dtype bf16` runs): bf16
     parameters, RoPE's frequencies float32; under bf16 autocast its logits over 1,500 positions are

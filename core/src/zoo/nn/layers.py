@@ -56,8 +56,8 @@ class SelfAttention(nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         offset = 0
         if cache is not None:
-            offset = cache.pos
             k, v = cache.update(self.layer, k, v)
+            offset = k.shape[2] - t  # the cached keys before the new ones (all of them, or a window's)
         if keep is not None:
             q = q.gather(2, keep[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3]))
         if self.q_factor is not None:

@@ -127,7 +127,8 @@ class GPT(nn.Module):
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.embed.weight
         return KVCache(num_layers=self.cfg.num_layers, batch=batch, kv_heads=self.cfg.num_kv_heads,
-                       head_dim=self.cfg.head_dim, max_len=max_len, dtype=p.dtype, device=p.device)
+                       head_dim=self.cfg.head_dim, max_len=max_len, dtype=p.dtype, device=p.device,
+                       windows=[self.cfg.window(i) for i in range(self.cfg.num_layers)])
 
 
 class GemmaBlock(TransformerLayer):
