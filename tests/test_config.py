@@ -286,6 +286,9 @@ def test_megatron_values_that_decide_zoos_form():
             "960"]
     assert foreign.flag_hint(argv, [a for a in argv if a.startswith("--")], keys) == \
         " (in zoo: train.steps=32 train.global_batch_size=32 schedule.warmup_steps=10 schedule.decay_steps=30)"
+    argv = ["--rampup-batch-size", "32", "32", "1000", "--global-batch-size", "256"]
+    assert foreign.flag_hint(argv, [a for a in argv if a.startswith("--")], keys) == \
+        " (in zoo: train.rampup_batch_size=[32,32,1000] train.global_batch_size=256)"
     argv = ["--train-iters", "200", "--lr-warmup-fraction", "0.01"]
     assert foreign.flag_hint(argv, [a for a in argv if a.startswith("--")], keys) == \
         " (in zoo: train.steps=200 schedule.warmup_steps=2)"

@@ -270,3 +270,48 @@ def test_ema_weights_are_what_generate_and_export_use(tmp_path, corpus_cache):
     assert zoo(*small_run(plain, corpus_cache, "train.steps=1")).returncode == 0
     refused = zoo("generate", "--checkpoint", str(plain), "--prompt", "x", "--weights", "ema")
     assert refused.returncode == 1 and "holds no moving average" in refused.stderr
+
+
+def test_batch_size_ramp_up_follows_megatron_and_resumes_mid_ramp_at_another_layout(tmp_path, corpus_cache):
+    """`train.rampup_batch_size` (Megatron's --rampup-batch-size): each step's global batch is
+    megatron-core's `RampupBatchsizeNumMicroBatchesCalculator`'s at the samples consumed before it;
+    data-parallel ranks read their share of each growing batch, so two ranks follow one process's
+    curve, and a checkpoint taken mid-ramp resumes on the same curve at the other layout."""
+    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+
+    args = ("train.steps=10", "checkpoint.interval=4", "train.micro_batch_size=4", "train.global_batch_size=32",
+            "train.rampup_batch_size=[8,8,64]", "optimizer.grad_clip=0.5")
+    one = zoo(*small_run(tmp_path / "one", corpus_cache, *args))
+    assert one.returncode == 0, one.stderr
+    assert "global batch 32 (ramped up from 8 by 8 over 64 samples)" in one.stdout
+    calc = RampupBatchsizeNumMicroBatchesCalculator(32, 4, 1, False, 0, 8, 8, 64)
+    consumed, sizes = 0, []
+    for _ in range(10):
+        calc.update(consumed, consistency_check=True)
+        sizes.append(calc.get_current_global_batch_size())
+        consumed += sizes[-1]
+    assert sizes[0] == 8 and sizes[-1] == 32 and len(set(sizes)) == 4  # the whole ramp within the run
+    state = json.loads((tmp_path / "one" / "checkpoints" / "step_00000010" / "state.json").read_text())
+    assert state["consumed_samples"] == consumed
+    records = _metrics(tmp_path / "one")
+    assert [r["tokens_per_s"] > 0 for r in records] and len(records) == 10
+    ref = [r["loss"] for r in records]
+    dp2 = ranks(2, *small_run(tmp_path / "dp2", corpus_cache, *args))
+    assert dp2.returncode == 0, dp2.stdout + dp2.stderr
+    for a, b in zip([r["loss"] for r in _metrics(tmp_path / "dp2")], ref, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), ref
+    # the step-4 checkpoint (24 samples in, batch 16 next) of one process, continued on two ranks
+    cont = tmp_path / "cont"
+    (cont / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "one" / "checkpoints" / "step_00000004", cont / "checkpoints" / "step_00000004")
+    out = ranks(2, *small_run(cont, corpus_cache, *args))
+    assert out.returncode == 0, out.stdout + out.stderr
+    for a, b in zip([r["loss"] for r in _metrics(cont)], ref[4:], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), ref
+    # a size on the ramp the layout cannot split, and a dataset whose loader keeps its own position
+    bad = zoo(*small_run(tmp_path / "bad", corpus_cache, *args[:3], "train.global_batch_size=36",
+                         "train.rampup_batch_size=[6,6,64]"))
+    assert bad.returncode == 2 and "reaches a global batch of 6, not a multiple of micro_batch_size*dp = 4" in bad.stderr
+    energon = zoo("train", "--model", "dit", "--run-dir", str(tmp_path / "dit"), "train.steps=1",
+                  "train.global_batch_size=64", "train.rampup_batch_size=[32,32,100]")
+    assert energon.returncode == 2 and "train.rampup_batch_size with dataset 'digits'" in energon.stderr

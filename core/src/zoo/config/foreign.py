@@ -239,6 +239,12 @@ def flag_hint(argv: Sequence[str], stray: Sequence[str], keys: Iterable[str]) ->
             forms.append("model.pattern=" + "".join("E" if f else "T" for f in flags) if name == "moe_layer_freq"
                          else "model.window_layers=[" + ",".join(str(i) for i, f in enumerate(flags) if f) + "]")
             continue
+        if name == "rampup_batch_size":  # Megatron's three values: start, increment, samples
+            at = next((i for i, a in enumerate(argv) if a.startswith("--") and _norm(a) == name), len(argv))
+            values = argv[at + 1:at + 4]
+            if len(values) == 3 and all(v.isdigit() for v in values):
+                forms.append(f"train.rampup_batch_size=[{','.join(values)}]")
+                continue
         if name == "window_size" and value is not None:  # Megatron's (left, right): keys i-left .. i+right
             sizes = [int(n) for n in re.findall(r"-?\d+", value)]
             if len(sizes) == 2 and sizes[1] == 0:

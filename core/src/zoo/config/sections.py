@@ -198,6 +198,8 @@ class TrainConfig:
     steps: int = 200
     micro_batch_size: int = 8
     global_batch_size: int | None = None  # None: micro_batch_size x dp (no accumulation)
+    # [start, increment, samples]: Megatron's --rampup-batch-size (zoo.training.rampup); needs global_batch_size
+    rampup_batch_size: list[int] | None = None
     seq_length: int = 256
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # compute: bf16/fp16 autocast over fp32 parameters
     # Parameter storage: bf16/fp16 keep parameters in that type and fp32 master weights in the
@@ -285,6 +287,18 @@ class TrainConfig:
             raise ValueError(
                 f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}"
             )
+        if self.rampup_batch_size is not None:
+            ramp = self.rampup_batch_size
+            if len(ramp) != 3 or any(isinstance(v, bool) or not isinstance(v, int) for v in ramp):
+                raise ValueError(f"rampup_batch_size={ramp}: [start, increment, samples], three integers")
+            start, increment, samples = ramp
+            if self.global_batch_size is None:
+                raise ValueError(f"rampup_batch_size={ramp} ramps up to global_batch_size: set it")
+            if not 0 < start < self.global_batch_size or increment < 1 or samples < 0 \
+                    or (self.global_batch_size - start) % increment:
+                raise ValueError(f"rampup_batch_size={ramp}: [start, increment, samples] with 0 < start < "
+                                 f"global_batch_size={self.global_batch_size}, global_batch_size - start a multiple "
+                                 f"of increment, samples >= 0")
 
 
 @dataclass(kw_only=True)

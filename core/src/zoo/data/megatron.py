@@ -120,9 +120,11 @@ def blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.nd
 
 
 def samples_needed(run: Any, split: str, dp_size: int) -> int:
+    from zoo.config.rampup import samples_for
+
     gbs = run.train.global_batch_size or run.train.micro_batch_size * dp_size
     if split == "train":
-        return run.train.steps * gbs
+        return samples_for(run.train, run.train.steps, gbs)
     # Megatron's count: every validation reads eval_steps batches from the start of the split.
     evals = run.train.steps // run.train.eval_interval + 1 if run.train.eval_interval else 1
     return evals * run.train.eval_steps * run.train.micro_batch_size * dp_size
@@ -221,14 +223,17 @@ def batches(run: Any, blend: list[tuple[float | None, str]], *, split: str, dp_r
     import torch
 
     source = Source(run, blend, split=split, target=samples_needed(run, split, dp_size), cache_dir=cache_dir, whole=whole)
+    from zoo.config.rampup import batch_size_at
+
     mbs = run.train.micro_batch_size
-    gbs = run.train.global_batch_size or mbs * dp_size
-    per_rank = gbs // dp_size
+    final = run.train.global_batch_size or mbs * dp_size
     d = run.data
     documents = d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
     eod = eod_id(run, eod) if documents else None
     g = consumed_samples
-    while True:
+    while True:  # one optimizer step's global batch a round (growing while train.rampup_batch_size ramps)
+        gbs = batch_size_at(run.train, g, final) if split == "train" else final
+        per_rank = gbs // dp_size
         mine = g + dp_rank * per_rank
         for m in range(per_rank // mbs):
             rows = np.stack([source.sample((mine + m * mbs + j) % len(source))[1] for j in range(mbs)])

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from zoo.config import RunConfig
+from zoo.config import RunConfig, rampup
 from zoo.errors import ConfigError
 from zoo.family import Family
 
@@ -44,6 +44,7 @@ class Layout:
     fsdp: int = 0  # parallel.fsdp, 0: off; FSDP shards over fsdp x cp ranks, replicated dp / fsdp times
     fsdp_dtype: str = "fp32"  # FSDP's compute dtype (train.precision): bf16 parameters, fp32 reductions
     experts: bool = False  # whether the model has mixture-of-experts layers (model.num_experts)
+    rampup: tuple[int, int, int] | None = None  # train.rampup_batch_size: the global batch grows to global_batch_size
 
     def describe(self) -> str:
         axes = " x ".join(f"{a}={getattr(self, a)}" for a in ("tp", "cp", "dp", "pp"))
@@ -57,8 +58,12 @@ class Layout:
         if self.experts and (self.ep > 1 or self.etp != self.tp):  # (a dense model has no expert grid)
             extra.append(f"experts: etp={self.etp} x ep={self.ep} x dp={self.expert_dp}")
         tail = f" ({', '.join(extra)})" if extra else ""
+        ramp = ""
+        if self.rampup:
+            start, increment, samples = self.rampup
+            ramp = f" (ramped up from {start} by {increment} over {samples:,} samples)"
         return (
-            f"world {self.world_size} = {axes}{tail}; global batch {self.global_batch_size} = "
+            f"world {self.world_size} = {axes}{tail}; global batch {self.global_batch_size}{ramp} = "
             f"micro {self.global_batch_size // (self.dp * self.grad_accum)} x dp {self.dp} x accumulation {self.grad_accum}"
         )
 
@@ -168,6 +173,7 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
     if p.fsdp > 1 and p.zero:
         raise ConfigError("parallel: fsdp and zero=1 both shard the optimizer state over DP; choose one "
                           "(FSDP also shards parameters and gradients)")
+    rampup.check(train, final=gbs, per_step=per_step, pp=p.pp, vpp=p.vpp)
     accum = gbs // per_step
     if p.vpp > 1 and accum % p.pp:
         raise ConfigError(f"parallel: vpp={p.vpp} (interleaved 1F1B) needs the micro-batches per step ({accum}) to be a "
@@ -175,6 +181,7 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
     return Layout(
         world_size=world_size, tp=p.tp, cp=p.cp, ep=p.ep, dp=dp, pp=p.pp, vpp=p.vpp,
         etp=etp, expert_dp=expert_dp, grad_accum=accum, global_batch_size=gbs, experts=experts is not None,
+        rampup=tuple(train.rampup_batch_size) if train.rampup_batch_size else None,
         # Low-precision parameters always keep fp32 master weights in the distributed optimizer
         # (Megatron's --bf16): on one data-parallel rank it shards nothing, with more it is ZeRO-1.
         sequence_parallel=p.sequence_parallel, ep_dispatcher=p.ep_dispatcher,

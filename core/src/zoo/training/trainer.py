@@ -28,7 +28,7 @@ import torch
 from zoo import gemm, procs
 from zoo.checkpoint.sharded import Saver
 from zoo.checkpoint.state import Stateful, TrainState
-from zoo.config import RunConfig, torch_dtype
+from zoo.config import RunConfig, rampup, torch_dtype
 from zoo.data.energon.training import path_kind
 from zoo.errors import ConfigError
 from zoo.family import DatasetSpec, Family, resolve
@@ -75,6 +75,7 @@ class Trainer:
         from zoo.registry import get_registry
 
         spec, info = get_registry().dataset(name)
+        rampup.check_run(run, spec.name)
         return spec, str(info)
 
     # ------------------------------------------------------------------------------- the job
@@ -269,7 +270,7 @@ class Trainer:
         if self.ema is not None and updated:
             self.ema.update()
         self.state.step += 1
-        self.state.consumed_samples += self.layout.global_batch_size
+        self.state.consumed_samples += self.guard.batch
         self.inst.lap("optimizer")
         return out, grad_norm
 
@@ -421,7 +422,8 @@ class Trainer:
         while self.state.step < run.train.steps:
             self.inst.step_begin(self.state.step + 1)
             lr = optim.schedule_lr(run, self.state.step)
-            batches = [_to(next(train_iter), env.device) for _ in range(lay.grad_accum)]
+            self.guard.batch, accum = rampup.step(run.train, self.state.consumed_samples, lay)  # (this step's global batch)
+            batches = [_to(next(train_iter), env.device) for _ in range(accum)]
             self.inst.lap("data")
             for n, f in map(self.work, batches):  # this rank's share, as every data-parallel rank's
                 units, flops = units + n * lay.dp, flops + f * lay.dp
