@@ -286,6 +286,9 @@ def test_megatron_values_that_decide_zoos_form():
             "960"]
     assert foreign.flag_hint(argv, [a for a in argv if a.startswith("--")], keys) == \
         " (in zoo: train.steps=32 train.global_batch_size=32 schedule.warmup_steps=10 schedule.decay_steps=30)"
+    for ramp in ("[32,32,0]", "[32,30,1000]", "[256,32,1000]", "[32,32]"):  # no ramp, off the steps, none left, 2
+        with pytest.raises(ConfigError, match=r"rampup_batch_size=\[.*\]: "):
+            resolve(overrides=["train.global_batch_size=256", f"train.rampup_batch_size={ramp}"])
     argv = ["--rampup-batch-size", "32", "32", "1000", "--global-batch-size", "256"]
     assert foreign.flag_hint(argv, [a for a in argv if a.startswith("--")], keys) == \
         " (in zoo: train.rampup_batch_size=[32,32,1000] train.global_batch_size=256)"

@@ -294,11 +294,11 @@ class TrainConfig:
             start, increment, samples = ramp
             if self.global_batch_size is None:
                 raise ValueError(f"rampup_batch_size={ramp} ramps up to global_batch_size: set it")
-            if not 0 < start < self.global_batch_size or increment < 1 or samples < 0 \
+            if not 0 < start < self.global_batch_size or increment < 1 or samples < 1 \
                     or (self.global_batch_size - start) % increment:
                 raise ValueError(f"rampup_batch_size={ramp}: [start, increment, samples] with 0 < start < "
                                  f"global_batch_size={self.global_batch_size}, global_batch_size - start a multiple "
-                                 f"of increment, samples >= 0")
+                                 f"of increment, samples >= 1")
 
 
 @dataclass(kw_only=True)

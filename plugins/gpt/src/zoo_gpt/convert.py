@@ -1,6 +1,7 @@
-"""Hugging Face layouts of GPT-2 (`GPT2LMHeadModel`) and the LLaMA-like decoders (`LlamaForCausalLM`,
-`MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`): key tables and config translation.
-The tables are data; `zoo.checkpoint.mapping` applies them strictly both ways."""
+"""Hugging Face layouts of GPT-2 (`GPT2LMHeadModel`), the LLaMA-like decoders (`LlamaForCausalLM`,
+`MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`) and Gemma 3 (`Gemma3ForCausalLM`, and
+the language model of `Gemma3ForConditionalGeneration`): key tables and config translation. The
+tables are data; `zoo.checkpoint.mapping` applies them strictly both ways."""
 
 from __future__ import annotations
 
