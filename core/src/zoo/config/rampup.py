@@ -77,8 +77,10 @@ def check(train: Any, *, final: int, per_step: int, pp: int, vpp: int) -> None:
             raise ConfigError(f"train: rampup_batch_size={train.rampup_batch_size} reaches a global batch of {size}, "
                               f"not a multiple of micro_batch_size*dp = {per_step}")
         if vpp > 1 and (size // per_step) % pp:
-            raise ConfigError(f"train: rampup_batch_size={train.rampup_batch_size} reaches {size // per_step} "
-                              f"micro-batches a step, which interleaved 1F1B (vpp={vpp}) needs a multiple of pp={pp}")
+            n = size // per_step
+            raise ConfigError(f"train: rampup_batch_size={train.rampup_batch_size} reaches {n} micro-batch"
+                              f"{'es' if n != 1 else ''} a step, which interleaved 1F1B (vpp={vpp}) needs a multiple "
+                              f"of pp={pp}")
 
 
 __all__ = ["RAMPED", "batch_size_at", "check", "check_run", "samples_for", "sizes", "step"]
