@@ -210,6 +210,9 @@ def test_layout_derives_dp_and_accumulation():
     assert (lay.etp, lay.expert_dp) == (1, 8 // (1 * 1 * 2))  # experts are never TP-split: etp=1, edp = world / (ep * pp)
     assert "world 8 = tp=2 x cp=1 x dp=2 x pp=2" in lay.describe()
     assert "experts" not in lay.describe()  # a dense model has no expert grid to describe
+    ramp = plan(2, ["train.micro_batch_size=2", "train.global_batch_size=16", "train.rampup_batch_size=[4,4,1000]"])
+    assert "global batch 16 (ramped up from 4 by 4 over 1,000 samples) = micro 2 x dp 2 x accumulation 4" \
+        in ramp.describe()
 
 
 @dataclasses.dataclass
@@ -245,6 +248,11 @@ def test_a_model_with_experts_describes_their_grid():
         (2, ["model.vocab_size=255", "parallel.tp=2", "model.num_heads=2"], "tp=2 does not divide model.vocab_size=255"),
         (4, ["train.micro_batch_size=2", "train.global_batch_size=6"], "not a multiple of micro_batch_size\\*dp"),
         (4, ["parallel.fsdp=3"], "fsdp=3 must divide the data-parallel size dp=4"),
+        # every size on a batch-size ramp splits into the layout's micro-batches (x pp under vpp)
+        (2, ["train.micro_batch_size=2", "train.global_batch_size=16", "train.rampup_batch_size=[2,2,40]"],
+         "reaches a global batch of 2, not a multiple of micro_batch_size\\*dp = 4"),
+        (2, ["parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=2", "train.global_batch_size=16",
+             "train.rampup_batch_size=[2,2,40]"], "reaches 1 micro-batch a step, which interleaved 1F1B"),
     ],
 )
 def test_invalid_layouts_fail_at_config_time(world, overrides, message):
