@@ -165,6 +165,33 @@ def test_gemma3_image_text_checkpoint_gives_its_language_model(tmp_path):
     assert from_hf_config(release) == plugin.gemma3_4b()
 
 
+def test_llama_with_a_window_exports_as_mistral_and_a_windowed_subset_is_refused(tmp_path):
+    """LlamaConfig holds no window: a LLaMA-spec model with one exports as MistralForCausalLM, which
+    transformers loads to the same logits; windows on some layers only have no place in Mistral's
+    config and are refused, not dropped."""
+    import dataclasses
+
+    from zoo.checkpoint.model_dir import write_model_dir
+    from zoo_gpt import plugin
+    from zoo_gpt.model import build
+
+    cfg = dataclasses.replace(plugin.llama_tiny(), sliding_window=8)
+    torch.manual_seed(0)
+    model = build(cfg, plugin.SPECS["llama"]).eval()
+    write_model_dir(tmp_path / "zoo", family="llama", flavor="tiny", config=cfg, state=model.state_dict())
+    export_external("hf", tmp_path / "zoo", tmp_path / "hf")
+    hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf_model).__name__ == "MistralForCausalLM" and hf_model.config.sliding_window == 8
+    tokens = torch.randint(0, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(tokens).logits, model(tokens), atol=1e-5, rtol=0)
+    partial = dataclasses.replace(cfg, window_layers=[0])
+    write_model_dir(tmp_path / "partial", family="llama", flavor="tiny", config=partial,
+                    state=build(partial, plugin.SPECS["llama"]).state_dict())
+    with pytest.raises(UsageError, match="MistralForCausalLM slides every layer's attention or none"):
+        export_external("hf", tmp_path / "partial", tmp_path / "hf2")
+
+
 def test_sharded_export_and_import(tmp_path):
     hf_model, src = _hf("llama-gqa", tmp_path)
     dst = tmp_path / "zoo"
