@@ -294,7 +294,7 @@ def test_batch_size_ramp_up_follows_megatron_and_resumes_mid_ramp_at_another_lay
     state = json.loads((tmp_path / "one" / "checkpoints" / "step_00000010" / "state.json").read_text())
     assert state["consumed_samples"] == consumed
     records = _metrics(tmp_path / "one")
-    assert [r["tokens_per_s"] > 0 for r in records] and len(records) == 10
+    assert all(r["tokens_per_s"] > 0 for r in records) and len(records) == 10
     ref = [r["loss"] for r in records]
     dp2 = ranks(2, *small_run(tmp_path / "dp2", corpus_cache, *args))
     assert dp2.returncode == 0, dp2.stdout + dp2.stderr

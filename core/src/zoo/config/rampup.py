@@ -34,9 +34,11 @@ def sizes(train: Any, final: int) -> list[int]:
 
 def samples_for(train: Any, steps: int, final: int) -> int:
     """Samples ``steps`` optimizer steps consume from the start of the run."""
-    consumed = 0
+    if not train.rampup_batch_size:
+        return steps * final
+    consumed, samples = 0, train.rampup_batch_size[2]
     for done in range(steps):
-        if consumed > (train.rampup_batch_size or [0, 0, -1])[2]:  # past the ramp: whole batches
+        if consumed > samples:  # past the ramp: whole batches
             return consumed + (steps - done) * final
         consumed += batch_size_at(train, consumed, final)
     return consumed

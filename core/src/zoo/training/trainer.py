@@ -270,7 +270,7 @@ class Trainer:
         if self.ema is not None and updated:
             self.ema.update()
         self.state.step += 1
-        self.state.consumed_samples += self.guard.batch
+        self.state.consumed_samples += len(batches) * self.layout.global_batch_size // self.layout.grad_accum
         self.inst.lap("optimizer")
         return out, grad_norm
 

@@ -145,17 +145,17 @@ def _gemma3_from_hf(hf: dict[str, Any]) -> Any:
                                       else "sliding_attention" for i in range(n)]
     params = hf.get("rope_parameters") or {}
     full = dict(params.get("full_attention") or hf.get("rope_scaling") or {})
-    theta = float(full.pop("rope_theta", hf.get("rope_theta", 1000000.0)))
-    local = (params.get("sliding_attention") or {}).get("rope_theta", hf.get("rope_local_base_freq", 10000.0))
+    theta = float(full.pop("rope_theta", hf["rope_theta"]))
+    local = (params.get("sliding_attention") or {}).get("rope_theta", hf["rope_local_base_freq"])
     scaling = full if full.get("rope_type", full.get("type", "default")) != "default" else None
     windows = windows_from_hf({**hf, "layer_types": types}, "layer_types", flag=False)
     heads = hf["num_attention_heads"]
     return GemmaConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=n, num_heads=heads,
-                       num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim", 256),
-                       ffn_hidden_size=hf["intermediate_size"], max_seq_length=hf.get("max_position_embeddings", 131072),
-                       norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=True, rope_theta=theta,
+                       num_kv_heads=hf["num_key_value_heads"] or heads, head_dim=hf["head_dim"],
+                       ffn_hidden_size=hf["intermediate_size"], max_seq_length=hf["max_position_embeddings"],
+                       norm_eps=hf["rms_norm_eps"], tie_embeddings=True, rope_theta=theta,
                        rope_scaling=scaling, init_std=hf.get("initializer_range", 0.02), rope_local_theta=float(local),
-                       query_pre_attn_scalar=int(hf.get("query_pre_attn_scalar", 256)), **windows)
+                       query_pre_attn_scalar=int(hf["query_pre_attn_scalar"]), **windows)
 
 
 def to_hf_config(cfg: GPTConfig) -> dict[str, Any]:

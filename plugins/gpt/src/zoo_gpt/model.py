@@ -93,24 +93,23 @@ class GPT(nn.Module):
             return None
         return kept_positions(loss_mask)
 
-    def positions(self, tokens: torch.Tensor, cache: KVCache | None, position_ids: torch.Tensor | None
-                  ) -> torch.Tensor:
-        """The positions of ``tokens``: ``position_ids``, or the next ones after the cache's."""
+    def embed_input(self, tokens: torch.Tensor, cache: KVCache | None, position_ids: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, Any]:
+        """The blocks' input and rotary tables: (B, T, D) and `rope_tables`."""
         t = tokens.shape[1]
         start = cache.pos if cache is not None else 0
         if start + t > self.cfg.max_seq_length:
             raise ValueError(f"{start + t} positions exceed the model's context of {self.cfg.max_seq_length}")
-        return position_ids if position_ids is not None else torch.arange(start, start + t, device=tokens.device)
-
-    def embed_input(self, tokens: torch.Tensor, cache: KVCache | None, position_ids: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, Any]:
-        """The blocks' input and rotary tables: (B, T, D) and (cos, sin) or None."""
-        positions = self.positions(tokens, cache, position_ids)
+        positions = position_ids if position_ids is not None else torch.arange(start, start + t, device=tokens.device)
         # A later pipeline stage has no embedding and receives the hidden state instead of tokens.
         x = self.embed(tokens) if self.embed is not None else tokens  # (B, T, D)
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
-        return x, self.rotary(positions) if self.rotary is not None else None
+        return x, self.rope_tables(positions)
+
+    def rope_tables(self, positions: torch.Tensor) -> Any:
+        """What the blocks rotate with at ``positions``: (cos, sin), or None without RoPE."""
+        return self.rotary(positions) if self.rotary is not None else None
 
     def output(self, x: torch.Tensor, labels: torch.Tensor | None, loss_mask: torch.Tensor | None,
                keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -162,7 +161,11 @@ class Gemma(GPT):
         x, rope = super().embed_input(tokens, cache, position_ids)
         if self.embed is not None:  # (a later pipeline stage receives the scaled hidden state)
             x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
-        return x, {False: rope, True: self.rotary_local(self.positions(tokens, cache, position_ids))}
+        return x, rope
+
+    def rope_tables(self, positions: torch.Tensor) -> dict[bool, Any]:
+        """Both tables, keyed by whether the layer has a window (`GemmaBlock` picks its own)."""
+        return {False: super().rope_tables(positions), True: self.rotary_local(positions)}
 
 
 def build(cfg: GPTConfig, spec: ModelSpec) -> GPT:
