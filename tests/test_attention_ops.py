@@ -12,10 +12,20 @@ from zoo.nn import attention
 from zoo.nn import attention_ops as ops
 
 
-def _reference(q, k, v, *, causal, offset=0, segment_ids=None, window=None):
+def _reference(q, k, v, *, causal, offset=0, segment_ids=None, window=None, softcap=None):
     """float64 SDPA with the masks spelled out: key j visible to query i when j <= offset + i
-    (causal), offset + i - j < window (a sliding window) and both lie in the same packed sample."""
-    t, s = q.shape[2], k.shape[2]
+    (causal), offset + i - j < window (a sliding window) and both lie in the same packed sample.
+    With ``softcap`` the attention is written out, scores ``cap tanh(q k^T / (sqrt(hd) cap))``."""
+    mask = _mask(q.shape[2], k.shape[2], causal=causal, offset=offset, segment_ids=segment_ids, window=window)
+    if softcap is not None:
+        g = q.shape[1] // k.shape[1]
+        scores = q @ k.repeat_interleave(g, 1).transpose(-1, -2) / q.shape[-1] ** 0.5
+        scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, float("-inf"))
+        return torch.softmax(scores, -1) @ v.repeat_interleave(g, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _mask(t, s, *, causal, offset, segment_ids, window):
     mask = torch.ones(t, s, dtype=torch.bool)
     if causal:
         mask = torch.ones(t, s, dtype=torch.bool).tril(diagonal=offset)
@@ -24,7 +34,7 @@ def _reference(q, k, v, *, causal, offset=0, segment_ids=None, window=None):
     mask = mask[None, None]
     if segment_ids is not None:
         mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return mask
 
 
 def _inputs(b, h, kv, t, s, hd, seed=0):
@@ -75,10 +85,8 @@ def test_blocked_attention_matches_float64(case, blocks, keep, monkeypatch):
         monkeypatch.setattr(ops, "_AMX_BLOCK_ELEMENTS", blocks[1])  # (bf16's on a CPU with AMX)
     b, h, kv, t, s, hd, causal, offset, packed, window = CASES[case]
     q, k, v, grad = _inputs(b, h, kv, t, s, hd)
-    seg = None
-    if packed:  # samples of uneven lengths packed along the sequence
-        seg = torch.cat([torch.full((n,), i) for i, n in enumerate((7, 1, t - 12, 4))])[None].repeat(b, 1)
-        seg[-1] = torch.arange(t) // 5
+    seg = _packed(b, t) if packed else None  # samples of uneven lengths packed along the sequence
+
     def reference(q, k, v):
         return _reference(q, k, v, causal=causal, offset=offset, segment_ids=seg, window=window)
 
@@ -93,6 +101,72 @@ def test_blocked_attention_matches_float64(case, blocks, keep, monkeypatch):
     torch_bf16 = _run(reference, q, k, v, grad, torch.bfloat16)
     for got, theirs, want in zip(_run(ours, q, k, v, grad, torch.bfloat16), torch_bf16, ref):
         assert _rel(got, want) < max(2.5 * _rel(theirs, want), 4e-3)
+
+
+def _packed(b, t):
+    seg = torch.cat([torch.full((n,), i) for i, n in enumerate((7, 1, t - 12, 4))])[None].repeat(b, 1)
+    seg[-1] = torch.arange(t) // 5
+    return seg
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_soft_capped_scores_on_every_path(case, monkeypatch):
+    """Gemma 2's attention logit soft-capping (scores -> cap tanh(scores / cap) before the masks):
+    the blocked path (many tiny blocks) and the written-out path (`_capped_attention`, a GPU's and a
+    decoding step's) against float64 with the cap spelled out, outputs and gradients; a cap of 2 on
+    scores of size ~4 changes the attention, so a path that drops it (or its slope in backward) fails."""
+    monkeypatch.setattr(ops, "_LONG_KEYS", 1)
+    for prefix in ("", "_LONG"):
+        monkeypatch.setattr(ops, f"{prefix}_BLOCK_ROWS", 4)
+        monkeypatch.setattr(ops, f"{prefix}_BLOCK_ELEMENTS", 60)
+    monkeypatch.setattr(ops, "_AMX_BLOCK_ELEMENTS", 60)
+    b, h, kv, t, s, hd, causal, offset, packed, window = CASES[case]
+    q, k, v, grad = _inputs(b, h, kv, t, s, hd)
+    q = q * 2  # scores of a few units, where a cap of 2 bends them
+    seg = _packed(b, t) if packed else None
+    cap = 2.0
+
+    def reference(q, k, v):
+        return _reference(q, k, v, causal=causal, offset=offset, segment_ids=seg, window=window, softcap=cap)
+
+    def ours(q, k, v):
+        return attention(q, k, v, causal=causal, offset=offset, segment_ids=seg, window=window, softcap=cap)
+
+    ref = _run(reference, q, k, v, grad, torch.float64)
+    uncapped = _reference(q.double(), k.double(), v.double(), causal=causal, offset=offset, segment_ids=seg,
+                          window=window)
+    assert _rel(uncapped, ref[0]) > 0.05
+    assert ops.blocked_supported(q, k, causal=causal, segment_ids=seg, kv_segment_ids=None, softcap=cap)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
+        for got, want in zip(_run(ours, q, k, v, grad, dtype), ref, strict=True):
+            assert _rel(got, want) < tol
+    blocked_bf16 = _run(ours, q, k, v, grad, torch.bfloat16)
+    with monkeypatch.context() as m:  # the scores written out
+        m.setattr(ops, "blocked_supported", lambda *a, **kw: False)
+        for got, want in zip(_run(ours, q, k, v, grad, torch.float32), ref, strict=True):
+            assert _rel(got, want) < 2e-6
+        written_bf16 = _run(ours, q, k, v, grad, torch.bfloat16)
+    # bf16: the blocked path rounds the capped scores to bf16 (as it does uncapped ones); the
+    # written-out path keeps them in float32
+    for got, theirs, want in zip(blocked_bf16, written_bf16, ref, strict=True):
+        assert _rel(got, want) < max(4 * _rel(theirs, want), 1e-2)
+
+
+def test_soft_capped_decoding_and_kept_positions():
+    """A decoding step (one query, a cache before it) and a few kept query positions take the
+    written-out path with the cap; a cap must be positive."""
+    q, k, v, _ = _inputs(2, 4, 2, 24, 24, 8)
+    q = q * 2
+    ref = _reference(q.double(), k.double(), v.double(), causal=True, window=6, softcap=2.0)
+    for n in (5, 1):
+        got = attention(q[:, :, -n:], k, v, causal=True, offset=24 - n, window=6, softcap=2.0)
+        assert _rel(got.double(), ref[:, :, -n:]) < 1e-6
+    at = torch.tensor([[3, 11, 23], [0, 7, 20]])
+    pick = at[:, None, :, None].expand(-1, 4, -1, 8)
+    got = attention(q.gather(2, pick), k, v, causal=True, window=6, q_positions=at, softcap=2.0)
+    assert _rel(got.double(), ref.gather(2, pick)) < 1e-6
+    with pytest.raises(ValueError, match="positive cap"):
+        attention(q, k, v, causal=True, softcap=0.0)
 
 
 def test_kept_probabilities_give_the_recomputed_gradients_bitwise(monkeypatch):

@@ -72,6 +72,32 @@ def test_linear_cross_entropy_matches_full_logits(chunk, dropped, block, monkeyp
     torch.testing.assert_close(gw_a, gw_b, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_cross_entropy_with_soft_capped_logits(dtype):
+    """Gemma 2's final logit soft-capping, logits -> cap tanh(logits / cap): loss and gradients equal
+    float64 cross entropy of the capped logits (to the dtype's precision), with and without a
+    backward to follow; a cap of 3 on logits of ~10 changes the loss, so a dropped cap or slope fails."""
+    torch.manual_seed(0)
+    h, w = torch.randn(50, 16), torch.randn(40, 16) * 2.5
+    labels, mask = torch.randint(0, 40, (50,)), torch.rand(50) > 0.2
+
+    def ref(h, w):
+        logits = 3.0 * torch.tanh((h @ w.t()) / 3.0)
+        return (F.cross_entropy(logits, labels, reduction="none") * mask).sum() / mask.sum()
+
+    lb, (gh_b, gw_b) = _grads(ref, h.double(), w.double())
+    plain = (F.cross_entropy(h.double() @ w.double().t(), labels, reduction="none") * mask).sum() / mask.sum()
+    assert abs(plain.item() - lb.item()) > 0.5
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    hd, wd = h.to(dtype), w.to(dtype)
+    la, (gh_a, gw_a) = _grads(lambda h, w: linear_cross_entropy(h, w, labels, mask, chunk=7, softcap=3.0), hd, wd)
+    assert abs(la.item() - lb.item()) / lb.item() < tol
+    for got, want in ((gh_a, gh_b), (gw_a, gw_b)):
+        assert float((got.double() - want).norm() / want.norm()) < tol
+    with torch.no_grad():  # (evaluation: no gradients formed)
+        assert abs(linear_cross_entropy(hd, wd, labels, mask, softcap=3.0).item() - lb.item()) / lb.item() < tol
+
+
 def test_linear_cross_entropy_is_exact_where_the_labels_probability_underflows():
     """Logits spread over ~1,400 (a label's softmax probability is 0 in float32): the loss, read off
     the softmax at each row's largest logit, still matches float64 cross entropy, and so do the

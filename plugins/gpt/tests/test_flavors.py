@@ -37,6 +37,9 @@ PUBLISHED = {
     plugin.qwen2_72b: 72_706_203_648,
     plugin.gemma3_270m: 268_098_176,  # Google's
     plugin.gemma3_1b: 999_885_952,
+    plugin.gemma2_2b: 2_614_341_888,
+    plugin.gemma2_9b: 9_241_705_984,
+    plugin.gemma2_27b: 27_227_128_320,
 }
 
 
@@ -59,7 +62,7 @@ def test_meta_build_matches_published_size(flavor):
 @pytest.mark.parametrize("flavor", [plugin.gpt2_124m, plugin.llama3_1b, plugin.llama2_7b, plugin.qwen3_0_6b,
                                     plugin.qwen3_1_7b, plugin.qwen3_4b, plugin.qwen3_8b, plugin.mistral_7b_v01,
                                     plugin.mistral_nemo_12b, plugin.qwen2_0_5b, plugin.qwen2_7b, plugin.gemma3_1b,
-                                    plugin.gemma3_4b, plugin.gemma3_27b],
+                                    plugin.gemma3_4b, plugin.gemma3_27b, plugin.gemma2_2b, plugin.gemma2_27b],
                          ids=lambda f: f.__name__)
 def test_same_count_as_hf_from_exported_config(flavor):
     cfg = flavor()

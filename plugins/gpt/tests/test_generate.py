@@ -7,6 +7,8 @@ import pytest
 import torch
 from _gpt_helpers import small_run, zoo
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GPT2Config,
@@ -59,6 +61,11 @@ HF = {
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=6,
         layer_types=["sliding_attention", "full_attention"])),
+    # soft-capped scores (decoding steps take the written-out path) and logits
+    "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=6,
+        attn_logit_softcapping=0.1, final_logit_softcapping=0.5)),
     "qwen2-window": lambda: Qwen2ForCausalLM(Qwen2Config(
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, use_sliding_window=True, sliding_window=6,

@@ -1,4 +1,4 @@
-"""GPT-2, LLaMA, Mistral, Qwen2, Qwen3 and Gemma 3 against Hugging Face transformers, built from tiny configs
+"""GPT-2, LLaMA, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 against Hugging Face transformers, built from tiny configs
 (no download): logits match to 1e-5 in float32 and HF -> zoo -> HF is bitwise identical."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GPT2Config,
@@ -69,6 +71,15 @@ CASES = {
         query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
+    # Gemma 2: Gemma 3's layers without q/k norms, attention scores and logits soft-capped; caps set
+    # near the tiny model's score and logit sizes (0.05, 0.5) so that they bend them
+    "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(
+        **{**_SMALL, "num_hidden_layers": 3, "tie_word_embeddings": True}, head_dim=16, sliding_window=8,
+        query_pre_attn_scalar=24, attn_logit_softcapping=0.05, final_logit_softcapping=0.5, rope_theta=1000.0)),
+    # Gemma 3 with a final logit cap (transformers applies it; the attention cap it ignores: refused)
+    "gemma3-softcap": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        **{**_SMALL, "tie_word_embeddings": True}, head_dim=16, sliding_window=8, final_logit_softcapping=0.5,
+        layer_types=["sliding_attention", "full_attention"])),
     "qwen3-window-layer-types": lambda: Qwen3ForCausalLM(Qwen3Config(
         **{**_SMALL, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=8,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
@@ -118,7 +129,8 @@ def test_logits_match_hf_and_round_trip_is_bitwise(case, tmp_path):
 
 
 @pytest.mark.parametrize(("case", "windows"), [("mistral-window", [8, 8]), ("qwen2-window-layer-1", [None, 8]),
-                                               ("qwen3-window-layer-types", [8, None, 8]), ("gemma3", [8, None, 8])])
+                                               ("qwen3-window-layer-types", [8, None, 8]), ("gemma3", [8, None, 8]),
+                                               ("gemma2", [8, None, 8])])
 def test_the_window_reaches_the_layers_it_names_and_changes_the_result(case, windows, tmp_path):
     """Each layer gets the window Hugging Face's config gives it, and the window matters: the same
     weights with every layer attending to the whole past give other logits."""
@@ -130,6 +142,34 @@ def test_the_window_reaches_the_layers_it_names_and_changes_the_result(case, win
         layer.attn.window = None
     with torch.no_grad():
         assert (ours(tokens) - hf_model(tokens).logits).abs().max() > 1e-3
+
+
+def test_soft_caps_reach_every_layer_and_the_logits_and_change_the_result(tmp_path):
+    """Gemma 2's caps arrive where its config puts them (every layer's attention, the output), the
+    training loss equals cross entropy of Hugging Face's (capped) logits, and each cap matters: the
+    same weights without it give other logits. Gemma 3 with an attention cap is refused: transformers'
+    Gemma 3 holds the number and computes without it."""
+    from zoo_gpt.convert import from_hf_config
+
+    hf_model, src = _hf("gemma2", tmp_path)
+    ours = zoo.load_model(str(src)).eval()
+    assert {layer.attn.softcap for layer in ours.layers} == {0.05} and ours.logit_softcap == 0.5
+    tokens = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+        loss = torch.nn.functional.cross_entropy(expected.flatten(0, 1), labels.flatten())
+        torch.testing.assert_close(ours(tokens, labels=labels), loss, atol=1e-6, rtol=0)
+        ours.logit_softcap = None
+        assert (ours(tokens) - expected).abs().max() > 1e-2
+        ours.logit_softcap = 0.5
+        for layer in ours.layers:
+            layer.attn.softcap = None
+        assert (ours(tokens) - expected).abs().max() > 1e-4
+    config = json.loads((src / "config.json").read_text())
+    gemma3 = {**config, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+    with pytest.raises(UsageError, match="attn_logit_softcapping"):
+        from_hf_config(gemma3)
 
 
 def test_gemma3_image_text_checkpoint_gives_its_language_model(tmp_path):
@@ -281,3 +321,21 @@ def test_segments_equal_separate_documents(tmp_path):
         got = ours(packed, position_ids=positions, segment_ids=segments)
         torch.testing.assert_close(got[:, :9], hf_model(a).logits, atol=1e-5, rtol=0)
         torch.testing.assert_close(got[:, 9:], hf_model(b).logits, atol=1e-5, rtol=0)
+
+
+def test_gemma2_release_config_reads_as_the_flavor():
+    """A Gemma 2 release's config.json (written before transformers had layer_types: the even layers
+    slide) reads as zoo's flavor of that size, caps and window included."""
+    from zoo_gpt import plugin
+    from zoo_gpt.convert import from_hf_config
+
+    release = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+               "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 3584, "intermediate_size": 14336,
+               "max_position_embeddings": 8192, "num_attention_heads": 16, "num_hidden_layers": 42,
+               "num_key_value_heads": 8, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+               "sliding_window": 4096, "sliding_window_size": 4096, "vocab_size": 256000,
+               "cache_implementation": "hybrid", "torch_dtype": "float32"}
+    cfg = from_hf_config(release)
+    assert cfg == plugin.gemma2_9b()
+    assert [cfg.window(i) for i in range(4)] == [4096, None, 4096, None]

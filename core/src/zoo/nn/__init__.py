@@ -410,7 +410,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, offset: int = 0,
               segment_ids: torch.Tensor | None = None, kv_segment_ids: torch.Tensor | None = None,
-              q_positions: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+              q_positions: torch.Tensor | None = None, window: int | None = None,
+              softcap: float | None = None) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads, on one process's whole sequence.
 
     q: (B, H, T, hd), k/v: (B, KV, S, hd) with H a multiple of KV. ``offset`` is the number of
@@ -421,12 +422,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ``q_positions`` (B, T): the queries are those of these positions only (a layer computing a few
     outputs, `zoo.nn.layers.run_layers`); masks follow their positions. ``window`` (causal only):
     sliding-window attention, a query sees itself and the ``window - 1`` keys before it (Mistral,
-    Qwen2's ``sliding_window``; Megatron's ``--window-size window-1,0``). Models call it through
-    `AttentionCore`, which the core can switch to ring attention or recomputation.
+    Qwen2's ``sliding_window``; Megatron's ``--window-size window-1,0``). ``softcap``: the scaled
+    scores become ``softcap * tanh(scores / softcap)`` before masking (Gemma 2's attention logit
+    soft-capping). Models call it through `AttentionCore`, which the core can switch to ring
+    attention or recomputation.
     """
     if window is not None and (not causal or window < 1):
         raise ValueError(f"sliding-window attention is causal with a window of at least 1 (window={window}, "
                          f"causal={causal})")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"attention logit soft-capping needs a positive cap (softcap={softcap})")
     if torch.is_grad_enabled() and q._base is None:
         # K or V still a slice of the fused qkv projection (no rotary applied to it) would keep the
         # whole projection alive among the saved tensors once Q and K are rotated copies: its own
@@ -434,8 +439,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         k = k.contiguous() if k._base is not None else k
         v = v.clone(memory_format=torch.contiguous_format) if v._base is not None else v
     if q_positions is not None:
-        return attend_at(q, k, v, causal, offset, segment_ids, kv_segment_ids, q_positions, window)
-    return attend(q, k, v, causal, offset, segment_ids, kv_segment_ids, window)
+        return attend_at(q, k, v, causal, offset, segment_ids, kv_segment_ids, q_positions, window, softcap)
+    return attend(q, k, v, causal, offset, segment_ids, kv_segment_ids, window, softcap)
 
 
 class AttentionCore(SelectiveCore, ContextParallelSite):
@@ -455,7 +460,8 @@ class AttentionCore(SelectiveCore, ContextParallelSite):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, offset: int = 0,
                 segment_ids: torch.Tensor | None = None, kv_segment_ids: torch.Tensor | None = None,
-                q_positions: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                q_positions: torch.Tensor | None = None, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         if self.cp_group is not None:  # context parallel: this rank holds 2 of the 2*cp sequence chunks
             if offset or q_positions is not None or (kv_segment_ids is not None and kv_segment_ids is not segment_ids):
                 raise ValueError("context-parallel attention is self-attention without a KV cache")
@@ -465,13 +471,14 @@ class AttentionCore(SelectiveCore, ContextParallelSite):
                 k = k.contiguous() if k._base is not None else k
                 v = v.clone(memory_format=torch.contiguous_format) if v._base is not None else v
             # Keeps only q, k, v, out and the log-sum-exp; packed samples' ids travel with the keys.
-            return ring_attention(q, k, v, self.cp_group, causal=causal, segment_ids=segment_ids, window=window)
+            return ring_attention(q, k, v, self.cp_group, causal=causal, segment_ids=segment_ids, window=window,
+                                  softcap=softcap)
         if self.recompute and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 
             return checkpoint(attention, q, k, v, use_reentrant=False, causal=causal, offset=offset,
                               segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
-                              window=window)
+                              window=window, softcap=softcap)
         return attention(q, k, v, causal=causal, offset=offset, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                         q_positions=q_positions, window=window)
+                         q_positions=q_positions, window=window, softcap=softcap)
 

@@ -65,7 +65,8 @@ _AMX_TORCH_KEYS = 1024
 
 
 def blocked_supported(q: torch.Tensor, k: torch.Tensor, *, causal: bool, segment_ids: torch.Tensor | None,
-                      kv_segment_ids: torch.Tensor | None, window: int | None = None) -> bool:
+                      kv_segment_ids: torch.Tensor | None, window: int | None = None,
+                      softcap: float | None = None) -> bool:
     """Whether `attend` takes the blocked path: on a CPU, bf16/fp16 (or autocast to them) except over
     1,024 keys or more on a CPU with AMX, or fp32 causal attention with grouped KV heads or a sliding
     window; more than one query (a decoding step is a matrix-vector product either way);
@@ -74,26 +75,38 @@ def blocked_supported(q: torch.Tensor, k: torch.Tensor, *, causal: bool, segment
     A sliding window is a mask to torch's kernel, which then computes every query against every key:
     forward and backward on a 2-core Zen 4 (`benchmarks/attention_cpu.py`), (1, 8 / 2, 4,096, 64)
     with a window of 512 took 671 / 114 ms in bf16 and 843 / 212 ms in fp32; multi-head fp32
-    (1, 16, 2,048, 64) with 256, 455 / 143 ms; (4, 8, 512, 64) with 128, level (56 ms)."""
+    (1, 16, 2,048, 64) with 256, 455 / 143 ms; (4, 8, 512, 64) with 128, level (56 ms).
+
+    Soft-capped scores (``softcap``, Gemma 2's) are beyond torch's kernel: on a CPU the blocked path
+    takes them in every dtype, elsewhere `attend` writes the scores out (`_capped_attention`)."""
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
     if q.device.type != "cpu" or q.shape[2] < 2:
         return False
+    if softcap is not None:
+        return _packing_supported(q, k, segment_ids, kv_segment_ids)
     fp32_blocked = causal and (q.shape[1] > k.shape[1] or window is not None)
     if dtype not in (torch.bfloat16, torch.float16) and not (dtype == torch.float32 and fp32_blocked):
         return False
     if dtype != torch.float32 and k.shape[2] >= _AMX_TORCH_KEYS and has_amx():
         return False
+    return _packing_supported(q, k, segment_ids, kv_segment_ids)
+
+
+def _packing_supported(q: torch.Tensor, k: torch.Tensor, segment_ids: torch.Tensor | None,
+                       kv_segment_ids: torch.Tensor | None) -> bool:
     if kv_segment_ids is not None and kv_segment_ids is not segment_ids:
         return False  # packed cross-attention can leave a query no key: SDPA's path handles it
     return segment_ids is None or k.shape[2] == q.shape[2]
 
 
 def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, offset: int = 0,
-                      segment_ids: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                      segment_ids: torch.Tensor | None = None, window: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """``softmax(q k^T / sqrt(hd)) v`` for q (B, H, T, hd), k/v (B, KV, S, hd), H a multiple of KV
     (query head i reads KV head i // (H // KV)). ``causal``: query i sees keys up to ``offset + i``
     (S = offset + T with a KV cache). ``segment_ids`` (B, T), self-attention only: attention stays
     inside each packed sample. ``window`` (causal): query i sees keys offset + i - window + 1 .. offset + i.
+    ``softcap``: the scores are ``softcap * tanh(scores / softcap)`` before the masks (Gemma 2's).
     Returns (B, H, T, hd) laid out as (B, T, H, hd) in memory, so the
     usual ``transpose(1, 2).reshape(B, T, H * hd)`` before the output projection copies nothing."""
     if torch.is_autocast_enabled("cpu"):  # what autocast does to scaled_dot_product_attention
@@ -101,7 +114,7 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     with torch.autocast("cpu", enabled=False):
-        return _BlockedAttention.apply(q, k, v, causal, offset, segment_ids, backward, window)
+        return _BlockedAttention.apply(q, k, v, causal, offset, segment_ids, backward, window, softcap)
 
 
 def causal_mask(t: int, s: int, offset: int, window: int | None, device: Any) -> torch.Tensor:
@@ -111,23 +124,40 @@ def causal_mask(t: int, s: int, offset: int, window: int | None, device: Any) ->
     return mask if window is None else mask.triu(diagonal=offset - window + 1)
 
 
+def attention_mask(t: int, s: int, *, causal: bool, offset: int, window: int | None,
+                   segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None, device: Any
+                   ) -> torch.Tensor | None:
+    """The boolean mask (B or 1, 1, T, S) of `attend`'s causal, window and document masks, None for none."""
+    mask = causal_mask(t, s, offset, window, device)[None, None] if causal else None
+    if segment_ids is not None:  # block-diagonal (causal) mask: (B, 1, T, S)
+        keys = segment_ids if kv_segment_ids is None else kv_segment_ids
+        same = segment_ids[:, None, :, None] == keys[:, None, None, :]
+        mask = same if mask is None else mask & same
+    return mask
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
            segment_ids: torch.Tensor | None = None, kv_segment_ids: torch.Tensor | None = None,
-           window: int | None = None) -> torch.Tensor:
+           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(hd)) v with the masks `zoo.nn.attention` describes: the blocked path
-    where it is the faster one, torch's scaled_dot_product_attention otherwise."""
+    where it is the faster one, torch's scaled_dot_product_attention otherwise (soft-capped scores:
+    the blocked path on a CPU, `_capped_attention` elsewhere)."""
     t, s = q.shape[2], k.shape[2]
     if window is not None and offset + t <= window:
         window = None  # no query reaches past the window: plain causal attention
-    if blocked_supported(q, k, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, window=window):
-        return blocked_attention(q, k, v, causal=causal, offset=offset, segment_ids=segment_ids, window=window)
+    if blocked_supported(q, k, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, window=window,
+                         softcap=softcap):
+        return blocked_attention(q, k, v, causal=causal, offset=offset, segment_ids=segment_ids, window=window,
+                                 softcap=softcap)
+    if softcap is not None:
+        mask = attention_mask(t, s, causal=causal, offset=offset, window=window, segment_ids=segment_ids,
+                              kv_segment_ids=kv_segment_ids, device=q.device)
+        return _capped_attention(q, k, v, mask, softcap)
     # enable_gqa: query head i attends with KV head i // (H // KV) (HF's grouping) without copying K/V.
     gqa = q.shape[1] != k.shape[1]
-    if segment_ids is not None:  # block-diagonal (causal) mask: (B, 1, T, S)
-        keys = segment_ids if kv_segment_ids is None else kv_segment_ids
-        mask = segment_ids[:, None, :, None] == keys[:, None, None, :]
-        if causal:
-            mask = mask & causal_mask(t, s, offset, window, q.device)
+    if segment_ids is not None:
+        mask = attention_mask(t, s, causal=causal, offset=offset, window=window, segment_ids=segment_ids,
+                              kv_segment_ids=kv_segment_ids, device=q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     if not causal or (t == 1 and window is None):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
@@ -139,7 +169,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offs
 
 def attend_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
               segment_ids: torch.Tensor | None, kv_segment_ids: torch.Tensor | None, at: torch.Tensor,
-              window: int | None = None) -> torch.Tensor:
+              window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """`attend` for q holding the queries of positions ``at`` (B, T') only: the causal, window and
     document masks are those rows of the full masks."""
     s = k.shape[2]
@@ -153,7 +183,34 @@ def attend_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, o
         keys = segment_ids if kv_segment_ids is None else kv_segment_ids
         same = segment_ids.gather(1, at)[:, None, :, None] == keys[:, None, None, :]
         mask = same if mask is None else mask & same
+    if softcap is not None:
+        return _capped_attention(q, k, v, mask, softcap)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, ``softmax(cap * tanh(q k^T / (sqrt(hd) cap))) v``, as
+    written: the (T x S) scores are formed (as transformers' eager Gemma 2 does; torch's fused
+    kernels have no cap). The scores' GEMM runs in the inputs' dtype, cap and softmax in float32.
+    ``mask``: booleans broadcastable to (B, 1, T, S); a query that sees no key gets zeros."""
+    if torch.is_autocast_enabled(q.device.type):  # as autocast treats scaled_dot_product_attention
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    b, h, t, hd = q.shape
+    kv = k.shape[1]
+    with torch.autocast(q.device.type, enabled=False):
+        qg = q.unflatten(1, (kv, h // kv))  # (B, KV, G, T, hd): a group's heads share their K and V
+        acc = torch.promote_types(q.dtype, torch.float32)
+        scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).to(acc) * hd ** -0.5
+        scores = torch.tanh(scores / softcap) * softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask[:, :, None], torch.finfo(acc).min)
+        probs = torch.softmax(scores, -1)
+        if mask is not None:  # (a row with no visible key would average every value)
+            probs = probs * mask[:, :, None].any(-1, keepdim=True)
+        out = torch.matmul(probs.to(v.dtype), v.unsqueeze(2))  # (B, KV, G, T, hd)
+    return out.flatten(1, 2)
 
 
 def _row_stacked(x: torch.Tensor, kv: int) -> torch.Tensor:
@@ -168,9 +225,10 @@ class _Plan:
     (batch, KV head) pairs; a matrix's rows are (position, query head of the group) pairs."""
 
     def __init__(self, b: int, h: int, kv: int, t: int, s: int, causal: bool, offset: int,
-                 segment_ids: torch.Tensor | None, like: torch.Tensor, window: int | None = None) -> None:
+                 segment_ids: torch.Tensor | None, like: torch.Tensor, window: int | None = None,
+                 softcap: float | None = None) -> None:
         self.b, self.kv, self.g, self.t, self.s = b, kv, h // kv, t, s
-        self.causal, self.offset, self.window = causal, offset, window
+        self.causal, self.offset, self.window, self.softcap = causal, offset, window, softcap
         # The softmax scale is the products' own alpha (``scaled``): a scaled copy of q cost 4x a
         # plain one (0.24 against 0.05 ms for DiT-S's bf16 q), and a rounded scaled q is no more
         # exact; with a power-of-two scale (64-wide heads) the bits are the same either way.
@@ -198,7 +256,7 @@ class _Plan:
         # shape it meets, and one length per block held ~400 MB at 8,192 positions.
         self.key_step = self.tb * -(-s // (16 * self.tb))
         self.bias = None
-        if causal:  # [zeros | strip | -inf for the padding keys]
+        if causal and softcap is None:  # [zeros | strip | -inf for the padding keys]
             self.bias = torch.zeros(self.tb, self.g, s + self.key_step, dtype=like.dtype, device=like.device)
             self.bias[..., s - self.tb:s].masked_fill_(self.strip, float("-inf"))
             self.bias[..., s:] = float("-inf")
@@ -238,18 +296,28 @@ class _Plan:
         out[bs, ts, ks] = value.view(nb, nk, ts.stop - ts.start, self.g, value.shape[-1]).transpose(1, 2)
 
     def scores(self, qb: torch.Tensor, kb: torch.Tensor, m0: int, m1: int, i0: int, i1: int, start: int = 0
-               ) -> torch.Tensor:
-        """Masked ``qb kb^T`` of one block, kb the keys from ``start`` on: (m1-m0, (i1-i0)*G, keys)."""
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Masked ``qb kb^T`` of one block, kb the keys from ``start`` on: (m1-m0, (i1-i0)*G, keys),
+        and with a soft cap the derivative of the capped scores by the plain ones (None without)."""
         tb, n = i1 - i0, kb.shape[1]
         end = start + n
-        if self.bias is not None and tb == self.tb:
+        slope = None
+        if self.softcap is not None:  # cap * tanh(s / cap), then the masks (the bias would be capped too)
+            scores = self.scaled(qb.flatten(1, 2), kb.transpose(1, 2)).div_(self.softcap).tanh_()
+            slope = 1 - scores * scores
+            scores.mul_(self.softcap)
+        elif self.bias is not None and tb == self.tb:
             first = self.s - (self.offset + i1)  # the bias column of key 0: the strip ends at the block's end
             scores = torch.baddbmm(self.bias[:, first + start:first + end], qb.flatten(1, 2), kb.transpose(1, 2),
                                    alpha=self.scale)
         else:  # the last block, fewer rows: its keys end at its own end (S)
             scores = self.scaled(qb.flatten(1, 2), kb.transpose(1, 2))
         view = scores.view(m1 - m0, tb, self.g, n)
-        if self.causal and tb != self.tb:  # keys before the block's first position are visible to all its queries
+        if self.causal and slope is not None:  # (no bias) keys after each query's own position
+            later = (torch.arange(start, end, device=scores.device)[None, :]
+                     > self.offset + i0 + torch.arange(tb, device=scores.device)[:, None])
+            view.masked_fill_(later[:, None, :], float("-inf"))
+        elif self.causal and tb != self.tb:  # keys before the block's first position are visible to all its queries
             view[..., self.offset + i0 - start:].masked_fill_(self.strip[:tb, :, :tb], float("-inf"))
         if self.window is not None:  # keys a window or more before the query: a second pass, as packing's
             first = self.offset + i0 - self.window + 1  # the first key query i0 sees
@@ -260,7 +328,7 @@ class _Plan:
         if self.segment_ids is not None:
             ids = self.segment_ids[m0:m1]
             view.masked_fill_((ids[:, i0:i1, None] != ids[:, None, start:end])[:, :, None], float("-inf"))
-        return scores
+        return scores, slope
 
 
 def _keeps_probs(plan: _Plan, hd: int, dtype: torch.dtype) -> bool:
@@ -280,19 +348,21 @@ def _keeps_probs(plan: _Plan, hd: int, dtype: torch.dtype) -> bool:
 class _BlockedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
-                segment_ids: torch.Tensor | None, keep_probs: bool, window: int | None) -> torch.Tensor:
+                segment_ids: torch.Tensor | None, keep_probs: bool, window: int | None,
+                softcap: float | None) -> torch.Tensor:
         b, h, t, hd = q.shape
         kv, s = k.shape[1], k.shape[2]
-        plan = _Plan(b, h, kv, t, s, causal, offset, segment_ids, q, window)
+        plan = _Plan(b, h, kv, t, s, causal, offset, segment_ids, q, window, softcap)
         qs = _row_stacked(q, kv)  # (B*KV, T, G, hd)
         kf, vf = k.reshape(b * kv, s, hd), v.reshape(b * kv, s, hd)
         out = q.new_empty(b, t, kv, plan.g, hd)
-        keep = keep_probs and _keeps_probs(plan, hd, q.dtype)
+        # (backward needs a capped block's slope too: recomputed with its probabilities)
+        keep = keep_probs and softcap is None and _keeps_probs(plan, hd, q.dtype)
         kept = []
         for block in plan.blocks():
             m0, m1, i0, start, end = block[3:]
             i1 = block[2].stop
-            probs = torch.softmax(plan.scores(qs[m0:m1, i0:i1], kf[m0:m1, start:end], m0, m1, i0, i1, start), -1)
+            probs = torch.softmax(plan.scores(qs[m0:m1, i0:i1], kf[m0:m1, start:end], m0, m1, i0, i1, start)[0], -1)
             plan.put(out, block, torch.bmm(probs, vf[m0:m1, start:end]))
             if keep:
                 kept.append(probs)
@@ -315,16 +385,23 @@ class _BlockedAttention(torch.autograd.Function):
         if direct:
             dk, dv = kf.new_empty(b * kv, s, hd), vf.new_empty(b * kv, s, hd)
         else:
-            dk = torch.zeros(b * kv, s, hd, dtype=torch.float32, device=qs.device)
+            dk = torch.zeros(b * kv, s, hd, dtype=torch.promote_types(kf.dtype, torch.float32), device=qs.device)
             dv = torch.zeros_like(dk)
         for n, block in enumerate(plan.blocks()):
             m0, m1, i0, start, end = block[3:]
             i1 = block[2].stop
             qb, gb = qs[m0:m1, i0:i1].flatten(1, 2), gs[m0:m1, i0:i1].flatten(1, 2)
             kb, vb = kf[m0:m1, start:end], vf[m0:m1, start:end]
-            probs = kept[n] if kept else torch.softmax(plan.scores(qs[m0:m1, i0:i1], kb, m0, m1, i0, i1, start), -1)
+            slope = None
+            if kept:
+                probs = kept[n]
+            else:
+                scores, slope = plan.scores(qs[m0:m1, i0:i1], kb, m0, m1, i0, i1, start)
+                probs = torch.softmax(scores, -1)
             # d scores = P * (dP - rowsum(dP * P)): torch's fused softmax backward
             dscores = torch._softmax_backward_data(torch.bmm(gb, vb.transpose(1, 2)), probs, -1, probs.dtype)
+            if slope is not None:  # through the cap: d cap tanh(s / cap) / ds = 1 - tanh^2
+                dscores.mul_(slope)
             plan.put(dq, block, plan.scaled(dscores, kb))
             if direct:
                 torch.bmm(probs.transpose(1, 2), gb, out=dv[m0:m1, start:end])
@@ -337,7 +414,7 @@ class _BlockedAttention(torch.autograd.Function):
                 dv[m0:m1, start:end] += torch.bmm(probs.transpose(1, 2), gb)
                 dk[m0:m1, start:end] += plan.scaled(dscores.transpose(1, 2), qb)
         return (dq.view(b, t, h, hd).transpose(1, 2), dk.view(b, kv, s, hd).to(kf.dtype),
-                dv.view(b, kv, s, hd).to(vf.dtype), None, None, None, None, None)
+                dv.view(b, kv, s, hd).to(vf.dtype), None, None, None, None, None, None)
 
 
-__all__ = ["attend", "attend_at", "blocked_attention", "blocked_supported", "causal_mask"]
+__all__ = ["attend", "attend_at", "attention_mask", "blocked_attention", "blocked_supported", "causal_mask"]

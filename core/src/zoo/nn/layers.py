@@ -22,10 +22,12 @@ from zoo.spec import AttentionSpec, BlockSpec, MLPSpec
 
 class SelfAttention(nn.Module):
     def __init__(self, spec: AttentionSpec, *, hidden: int, heads: int, kv_heads: int, head_dim: int, layer: int,
-                 eps: float = 1e-6, window: int | None = None, scale: float | None = None) -> None:
+                 eps: float = 1e-6, window: int | None = None, scale: float | None = None,
+                 softcap: float | None = None) -> None:
         super().__init__()
         self.layer, self.spec = layer, spec
         self.window = window  # sliding-window attention: a query sees itself and window - 1 keys before it
+        self.softcap = softcap  # scores soft-capped to (-softcap, softcap) by tanh (Gemma 2)
         # The softmax scale when it is not 1/sqrt(head_dim) (Gemma's query_pre_attn_scalar): q is
         # multiplied by the ratio, so every attention path keeps its own 1/sqrt(head_dim).
         self.q_factor = None if scale is None or scale == head_dim ** -0.5 else scale * head_dim ** 0.5
@@ -63,7 +65,7 @@ class SelfAttention(nn.Module):
         if self.q_factor is not None:
             q = q * self.q_factor
         y = self.core(q, k, v, causal=self.spec.causal, offset=offset, segment_ids=segment_ids,
-                      q_positions=keep, window=self.window)  # (B, H, T or K, hd)
+                      q_positions=keep, window=self.window, softcap=self.softcap)  # (B, H, T or K, hd)
         return self.proj(y.transpose(1, 2).reshape(b, y.shape[2], self.h * self.hd))
 
 
@@ -85,7 +87,8 @@ class TransformerLayer(nn.Module):
     layer (its spec non-causal for images). ``layer`` indexes the KV cache."""
 
     def __init__(self, spec: BlockSpec, *, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn_hidden: int,
-                 eps: float, layer: int, window: int | None = None, scale: float | None = None) -> None:
+                 eps: float, layer: int, window: int | None = None, scale: float | None = None,
+                 softcap: float | None = None) -> None:
         super().__init__()
         assert isinstance(spec.mixer, AttentionSpec) and isinstance(spec.ffn, MLPSpec)
         if spec.residual == "post_norm":
@@ -93,7 +96,7 @@ class TransformerLayer(nn.Module):
                              "(pre_norm or sandwich)")
         self.attn_norm = make_norm(spec.norm, hidden, eps)
         self.attn = SelfAttention(spec.mixer, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                                  layer=layer, eps=eps, window=window, scale=scale)
+                                  layer=layer, eps=eps, window=window, scale=scale, softcap=softcap)
         sandwich = spec.residual == "sandwich"  # each sublayer's output normed before the residual add
         self.post_attn_norm = make_norm(spec.norm, hidden, eps) if sandwich else None
         self.mlp_norm = make_norm(spec.norm, hidden, eps)

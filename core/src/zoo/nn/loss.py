@@ -50,7 +50,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                mask: torch.Tensor, chunk: int, need: bool) -> torch.Tensor:
+                mask: torch.Tensor, chunk: int, need: bool, softcap: float | None) -> torch.Tensor:
         n = hidden.shape[0]
         # The chunk's float32 logits and their log-softmax are the loss's transient peak (the last
         # layer's activations are all still live then): rows are capped so each is ~16 MB, whatever
@@ -70,11 +70,18 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             logits = gemm.mm(h, w.t())  # (c, V)
             lab = labels[s:s + chunk]
             m = mask[s:s + chunk].float()
+            slope = None
+            if softcap is not None:  # cap tanh(logits / cap) in float32 (Gemma 2's final soft-capping)
+                logits = torch.tanh(logits.float() / softcap)
+                slope = 1 - logits * logits if need else None
+                logits = logits * softcap
             if not need:
                 total -= (torch.log_softmax(logits.float(), -1).gather(1, lab[:, None]).squeeze(1) * m).sum()
                 continue
             # the rows' losses, and d loss / d logits in w's dtype (one cast for both GEMMs)
             nll, d = fused.cross_entropy_grad(logits, lab, m if per_token else m / denom)
+            if slope is not None:  # back through the cap (d was float32 as the capped logits are)
+                d = (d * slope).to(w.dtype)
             total += (nll * m).sum()
             gemm.mm(d, w, grad_h[s:s + chunk])
             if h.dtype == torch.float32 and not gemm.onednn_for(h):  # no (V, D) temporary
@@ -100,18 +107,20 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         # In place: the saved fp32 (V, D) gradient is used once, and a scaled copy would double the
         # largest transient of the step (1.6 GB for a 128k x 3k vocabulary). A second backward
         # (retain_graph) is refused by autograd's version check on the saved tensor.
-        return dh, grad_w.mul_(grad).to(ctx.weight_dtype), None, None, None, None
+        return dh, grad_w.mul_(grad).to(ctx.weight_dtype), None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, head: nn.Module | torch.Tensor, labels: torch.Tensor,
-                         loss_mask: torch.Tensor | None = None, *, chunk: int = 1024) -> torch.Tensor:
+                         loss_mask: torch.Tensor | None = None, *, chunk: int = 1024,
+                         softcap: float | None = None) -> torch.Tensor:
     """Mean next-token cross entropy of ``hidden (N, D) @ weight (V, D).T`` over unmasked tokens,
     ``weight`` being the LM ``head`` (an `nn.Linear`, or its weight).
 
     Equal to ``F.cross_entropy(hidden @ weight.T, labels)`` (float32 softmax) with the peak
     memory of one ``(chunk, V)`` block instead of the whole ``(N, V)`` logits. When tensor
     parallelism made the head a vocabulary-parallel `ColumnParallelLinear`, the logits stay split
-    over its group and the loss is computed vocab-parallel.
+    over its group and the loss is computed vocab-parallel. ``softcap``: the logits are
+    ``softcap * tanh(logits / softcap)`` (Gemma 2's final logit soft-capping).
     """
     from zoo.parallel.cuda_graphs import capturing
     from zoo.parallel.tensor_parallel import ColumnParallelLinear
@@ -129,6 +138,8 @@ def linear_cross_entropy(hidden: torch.Tensor, head: nn.Module | torch.Tensor, l
         from zoo.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
         logits = comm.copy_to(hidden, head.group) @ head.weight.t()
+        if softcap is not None:  # (elementwise: each rank caps its share of the vocabulary)
+            logits = torch.tanh(logits.float() / softcap) * softcap
         per_token = vocab_parallel_cross_entropy(logits, labels, head.group)
         mask = loss_mask.to(per_token.dtype)
         return (per_token * mask).sum() / mask.sum().clamp(min=1)
@@ -138,4 +149,4 @@ def linear_cross_entropy(hidden: torch.Tensor, head: nn.Module | torch.Tensor, l
     # Gradients are formed in forward only when backward can follow (never under no_grad/eval).
     need = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     with torch.autocast(hidden.device.type, enabled=False):
-        return _LinearCrossEntropyFn.apply(hidden, weight, labels, loss_mask, chunk, need)
+        return _LinearCrossEntropyFn.apply(hidden, weight, labels, loss_mask, chunk, need, softcap)

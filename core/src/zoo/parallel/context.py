@@ -185,10 +185,18 @@ def _acc(t: torch.Tensor) -> torch.dtype:
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, distance: int | None, window: int | None,
-            q_seg: torch.Tensor | None, k_seg: torch.Tensor | None) -> torch.Tensor:
-    # q (B, KV, G, Tq, hd), k (B, KV, Tk, hd) -> (B, KV, G, Tq, Tk) in float32 (or wider)
+            q_seg: torch.Tensor | None, k_seg: torch.Tensor | None, softcap: float | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q (B, KV, G, Tq, hd), k (B, KV, Tk, hd) -> masked scores (B, KV, G, Tq, Tk) in float32 (or
+    wider); with a ``softcap`` they are capped first (``cap tanh(s / cap)``) and the cap's slope,
+    d capped / d s, comes second (None without)."""
     acc = _acc(q)
     s = torch.matmul(q.to(acc), k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale
+    slope = None
+    if softcap is not None:
+        s = torch.tanh(s / softcap)
+        slope = 1 - s * s
+        s = s * softcap
     tq, tk = s.shape[-2:]
     # Causal (and window) mask where the block needs one: query x is distance + x - y after key y.
     if distance is not None and (distance == 0 or (window is not None and distance + tq - 1 >= window)):
@@ -197,7 +205,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, distance: int | None
         s = s.masked_fill(~seen, float("-inf"))
     if q_seg is not None and k_seg is not None:  # packed samples: attention stays inside each one
         s = s.masked_fill(q_seg[:, None, None, :, None] != k_seg[:, None, None, None, :], float("-inf"))
-    return s
+    return s, slope
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
@@ -220,7 +228,7 @@ def _travel(kv: torch.Tensor, seg: torch.Tensor | None, nxt: int, prv: int) -> t
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, causal: bool,
-                seg: torch.Tensor | None, window: int | None) -> torch.Tensor:
+                seg: torch.Tensor | None, window: int | None, softcap: float | None) -> torch.Tensor:
         cp, r, nxt, prv = _peers(group)
         b, h, t, hd = q.shape
         kvh = k.shape[1]
@@ -236,8 +244,8 @@ class _RingAttention(torch.autograd.Function):
             pending = _travel(kv, kv_seg, nxt, prv) if step < cp - 1 else None
             for a, bb, distance in _blocks(r, src, cp, causal, c, window):
                 qs, ks = slice(a * c, (a + 1) * c), slice(bb * c, (bb + 1) * c)
-                s = _scores(qg[..., qs, :], kv[0][..., ks, :], scale, distance, window,
-                            None if seg is None else seg[:, qs], None if kv_seg is None else kv_seg[:, ks])
+                s, _ = _scores(qg[..., qs, :], kv[0][..., ks, :], scale, distance, window,
+                               None if seg is None else seg[:, qs], None if kv_seg is None else kv_seg[:, ks], softcap)
                 blk_lse = torch.logsumexp(s, dim=-1)
                 blk_out = torch.matmul(torch.exp(s - _finite(blk_lse)[..., None]),
                                        kv[1][..., ks, :].to(acc).unsqueeze(2))
@@ -250,7 +258,7 @@ class _RingAttention(torch.autograd.Function):
                 for op in pending[0]:
                     op.wait()
                 kv, kv_seg = pending[1], pending[2]
-        ctx.group, ctx.scale, ctx.causal, ctx.window = group, scale, causal, window
+        ctx.group, ctx.scale, ctx.causal, ctx.window, ctx.softcap = group, scale, causal, window, softcap
         ctx.save_for_backward(q, k, v, out, lse, *([] if seg is None else [seg]))
         return out.to(q.dtype).view(b, h, t, hd)
 
@@ -275,12 +283,15 @@ class _RingAttention(torch.autograd.Function):
             for a, bb, distance in _blocks(r, src, cp, ctx.causal, c, ctx.window):
                 qs, ks = slice(a * c, (a + 1) * c), slice(bb * c, (bb + 1) * c)
                 kb, vb = kv[0][..., ks, :].to(acc), kv[1][..., ks, :].to(acc)
-                p = torch.exp(_scores(qg[..., qs, :], kb, ctx.scale, distance, ctx.window,
-                                      None if seg is None else seg[:, qs], None if kv_seg is None else kv_seg[:, ks])
-                              - lse[..., qs, None])
+                s, slope = _scores(qg[..., qs, :], kb, ctx.scale, distance, ctx.window,
+                                   None if seg is None else seg[:, qs], None if kv_seg is None else kv_seg[:, ks],
+                                   ctx.softcap)
+                p = torch.exp(s - lse[..., qs, None])
                 dkv[1][..., ks, :] += torch.matmul(p.transpose(-1, -2), do[..., qs, :]).sum(2)
                 dp = torch.matmul(do[..., qs, :], vb.unsqueeze(2).transpose(-1, -2))
                 ds = p * (dp - delta[..., qs, None]) * ctx.scale
+                if slope is not None:  # through the cap
+                    ds = ds * slope
                 dq[..., qs, :] += torch.matmul(ds, kb.unsqueeze(2))
                 dkv[0][..., ks, :] += torch.matmul(ds.transpose(-1, -2), qg[..., qs, :]).sum(2)
             # The gradient of the block held now travels on with it; after cp hops it is home.
@@ -291,18 +302,21 @@ class _RingAttention(torch.autograd.Function):
                 for op in pending[0]:
                     op.wait()
                 kv, kv_seg = pending[1], pending[2]
-        return (dq.to(q.dtype).view(b, h, t, hd), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None)
+        return (dq.to(q.dtype).view(b, h, t, hd), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None,
+                None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, *, causal: bool = True,
-                   segment_ids: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                   segment_ids: torch.Tensor | None = None, window: int | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, whose other parts the ring brings.
     q: (B, H, T_local, hd), k/v: (B, KV, T_local, hd) with T_local = 2 chunks (causal: the
     load-balanced chunks of `local_positions`; otherwise any split). ``segment_ids`` (B, T_local):
     the packed sample of each local token; a query sees only keys of its own sample. ``window``
-    (causal only): sliding-window attention; chunk pairs wholly outside the window are skipped."""
+    (causal only): sliding-window attention; chunk pairs wholly outside the window are skipped.
+    ``softcap``: scores soft-capped before the masks, as `zoo.nn.attention`'s."""
     if q.shape[2] % 2:
         raise ValueError(f"context-parallel attention needs an even local length, got {q.shape[2]}")
     if segment_ids is not None:
         segment_ids = segment_ids.contiguous()
-    return _RingAttention.apply(q, k, v, group, causal, segment_ids, window)
+    return _RingAttention.apply(q, k, v, group, causal, segment_ids, window, softcap)

@@ -1,6 +1,7 @@
 """Hugging Face layouts of GPT-2 (`GPT2LMHeadModel`), the LLaMA-like decoders (`LlamaForCausalLM`,
-`MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`) and Gemma 3 (`Gemma3ForCausalLM`, and
-the language model of `Gemma3ForConditionalGeneration`): key tables and config translation. The
+`MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`), Gemma 2 (`Gemma2ForCausalLM`) and Gemma 3
+(`Gemma3ForCausalLM`, and the language model of `Gemma3ForConditionalGeneration`): key tables and
+config translation. The
 tables are data; `zoo.checkpoint.mapping` applies them strictly both ways."""
 
 from __future__ import annotations
@@ -68,15 +69,16 @@ def _gpt2_table(cfg: GPTConfig) -> MappingTable:
     return MappingTable(rules=rules, import_prefixes=(("transformer.", ""),))
 
 
-def _gemma3_table(cfg: GPTConfig) -> MappingTable:
+def _gemma_table(cfg: GPTConfig) -> MappingTable:
     L = "model.layers.{i}."
     qkv = tuple(L + f"self_attn.{n}_proj.weight" for n in "qkv")
+    qk_norms = (Rename("layers.{i}.attn.q_norm.weight", L + "self_attn.q_norm.weight"),  # (Gemma 3's)
+                Rename("layers.{i}.attn.k_norm.weight", L + "self_attn.k_norm.weight"))
     return MappingTable(rules=(
         Rename("embed.weight", "model.embed_tokens.weight"),
         Rename("layers.{i}.attn_norm.weight", L + "input_layernorm.weight"),
         Fuse("layers.{i}.attn.qkv.weight", qkv, groups="num_kv_heads", sizes=("q_size", "kv_size", "kv_size")),
-        Rename("layers.{i}.attn.q_norm.weight", L + "self_attn.q_norm.weight"),
-        Rename("layers.{i}.attn.k_norm.weight", L + "self_attn.k_norm.weight"),
+        *(qk_norms if cfg.layer_spec == "gemma3" else ()),
         Rename("layers.{i}.attn.proj.weight", L + "self_attn.o_proj.weight"),
         Rename("layers.{i}.post_attn_norm.weight", L + "post_attention_layernorm.weight"),  # (after attention)
         Rename("layers.{i}.mlp_norm.weight", L + "pre_feedforward_layernorm.weight"),
@@ -94,18 +96,29 @@ def _gemma3_table(cfg: GPTConfig) -> MappingTable:
 
 
 def table(cfg: GPTConfig) -> MappingTable:
-    if cfg.layer_spec == "gemma3":
-        return _gemma3_table(cfg)
+    if cfg.layer_spec in ("gemma2", "gemma3"):
+        return _gemma_table(cfg)
     return _gpt2_table(cfg) if cfg.layer_spec == "gpt2" else _llama_table(cfg)
 
 
-def _gemma3_to_hf(cfg: Any) -> dict[str, Any]:
+def _gemma_to_hf(cfg: Any) -> dict[str, Any]:
+    gemma2 = cfg.layer_spec == "gemma2"
+    architecture = "Gemma2ForCausalLM" if gemma2 else "Gemma3ForCausalLM"
     if not cfg.tie_embeddings:
-        raise UsageError("Gemma3ForCausalLM ties its embeddings (model.tie_embeddings=true)")
+        raise UsageError(f"{architecture} ties its embeddings (model.tie_embeddings=true)")
+    if not gemma2 and cfg.attn_logit_softcapping is not None:
+        raise UsageError("Gemma3ForCausalLM computes its attention without a cap: model.attn_logit_softcapping="
+                         f"{cfg.attn_logit_softcapping} has no place in its config (Gemma 2's layers have one)")
     layers = [i for i in range(cfg.num_layers) if cfg.window(i) is not None]
     full = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+    if gemma2 and cfg.rope_local_theta != cfg.rope_theta:
+        raise UsageError(f"Gemma2ForCausalLM has one RoPE base: model.rope_local_theta={cfg.rope_local_theta} "
+                         f"differs from model.rope_theta={cfg.rope_theta}")
+    rope = full if gemma2 else {"full_attention": full,
+                                "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}}
     return {
-        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": cfg.vocab_size,
+        "architectures": [architecture], "model_type": "gemma2" if gemma2 else "gemma3_text",
+        "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": cfg.max_seq_length,
@@ -113,12 +126,12 @@ def _gemma3_to_hf(cfg: Any) -> dict[str, Any]:
         "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
         "sliding_window": cfg.sliding_window if layers else None,
         "layer_types": ["sliding_attention" if i in layers else "full_attention" for i in range(cfg.num_layers)],
-        "rope_parameters": {"full_attention": full,
-                            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}},
+        "rope_parameters": rope,
         # (what transformers before 5 reads)
-        "rope_theta": cfg.rope_theta, "rope_local_base_freq": cfg.rope_local_theta,
-        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
-        "attn_logit_softcapping": None, "final_logit_softcapping": None, "attention_bias": False,
+        "rope_theta": cfg.rope_theta, "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        **({} if gemma2 else {"rope_local_base_freq": cfg.rope_local_theta}),
+        "attn_logit_softcapping": cfg.attn_logit_softcapping, "final_logit_softcapping": cfg.final_logit_softcapping,
+        "attention_bias": False,
     }
 
 
@@ -129,24 +142,35 @@ _GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediat
                          "sliding_window": 4096, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0}
 
 
-def _gemma3_from_hf(hf: dict[str, Any]) -> Any:
+# transformers' Gemma2Config defaults (the 2B's)
+_GEMMA2_DEFAULTS = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192,
+                    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 10000.0,
+                    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+
+
+def _gemma_from_hf(hf: dict[str, Any], *, gemma2: bool) -> Any:
     from zoo_gpt.plugin import GemmaConfig
 
-    hf = {**_GEMMA3_TEXT_DEFAULTS, **hf}
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf.get(key) is not None:
-            raise UsageError(f"Gemma with {key}={hf[key]} (Gemma 2's) is not supported: zoo converts Gemma 3")
+    name = "Gemma 2" if gemma2 else "Gemma 3"
+    hf = {**(_GEMMA2_DEFAULTS if gemma2 else _GEMMA3_TEXT_DEFAULTS), **hf}
     if hf.get("attention_bias") or hf.get("use_bidirectional_attention"):
-        raise UsageError("Gemma 3 with attention biases or bidirectional attention is not supported")
+        raise UsageError(f"{name} with attention biases or bidirectional attention is not supported")
+    if not gemma2 and hf.get("attn_logit_softcapping") is not None:
+        # (transformers' Gemma 3 keeps the number but computes its attention without it)
+        raise UsageError(f"Gemma 3 with attn_logit_softcapping={hf['attn_logit_softcapping']}: transformers' "
+                         "Gemma3 ignores it, so which model is meant is unclear (Gemma 2's is model_type gemma2)")
     if hf.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise UsageError(f"Gemma 3 with hidden_activation={hf['hidden_activation']!r}: zoo's is tanh-GELU")
+        raise UsageError(f"{name} with hidden_activation={hf['hidden_activation']!r}: zoo's is tanh-GELU")
     n = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or ["full_attention" if (i + 1) % int(hf.get("sliding_window_pattern", 6)) == 0
-                                      else "sliding_attention" for i in range(n)]
+    # (configs from before layer_types: Gemma 2 slides its even layers, Gemma 3 five of every six)
+    pattern = 2 if gemma2 else int(hf.get("sliding_window_pattern", 6))
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                      for i in range(n)]
     params = hf.get("rope_parameters") or {}
-    full = dict(params.get("full_attention") or hf.get("rope_scaling") or {})
+    full = dict((params if gemma2 else params.get("full_attention")) or hf.get("rope_scaling") or {})
     theta = float(full.pop("rope_theta", hf["rope_theta"]))
-    local = (params.get("sliding_attention") or {}).get("rope_theta", hf["rope_local_base_freq"])
+    local = theta if gemma2 else (params.get("sliding_attention") or {}).get("rope_theta", hf["rope_local_base_freq"])
     scaling = full if full.get("rope_type", full.get("type", "default")) != "default" else None
     windows = windows_from_hf({**hf, "layer_types": types}, "layer_types", flag=False)
     heads = hf["num_attention_heads"]
@@ -155,12 +179,18 @@ def _gemma3_from_hf(hf: dict[str, Any]) -> Any:
                        ffn_hidden_size=hf["intermediate_size"], max_seq_length=hf["max_position_embeddings"],
                        norm_eps=hf["rms_norm_eps"], tie_embeddings=True, rope_theta=theta,
                        rope_scaling=scaling, init_std=hf.get("initializer_range", 0.02), rope_local_theta=float(local),
-                       query_pre_attn_scalar=int(hf["query_pre_attn_scalar"]), **windows)
+                       query_pre_attn_scalar=int(hf["query_pre_attn_scalar"]), layer_spec="gemma2" if gemma2 else "gemma3",
+                       attn_logit_softcapping=_cap(hf.get("attn_logit_softcapping")),
+                       final_logit_softcapping=_cap(hf.get("final_logit_softcapping")), **windows)
+
+
+def _cap(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def to_hf_config(cfg: GPTConfig) -> dict[str, Any]:
-    if cfg.layer_spec == "gemma3":
-        return _gemma3_to_hf(cfg)
+    if cfg.layer_spec in ("gemma2", "gemma3"):
+        return _gemma_to_hf(cfg)
     if cfg.layer_spec == "gpt2":
         return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
@@ -272,7 +302,9 @@ def from_hf_config(hf: dict[str, Any]) -> GPTConfig:
                          max_seq_length=hf.get("n_positions", 1024), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                          tie_embeddings=True, init_std=hf.get("initializer_range", 0.02), layer_spec="gpt2")
     if kind in ("gemma3_text", "gemma3"):
-        return _gemma3_from_hf((hf.get("text_config") or hf) if kind == "gemma3" else hf)
+        return _gemma_from_hf((hf.get("text_config") or hf) if kind == "gemma3" else hf, gemma2=False)
+    if kind == "gemma2":
+        return _gemma_from_hf(hf, gemma2=True)
     if kind in _SPEC_OF:
         if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias", False):
             raise UsageError(f"{kind} with a non-SiLU activation or MLP biases is not supported")
@@ -292,7 +324,7 @@ def from_hf_config(hf: dict[str, Any]) -> GPTConfig:
                          norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                          rope_theta=theta, rope_scaling=scaling, init_std=hf.get("initializer_range", 0.02),
                          layer_spec=spec, **windows_from_hf(hf, _ARCHITECTURES[spec][2], flag=kind.startswith("qwen")))
-    raise UsageError(f"model_type {kind!r} is not GPT-2, LLaMA, Mistral, Qwen2, Qwen3 or Gemma 3")
+    raise UsageError(f"model_type {kind!r} is not GPT-2, LLaMA, Mistral, Qwen2, Qwen3, Gemma 2 or Gemma 3")
 
 
 _SPEC_OF = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}  # model_type -> layer_spec
@@ -302,7 +334,8 @@ HF = ExternalFormat(
     name="hf",
     architectures={"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "LlamaForCausalLM": "llama",
                    "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                   "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3"},
+                   "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+                   "Gemma3ForConditionalGeneration": "gemma3"},
     table=table,
     to_config=to_hf_config,
     from_config=from_hf_config,

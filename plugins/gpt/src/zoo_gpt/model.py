@@ -29,6 +29,7 @@ class Block(TransformerLayer):
 class GPT(nn.Module):
     # The layer spec's block symbol (a subclass with other blocks overrides it, `layer_symbols` and `make_block`)
     symbol = "T"
+    logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2's final soft-capping)
 
     def __init__(self, cfg: GPTConfig, spec: ModelSpec) -> None:
         super().__init__()
@@ -120,8 +121,10 @@ class GPT(nn.Module):
             labels, loss_mask = take_positions(labels, keep), take_positions(loss_mask, keep)
         if labels is not None:
             mask = loss_mask.flatten().bool() if loss_mask is not None else None
-            return linear_cross_entropy(x.flatten(0, 1), self.head, labels.flatten(), mask)
-        return self.head(x)
+            return linear_cross_entropy(x.flatten(0, 1), self.head, labels.flatten(), mask, softcap=self.logit_softcap)
+        logits = self.head(x)
+        cap = self.logit_softcap
+        return logits if cap is None else torch.tanh(logits.float() / cap).mul(cap).to(logits.dtype)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.embed.weight
@@ -131,14 +134,15 @@ class GPT(nn.Module):
 
 
 class GemmaBlock(TransformerLayer):
-    """A Gemma 3 layer: sliding-window layers rotate with the local RoPE base, the others with the
-    global one (``rope`` holds both: ``{True: local, False: global}``)."""
+    """A Gemma 2/3 layer: sliding-window layers rotate with the local RoPE base, the others with the
+    global one (``rope`` holds both: ``{True: local, False: global}``); Gemma 2's soft-capped scores."""
 
     def __init__(self, cfg: GemmaConfig, spec: BlockSpec, layer: int) -> None:
         qpas = cfg.query_pre_attn_scalar
         super().__init__(spec, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                          head_dim=cfg.head_dim, ffn_hidden=cfg.ffn_hidden_size, eps=cfg.norm_eps, layer=layer,
-                         window=cfg.window(layer), scale=None if qpas is None else qpas ** -0.5)
+                         window=cfg.window(layer), scale=None if qpas is None else qpas ** -0.5,
+                         softcap=cfg.attn_logit_softcapping)
 
     def forward(self, x: torch.Tensor, rope: Any = None, cache: KVCache | None = None,
                 segment_ids: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -146,12 +150,14 @@ class GemmaBlock(TransformerLayer):
 
 
 class Gemma(GPT):
-    """Gemma 3's decoder: GPT's with the embeddings scaled by sqrt(hidden) (rounded to their dtype,
-    as Gemma does) and two rotary tables, the global layers' and the sliding-window layers'."""
+    """Gemma 2's and 3's decoder: GPT's with the embeddings scaled by sqrt(hidden) (rounded to their
+    dtype, as Gemma does), two rotary tables, the global layers' and the sliding-window layers' (one
+    base in Gemma 2: the same table twice), and Gemma 2's soft-capped logits."""
 
     def __init__(self, cfg: GemmaConfig, spec: ModelSpec) -> None:
         super().__init__(cfg, spec)
         self.rotary_local = Rotary(cfg.head_dim, cfg.rope_local_theta, None)
+        self.logit_softcap = cfg.final_logit_softcapping
 
     def make_block(self, cfg: GemmaConfig, spec: BlockSpec, layer: int) -> nn.Module:
         return GemmaBlock(cfg, spec, layer)

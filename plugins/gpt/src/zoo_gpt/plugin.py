@@ -127,9 +127,18 @@ GEMMA3 = ModelSpec(
     embedding="token", positions="none", final_norm=_GEMMA_NORM, head="lm",
 )
 
+# Gemma 2: Gemma 3's layers without the q/k norms (its attention scores are soft-capped instead:
+# GemmaConfig.attn_logit_softcapping, a number of the config, not a layer kind).
+GEMMA2 = ModelSpec(
+    blocks={"T": BlockSpec(norm=_GEMMA_NORM, residual="sandwich",
+                           mixer=AttentionSpec(causal=True, bias=False, positions="rope"),
+                           ffn=GEMMA3.blocks["T"].ffn)},
+    embedding="token", positions="none", final_norm=_GEMMA_NORM, head="lm",
+)
+
 # (Mistral's layers are LLaMA's; its own key exports MistralForCausalLM, which holds the window)
 SPECS = {"gpt2": GPT2, "llama": LLAMA, "llama_attn_bias": LLAMA_ATTN_BIAS, "mistral": LLAMA, "qwen2": QWEN2,
-         "qwen3": QWEN3, "gemma3": GEMMA3}
+         "qwen3": QWEN3, "gemma2": GEMMA2, "gemma3": GEMMA3}
 
 
 def _gpt2(layers: int, hidden: int, heads: int, *, vocab: int = 50257, ctx: int = 1024) -> GPTConfig:
@@ -195,17 +204,22 @@ def llama2_7b() -> GPTConfig:
 
 @dataclass(kw_only=True)
 class GemmaConfig(GPTConfig):
-    """Gemma 3's decoder: GPTConfig's fields (``rope_theta`` / ``rope_scaling``: the global layers'),
-    the sliding-window layers' own RoPE base, and the softmax scale 1/sqrt(query_pre_attn_scalar)."""
+    """Gemma 2's and 3's decoder: GPTConfig's fields (``rope_theta`` / ``rope_scaling``: the global
+    layers'), the sliding-window layers' own RoPE base, the softmax scale 1/sqrt(query_pre_attn_scalar)
+    and the soft caps (``cap * tanh(x / cap)``) of the attention scores and of the output logits."""
 
     rope_local_theta: float = 10000.0
     query_pre_attn_scalar: int | None = None  # None: head_dim (the usual scale)
+    attn_logit_softcapping: float | None = None  # Gemma 2: 50
+    final_logit_softcapping: float | None = None  # Gemma 2: 30
     layer_spec: str = "gemma3"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
-            raise ValueError(f"query_pre_attn_scalar={self.query_pre_attn_scalar} must be positive")
+        for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ValueError(f"{key}={value} must be positive (or null for none)")
 
 
 def _gemma3(layers: int, hidden: int, heads: int, kv: int, ffn: int, *, head_dim: int = 256, window: int = 1024,
@@ -243,6 +257,35 @@ def gemma3_12b() -> GemmaConfig:
 
 def gemma3_27b() -> GemmaConfig:  # 128-wide heads, softmax scale 1/sqrt(168) = 1/sqrt(hidden / heads)
     return _gemma3(62, 5376, 32, 16, 21504, head_dim=128, qpas=168)
+
+
+def _gemma2(layers: int, hidden: int, heads: int, kv: int, ffn: int, *, head_dim: int = 256, qpas: int = 256
+            ) -> GemmaConfig:
+    # every other layer (the even ones) slides over 4,096 positions; one RoPE base for all layers
+    return GemmaConfig(vocab_size=256000, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+                       head_dim=head_dim, ffn_hidden_size=ffn, max_seq_length=8192, norm_eps=1e-6, tie_embeddings=True,
+                       rope_theta=10000.0, rope_local_theta=10000.0, sliding_window=4096,
+                       window_layers=list(range(0, layers, 2)), query_pre_attn_scalar=qpas,
+                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0, layer_spec="gemma2")
+
+
+def gemma2_tiny() -> GemmaConfig:  # Gemma 2's caps on the tiny shape: a window of 64 on layer 0
+    return GemmaConfig(vocab_size=2048, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                       ffn_hidden_size=384, max_seq_length=256, norm_eps=1e-6, tie_embeddings=True,
+                       rope_theta=10000.0, sliding_window=64, window_layers=[0], attn_logit_softcapping=50.0,
+                       final_logit_softcapping=30.0, layer_spec="gemma2")
+
+
+def gemma2_2b() -> GemmaConfig:
+    return _gemma2(26, 2304, 8, 4, 9216)
+
+
+def gemma2_9b() -> GemmaConfig:
+    return _gemma2(42, 3584, 16, 8, 14336)
+
+
+def gemma2_27b() -> GemmaConfig:  # 128-wide heads, softmax scale 1/sqrt(144) = 1/sqrt(hidden / heads)
+    return _gemma2(46, 4608, 32, 16, 36864, head_dim=128, qpas=144)
 
 
 def _mistral(layers: int, hidden: int, heads: int, kv: int, ffn: int, *, vocab: int = 32000, ctx: int = 32768,
@@ -393,6 +436,14 @@ def zoo_families() -> list[Family]:
                         "and global layers with their own RoPE bases, scaled embeddings",
             flavors={"tiny": gemma3_tiny, "270M": gemma3_270m, "1B": gemma3_1b, "4B": gemma3_4b, "12B": gemma3_12b,
                      "27B": gemma3_27b},
+            tp_plan=_tp_plan("column_gated"),
+            **{**_COMMON, "config": GemmaConfig, "build": "zoo_gpt.model:build_gemma"},
+        ),
+        Family(
+            name="gemma2",
+            description="Gemma 2 decoder: Gemma 3's layers without q/k norms, attention scores and output logits "
+                        "soft-capped (50, 30), 1:1 sliding-window and global layers",
+            flavors={"tiny": gemma2_tiny, "2B": gemma2_2b, "9B": gemma2_9b, "27B": gemma2_27b},
             tp_plan=_tp_plan("column_gated"),
             **{**_COMMON, "config": GemmaConfig, "build": "zoo_gpt.model:build_gemma"},
         ),
