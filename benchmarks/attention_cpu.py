@@ -127,6 +127,49 @@ def windows() -> None:
                   f"{row['torch'][0] / row['zoo'][0]:>5.2f}x {row['causal'][0]:>10.1f} {row['torch'][1]:>10.1e} "
                   f"{row['zoo'][1]:>9.1e}")
     print("# causal ms: the blocked path without the window (every earlier key), for the work the window saves.")
+    softcapped()
+
+
+# Gemma 2's soft-capped attention (cap 50): (name, B, H, KV, T, hd, window)
+SOFTCAPPED = [("4x512, hd 64", 4, 8, 4, 512, 64, None), ("2B layer, T=2048", 1, 8, 4, 2048, 256, None),
+              ("2B local, T=2048 w512", 1, 8, 4, 2048, 256, 512)]
+
+
+def softcapped() -> None:
+    """Soft-capped scores (``cap tanh(s / cap)``, which no fused kernel of torch's applies): transformers'
+    own Gemma 2 eager attention (`eager_attention_forward`, the scores written out in the inputs'
+    dtype with an additive mask) against the blocked path and zoo's written-out path (a GPU's)."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    from zoo.nn.attention_ops import _capped_attention, blocked_attention, causal_mask
+
+    cap = 50.0
+    print(f"\n{'soft-capped (50)':<22} {'dtype':<8} {'HF ms':>9} {'zoo ms':>8} {'speed':>6} {'written ms':>10} "
+          f"{'HF err':>10} {'zoo err':>9}")
+    for name, b, h, kv, t, hd, w in SOFTCAPPED:
+        g = torch.Generator().manual_seed(0)
+        base = [torch.randn(b, t, n, hd, generator=g).transpose(1, 2) * 2 for n in (h, kv, kv)]
+        grad = torch.randn(b, h, t, hd, generator=g)
+        mask = causal_mask(t, t, 0, w, "cpu")
+        ref = [x.detach().double().requires_grad_(True) for x in base]
+        out = _capped_attention(*ref, mask[None, None], cap)
+        out.backward(grad.double())
+        want = [out.detach(), *(x.grad for x in ref)]
+        module = SimpleNamespace(num_key_value_groups=h // kv, head_dim=hd, training=False)
+        for dtype in (torch.bfloat16, torch.float32):
+            additive = torch.zeros(t, t, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)[None, None]
+            sides = {"hf": lambda q, k, v, a=additive, m=module, hd=hd: eager_attention_forward(
+                         m, q, k, v, a, scaling=hd ** -0.5, softcap=cap)[0].transpose(1, 2),
+                     "zoo": lambda q, k, v, w=w: blocked_attention(q, k, v, causal=True, window=w, softcap=cap),
+                     "written": lambda q, k, v, m=mask[None, None]: _capped_attention(q, k, v, m, cap)}
+            row = {side: timed(fn, base, grad, want, dtype, n=5) for side, fn in sides.items()}
+            print(f"{name:<22} {str(dtype)[6:]:<8} {row['hf'][0]:>9.1f} {row['zoo'][0]:>8.1f} "
+                  f"{row['hf'][0] / row['zoo'][0]:>5.2f}x {row['written'][0]:>10.1f} {row['hf'][1]:>10.1e} "
+                  f"{row['zoo'][1]:>9.1e}")
+    print("# HF: transformers' Gemma 2 eager attention; zoo: the blocked path (what zoo.nn.attention takes on a CPU);"
+          " written: zoo's written-out path (a GPU's, a decoding step's).")
 
 
 if __name__ == "__main__":

@@ -109,12 +109,15 @@ def _packed(b, t):
     return seg
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["recomputed", "kept-probs"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_soft_capped_scores_on_every_path(case, monkeypatch):
+def test_soft_capped_scores_on_every_path(case, keep, monkeypatch):
     """Gemma 2's attention logit soft-capping (scores -> cap tanh(scores / cap) before the masks):
     the blocked path (many tiny blocks) and the written-out path (`_capped_attention`, a GPU's and a
     decoding step's) against float64 with the cap spelled out, outputs and gradients; a cap of 2 on
-    scores of size ~4 changes the attention, so a path that drops it (or its slope in backward) fails."""
+    scores of size ~4 changes the attention, so a path that drops it (or its slope in backward) fails.
+    ``keep``: backward reads the probabilities and the cap's slope the forward kept."""
+    monkeypatch.setattr(ops, "_keeps_probs", lambda *shape: keep)
     monkeypatch.setattr(ops, "_LONG_KEYS", 1)
     for prefix in ("", "_LONG"):
         monkeypatch.setattr(ops, f"{prefix}_BLOCK_ROWS", 4)
@@ -165,6 +168,16 @@ def test_soft_capped_decoding_and_kept_positions():
     pick = at[:, None, :, None].expand(-1, 4, -1, 8)
     got = attention(q.gather(2, pick), k, v, causal=True, window=6, q_positions=at, softcap=2.0)
     assert _rel(got.double(), ref.gather(2, pick)) < 1e-6
+    # packed cross-attention (text keys of other samples): a query whose sample has no key gets zeros,
+    # as torch's kernel gives it uncapped, and finite gradients
+    seg, kseg = torch.tensor([[0, 0, 1, 1]] * 2), torch.tensor([[0, 0, 2, 2]] * 2)
+    xs = [x[:, :, :4].detach().requires_grad_(True) for x in (q, k, v)]
+    out = attention(*xs, causal=False, segment_ids=seg, kv_segment_ids=kseg, softcap=2.0)
+    assert torch.equal(out[:, :, 2:], torch.zeros_like(out[:, :, 2:]))
+    ref = _reference(*(x[:, :, :2].double() for x in xs), causal=False, softcap=2.0)
+    assert _rel(out[:, :, :2].double(), ref) < 1e-6
+    out.sum().backward()
+    assert all(x.grad.isfinite().all() for x in xs)
     with pytest.raises(ValueError, match="positive cap"):
         attention(q, k, v, causal=True, softcap=0.0)
 

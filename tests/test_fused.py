@@ -410,11 +410,13 @@ def test_one_kernel_per_dtype_whatever_grad_mode_autocast_or_view(on, monkeypatc
     assert 0 < graphs <= 6, graphs
 
 
+@pytest.mark.parametrize("softcap", [None, 40.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_compiled_cross_entropy_matches_float64_where_probabilities_underflow(on, dtype):
+def test_the_compiled_cross_entropy_matches_float64_where_probabilities_underflow(on, dtype, softcap):
     """The LM loss through the compiled softmax-gradient kernel: loss and both gradients against
     float64 autograd of the same (rounded) inputs, each row's logits spread over > 200 so that
-    some labels' probabilities underflow in float32."""
+    some labels' probabilities underflow in float32. With Gemma 2's soft cap the kernel caps the
+    logits (cap tanh(x / cap)) and takes the gradient back through it."""
     from zoo.nn import linear_cross_entropy
 
     gen = torch.Generator().manual_seed(5)
@@ -422,18 +424,21 @@ def test_the_compiled_cross_entropy_matches_float64_where_probabilities_underflo
     w = (torch.randn(500, 32, generator=gen) * 3).to(dtype).requires_grad_(True)
     labels = torch.randint(0, 500, (96,), generator=gen)
     mask = torch.rand(96, generator=gen) > 0.2
-    loss = linear_cross_entropy(h, w, labels, mask, chunk=40)
+    loss = linear_cross_entropy(h, w, labels, mask, chunk=40, softcap=softcap)
     loss.backward()
     hd, wd = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
     logits = hd @ wd.t()
     spread = logits.detach().amax(1) - logits.detach().amin(1)
     assert float(spread.min()) > 200  # exp(-104) is float32's smallest subnormal
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     ref = (torch.nn.functional.cross_entropy(logits, labels, reduction="none") * mask).sum() / mask.sum()
     ref.backward()
     tol = 1e-6 if dtype == torch.float32 else 2e-2  # bf16: the logits' and gradients' rounding
     assert abs(loss.item() - ref.item()) <= tol * ref.item()
     assert _rel(h.grad, hd.grad) <= 10 * tol and _rel(w.grad, wd.grad) <= 10 * tol
-    assert "cross_entropy_grad" not in fused._BROKEN
+    assert "cross_entropy_grad" not in fused._BROKEN and "capped_cross_entropy_grad" not in fused._BROKEN
+    assert softcap is None or "capped_cross_entropy_grad" in fused._seen  # (the compiled kernel ran)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

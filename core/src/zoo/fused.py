@@ -346,12 +346,26 @@ def _cross_entropy_grad_eager(logits: torch.Tensor, labels: torch.Tensor, scale:
     return nll, d.mul_(scale[:, None]).to(logits.dtype)
 
 
-def cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def _capped_cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, cap: float,
+                               base: Callable[..., Any] = _cross_entropy_grad) -> tuple[torch.Tensor, torch.Tensor]:
+    th = torch.tanh(logits.float() / cap)
+    nll, d = base(th * cap, labels, scale)  # (d float32: the capped logits')
+    return nll, (d * (1 - th * th)).to(logits.dtype)  # back through the cap: d cap tanh(x / cap) / dx
+
+
+def cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor,
+                       softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``logits`` (N, V): the cross entropy against ``labels`` (float32), and its
     gradient times ``scale`` (N,) in the logits' dtype: ``(softmax - one_hot) * scale``. Softmax in
     float32; compiled, one pass for the statistics and one writing the gradient (eager: a float32
-    copy, log-softmax, exp, the labels' subtraction, the scaling and the cast, a pass each)."""
+    copy, log-softmax, exp, the labels' subtraction, the scaling and the cast, a pass each).
+    ``softcap``: of the logits ``cap * tanh(logits / cap)`` (Gemma 2's), the gradient taken back
+    through the cap; compiled, in the same two passes."""
+    if softcap is not None:
+        eager = functools.partial(_capped_cross_entropy_grad, base=_cross_entropy_grad_eager)
+        if not wanted(logits):
+            return eager(logits, labels, scale, softcap)
+        return run("capped_cross_entropy_grad", _capped_cross_entropy_grad, eager, logits, labels, scale, float(softcap))
     if not wanted(logits):
         return _cross_entropy_grad_eager(logits, labels, scale)
     return run("cross_entropy_grad", _cross_entropy_grad, _cross_entropy_grad_eager, logits, labels, scale)

@@ -152,7 +152,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offs
     if softcap is not None:
         mask = attention_mask(t, s, causal=causal, offset=offset, window=window, segment_ids=segment_ids,
                               kv_segment_ids=kv_segment_ids, device=q.device)
-        return _capped_attention(q, k, v, mask, softcap)
+        return _capped_attention(q, k, v, mask, softcap, may_be_empty=kv_segment_ids is not None)
     # enable_gqa: query head i attends with KV head i // (H // KV) (HF's grouping) without copying K/V.
     gqa = q.shape[1] != k.shape[1]
     if segment_ids is not None:
@@ -184,16 +184,18 @@ def attend_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, o
         same = segment_ids.gather(1, at)[:, None, :, None] == keys[:, None, None, :]
         mask = same if mask is None else mask & same
     if softcap is not None:
-        return _capped_attention(q, k, v, mask, softcap)
+        return _capped_attention(q, k, v, mask, softcap, may_be_empty=kv_segment_ids is not None)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      softcap: float) -> torch.Tensor:
+                      softcap: float, *, may_be_empty: bool = False) -> torch.Tensor:
     """Attention with soft-capped scores, ``softmax(cap * tanh(q k^T / (sqrt(hd) cap))) v``, as
-    written: the (T x S) scores are formed (as transformers' eager Gemma 2 does; torch's fused
-    kernels have no cap). The scores' GEMM runs in the inputs' dtype, cap and softmax in float32.
-    ``mask``: booleans broadcastable to (B, 1, T, S); a query that sees no key gets zeros."""
+    written: the (T x S) scores are formed (torch's fused kernels have no cap), in the inputs' dtype
+    with a float32 softmax, as transformers' eager Gemma 2 computes them (float32 scores took 1.4-2.2x
+    its time in bf16 on a CPU for 1.7x less error, the error of the GEMM's rounded output remaining).
+    ``mask``: booleans broadcastable to (B, 1, T, S); ``may_be_empty``: a query may see no key (packed
+    cross-attention), which then gets zeros."""
     if torch.is_autocast_enabled(q.device.type):  # as autocast treats scaled_dot_product_attention
         dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -201,15 +203,13 @@ def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     kv = k.shape[1]
     with torch.autocast(q.device.type, enabled=False):
         qg = q.unflatten(1, (kv, h // kv))  # (B, KV, G, T, hd): a group's heads share their K and V
-        acc = torch.promote_types(q.dtype, torch.float32)
-        scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).to(acc) * hd ** -0.5
-        scores = torch.tanh(scores / softcap) * softcap
-        if mask is not None:
-            scores = scores.masked_fill(~mask[:, :, None], torch.finfo(acc).min)
-        probs = torch.softmax(scores, -1)
-        if mask is not None:  # (a row with no visible key would average every value)
-            probs = probs * mask[:, :, None].any(-1, keepdim=True)
-        out = torch.matmul(probs.to(v.dtype), v.unsqueeze(2))  # (B, KV, G, T, hd)
+        scores = torch.tanh(torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * (hd ** -0.5 / softcap)) * softcap
+        if mask is not None:  # (the smallest number, not -inf: a row with no visible key stays finite)
+            scores = scores.masked_fill(~mask[:, :, None], torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, -1, dtype=torch.float32).to(v.dtype)
+        if mask is not None and may_be_empty:
+            probs = probs.masked_fill(~mask[:, :, None].any(-1, keepdim=True), 0)
+        out = torch.matmul(probs, v.unsqueeze(2))  # (B, KV, G, T, hd)
     return out.flatten(1, 2)
 
 
@@ -256,7 +256,7 @@ class _Plan:
         # shape it meets, and one length per block held ~400 MB at 8,192 positions.
         self.key_step = self.tb * -(-s // (16 * self.tb))
         self.bias = None
-        if causal and softcap is None:  # [zeros | strip | -inf for the padding keys]
+        if causal:  # [zeros | strip | -inf for the padding keys]
             self.bias = torch.zeros(self.tb, self.g, s + self.key_step, dtype=like.dtype, device=like.device)
             self.bias[..., s - self.tb:s].masked_fill_(self.strip, float("-inf"))
             self.bias[..., s:] = float("-inf")
@@ -302,10 +302,15 @@ class _Plan:
         tb, n = i1 - i0, kb.shape[1]
         end = start + n
         slope = None
-        if self.softcap is not None:  # cap * tanh(s / cap), then the masks (the bias would be capped too)
-            scores = self.scaled(qb.flatten(1, 2), kb.transpose(1, 2)).div_(self.softcap).tanh_()
-            slope = 1 - scores * scores
-            scores.mul_(self.softcap)
+        if self.softcap is not None:  # cap tanh(s / cap), then the masks
+            th = torch.baddbmm(self.zero, qb.flatten(1, 2), kb.transpose(1, 2), beta=0,
+                               alpha=self.scale / self.softcap).tanh_()
+            slope = 1 - th * th
+            if self.bias is not None and tb == self.tb:  # the causal bias added as the cap scales
+                first = self.s - (self.offset + i1)
+                scores = torch.add(self.bias[:, first + start:first + end], th, alpha=self.softcap)
+            else:
+                scores = th.mul_(self.softcap)
         elif self.bias is not None and tb == self.tb:
             first = self.s - (self.offset + i1)  # the bias column of key 0: the strip ends at the block's end
             scores = torch.baddbmm(self.bias[:, first + start:first + end], qb.flatten(1, 2), kb.transpose(1, 2),
@@ -313,11 +318,7 @@ class _Plan:
         else:  # the last block, fewer rows: its keys end at its own end (S)
             scores = self.scaled(qb.flatten(1, 2), kb.transpose(1, 2))
         view = scores.view(m1 - m0, tb, self.g, n)
-        if self.causal and slope is not None:  # (no bias) keys after each query's own position
-            later = (torch.arange(start, end, device=scores.device)[None, :]
-                     > self.offset + i0 + torch.arange(tb, device=scores.device)[:, None])
-            view.masked_fill_(later[:, None, :], float("-inf"))
-        elif self.causal and tb != self.tb:  # keys before the block's first position are visible to all its queries
+        if self.causal and tb != self.tb:  # keys before the block's first position are visible to all its queries
             view[..., self.offset + i0 - start:].masked_fill_(self.strip[:tb, :, :tb], float("-inf"))
         if self.window is not None:  # keys a window or more before the query: a second pass, as packing's
             first = self.offset + i0 - self.window + 1  # the first key query i0 sees
@@ -331,18 +332,19 @@ class _Plan:
         return scores, slope
 
 
-def _keeps_probs(plan: _Plan, hd: int, dtype: torch.dtype) -> bool:
+def _keeps_probs(plan: _Plan, hd: int, dtype: torch.dtype, per_score: int = 1) -> bool:
     """Whether the forward keeps each block's probabilities for backward (which then recomputes no
     scores and softmax): when the blocks it computes (a causal call forms no block above the
     diagonal) hold at most as many elements as the q, k, v and output kept anyway, hd x (2T + 2S)
     per KV group, twice as many in bf16/fp16, where products are 2-4x float32's speed and the
     recomputation a larger share of the step. That keeps a DiT's 256 tokens (6 MiB a layer in bf16)
     and a bf16 causal LLaMA's 512 of 64-wide heads (9 MiB a layer for 4 x 512 tokens: 7% more
-    saved memory for a 5% faster step on a 2-core Zen 4), never a long sequence."""
+    saved memory for a 5% faster step on a 2-core Zen 4), never a long sequence. ``per_score``: the
+    tensors of a block's size kept (soft-capped scores keep the cap's slope as well: 2)."""
     kept = sum((m1 - m0) * (ts.stop - ts.start) * plan.g * (end - start)
                for _, _, ts, m0, m1, _, start, end in plan.blocks())
     budget = plan.b * plan.kv * hd * (2 * plan.g * plan.t + 2 * plan.s)
-    return kept <= (2 if dtype.itemsize == 2 else 1) * budget
+    return kept * per_score <= (2 if dtype.itemsize == 2 else 1) * budget
 
 
 class _BlockedAttention(torch.autograd.Function):
@@ -356,16 +358,17 @@ class _BlockedAttention(torch.autograd.Function):
         qs = _row_stacked(q, kv)  # (B*KV, T, G, hd)
         kf, vf = k.reshape(b * kv, s, hd), v.reshape(b * kv, s, hd)
         out = q.new_empty(b, t, kv, plan.g, hd)
-        # (backward needs a capped block's slope too: recomputed with its probabilities)
-        keep = keep_probs and softcap is None and _keeps_probs(plan, hd, q.dtype)
+        # (a capped block keeps its cap's slope beside its probabilities)
+        keep = keep_probs and _keeps_probs(plan, hd, q.dtype, 1 if softcap is None else 2)
         kept = []
         for block in plan.blocks():
             m0, m1, i0, start, end = block[3:]
             i1 = block[2].stop
-            probs = torch.softmax(plan.scores(qs[m0:m1, i0:i1], kf[m0:m1, start:end], m0, m1, i0, i1, start)[0], -1)
+            scores, slope = plan.scores(qs[m0:m1, i0:i1], kf[m0:m1, start:end], m0, m1, i0, i1, start)
+            probs = torch.softmax(scores, -1)
             plan.put(out, block, torch.bmm(probs, vf[m0:m1, start:end]))
             if keep:
-                kept.append(probs)
+                kept += [probs] if slope is None else [probs, slope]
         ctx.save_for_backward(qs, kf, vf, *kept)
         ctx.plan, ctx.shape = plan, q.shape
         return out.view(b, t, h, hd).transpose(1, 2)
@@ -392,9 +395,8 @@ class _BlockedAttention(torch.autograd.Function):
             i1 = block[2].stop
             qb, gb = qs[m0:m1, i0:i1].flatten(1, 2), gs[m0:m1, i0:i1].flatten(1, 2)
             kb, vb = kf[m0:m1, start:end], vf[m0:m1, start:end]
-            slope = None
-            if kept:
-                probs = kept[n]
+            if kept:  # (probs, and a capped block's slope)
+                probs, slope = (kept[n], None) if plan.softcap is None else kept[2 * n:2 * n + 2]
             else:
                 scores, slope = plan.scores(qs[m0:m1, i0:i1], kb, m0, m1, i0, i1, start)
                 probs = torch.softmax(scores, -1)

@@ -70,18 +70,14 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             logits = gemm.mm(h, w.t())  # (c, V)
             lab = labels[s:s + chunk]
             m = mask[s:s + chunk].float()
-            slope = None
-            if softcap is not None:  # cap tanh(logits / cap) in float32 (Gemma 2's final soft-capping)
-                logits = torch.tanh(logits.float() / softcap)
-                slope = 1 - logits * logits if need else None
-                logits = logits * softcap
             if not need:
+                if softcap is not None:  # cap tanh(logits / cap) (Gemma 2's final soft-capping)
+                    logits = torch.tanh(logits.float() / softcap) * softcap
                 total -= (torch.log_softmax(logits.float(), -1).gather(1, lab[:, None]).squeeze(1) * m).sum()
                 continue
-            # the rows' losses, and d loss / d logits in w's dtype (one cast for both GEMMs)
-            nll, d = fused.cross_entropy_grad(logits, lab, m if per_token else m / denom)
-            if slope is not None:  # back through the cap (d was float32 as the capped logits are)
-                d = (d * slope).to(w.dtype)
+            # the rows' losses, and d loss / d logits in w's dtype (one cast for both GEMMs); with a
+            # soft cap, those of the capped logits, the gradient taken back through the cap
+            nll, d = fused.cross_entropy_grad(logits, lab, m if per_token else m / denom, softcap)
             total += (nll * m).sum()
             gemm.mm(d, w, grad_h[s:s + chunk])
             if h.dtype == torch.float32 and not gemm.onednn_for(h):  # no (V, D) temporary
