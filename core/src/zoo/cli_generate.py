@@ -70,18 +70,22 @@ def _generate(args: argparse.Namespace, path: Any, loaded: Any) -> int:
         return 0
     if args.prompt is None:
         raise UsageError(f"family {fam.name!r}: zoo generate continues a text: give --prompt")
-    ids = tok.encode(args.prompt)
+    ids, end = tok.encode(args.prompt), tok.eod_id
+    if args.chat:  # the prompt asked as a user message, through the chat template the model learned
+        from zoo.data.sft import chat_prompt
+
+        ids, end = chat_prompt(tok, str(tok_source), args.chat_template, args.prompt)
     generate = resolve(fam.generate, owner=str(entry.plugin))
     out = generate(loaded.model, loaded.config, prompt=torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
                    temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   seed=args.seed, use_cache=not args.no_cache, eos_id=tok.eod_id)
+                   seed=args.seed, use_cache=not args.no_cache, eos_id=end)
     new = out[0, len(ids):].tolist()
-    if tok.eod_id in new:
-        new = new[: new.index(tok.eod_id)]
+    if end in new:
+        new = new[: new.index(end)]
     elif len(new) < args.max_new_tokens:  # (said, not silent: the model's context ended the text)
         print(f"zoo: {len(new)} of the {args.max_new_tokens} new tokens asked: the model's context ends at "
               f"{len(ids) + len(new)} positions", file=sys.stderr, flush=True)
-    print(args.prompt + tok.decode(new))
+    print(tok.decode(new) if args.chat else args.prompt + tok.decode(new))  # (a chat prints the answer)
     return 0
 
 
@@ -107,6 +111,10 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoint directory, run directory or HF directory")
     p.add_argument("--model", "-m", help="the family the checkpoint must hold (checked; it is read from the checkpoint)")
     p.add_argument("--prompt", help="text to continue (language models) or to condition on (text-to-video)")
+    p.add_argument("--chat", action="store_true",
+                   help="ask --prompt as a user message through the checkpoint's chat template (an sft run's) and "
+                        "print the answer")
+    p.add_argument("--chat-template", help="a Jinja chat template file for --chat (default: the checkpoint's)")
     p.add_argument("--max-new-tokens", type=at_least_one, default=64)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=None)

@@ -188,6 +188,13 @@ BUILTIN_DATASETS = (
         build="zoo.data.megatron:build",
     ),
     DatasetSpec(
+        name="sft",
+        description="conversations (chat messages, or prompt/completion pairs) from .jsonl files named by data.path, "
+        "rendered by the tokenizer's chat template, packed; the loss on the answers only",
+        build="zoo.data.sft:build",
+        tokenizer="zoo.data.sft:tokenizer_dir",
+    ),
+    DatasetSpec(
         name="energon",
         description="an Energon WebDataset named by data.path (zoo prepare webdataset / images, or energon prepare), "
         "or a metadataset .yaml; batches from the family's task encoder",

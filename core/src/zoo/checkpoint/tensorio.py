@@ -281,7 +281,7 @@ def unique_tensors(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.T
 
 def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
     names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-             "tokenizer.model", "generation_config.json"]
+             "tokenizer.model", "generation_config.json", "chat_template.jinja"]
     copied = []
     for name in names:
         if (src / name).is_file():

@@ -79,11 +79,15 @@ def load_initial_weights(source: str, *, model: nn.Module, placements: Placement
                          weights: str = "auto") -> dict[str, torch.Tensor]:
     """This rank's tensors for ``checkpoint.load``, under its local names: from a Hugging Face
     directory (``hf:DIR``, read lazily, keeping only this rank's pieces) or a zoo checkpoint (a
-    training checkpoint's moving average when it has one and ``weights`` allows). The result
+    training checkpoint's moving average when it has one and ``weights`` allows; a run directory
+    gives its newest complete checkpoint). The result
     is what `ModelState.load` copies in (after its shape check)."""
     path = Path(source.removeprefix("hf:"))
     if source.startswith("hf:") or (path / "config.json").is_file() and not (path / "zoo.json").is_file():
         return _from_hf(path, model=model, placements=placements, family=family)
+    from zoo.checkpoint.model_dir import resolve_checkpoint
+
+    path = resolve_checkpoint(path)  # (a run directory: its newest complete checkpoint, as zoo generate reads it)
     md = read_meta(path)
     if md.family != family:
         raise CheckpointError(f"{path}: a checkpoint of {md.family!r}, not {family!r}")

@@ -110,6 +110,9 @@ class DataConfig:
     dataset: str | None = None  # a named dataset from a plugin; None: the family's default_dataset
     split: str = "969,30,1"  # train,valid,test proportions of documents
     tokenizer: str | None = None  # HF tokenizer dir, tiktoken file, "bytes"; None: the dataset's own
+    # data.dataset=sft (conversations, data.path a .jsonl file): a Jinja chat template file, or "zoo"
+    # for zoo's plain one; None: the tokenizer directory's own, else zoo's
+    chat_template: str | None = None
     # Megatron's document options: restart positions after each end-of-document token, keep
     # attention inside documents, leave EOD tokens out of the loss. They need the EOD id: from
     # data.tokenizer, or data.eod_id.

@@ -25,6 +25,11 @@ class Tokenizer:
         self.vocab_size = vocab_size
         self.source = source
 
+    @property
+    def backend(self) -> Any:
+        """The `tokenizers.Tokenizer` (None for bytes)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         if self._tok is None:
             return list(text.encode("utf-8"))
@@ -165,12 +170,23 @@ def load_gpt2_bpe(vocab_file: str | os.PathLike[str], merges_file: str | os.Path
     return Tokenizer(tok, eod_id=tok.token_to_id(EOD), vocab_size=tok.get_vocab_size(), source=str(vocab_file))
 
 
+def tokenizer_path(spec: str | os.PathLike[str]) -> Path:
+    """``spec`` as a path, a zoo run directory read as its newest checkpoint (which holds the run's
+    tokenizer): ``data.tokenizer=runs/llama-tiny`` fine-tunes with the tokenizer that run trained."""
+    path = Path(spec)
+    latest = path / "checkpoints" / "latest"
+    if path.is_dir() and not (path / "tokenizer.json").is_file() and latest.is_file():
+        return path / "checkpoints" / latest.read_text().strip()
+    return path
+
+
 def load_tokenizer(spec: str | os.PathLike[str]) -> Tokenizer:
     """``"bytes"``, a directory holding ``tokenizer.json`` (or GPT-2's ``vocab.json`` and
-    ``merges.txt``), a ``tokenizer.json`` file, or a tiktoken ranks file (``*.tiktoken``)."""
+    ``merges.txt``; a zoo run directory: its newest checkpoint's), a ``tokenizer.json`` file, or a
+    tiktoken ranks file (``*.tiktoken``)."""
     if str(spec) == "bytes":
         return Tokenizer(None, eod_id=0, vocab_size=256, source="bytes")
-    path = Path(spec)
+    path = tokenizer_path(spec)
     if path.is_file() and path.suffix == ".tiktoken":
         return load_tiktoken(path)
     if path.is_dir() and not (path / "tokenizer.json").is_file() and (path / "vocab.json").is_file() \

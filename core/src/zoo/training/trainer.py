@@ -69,7 +69,7 @@ class Trainer:
         run = self.run
         # data.path names Megatron indexed data; otherwise the family's own default dataset.
         has_paths = run.data.path or run.data.train_path
-        name = run.data.dataset or (path_kind(run.data.path) if has_paths else self.family.default_dataset)
+        name = run.data.dataset or (path_kind(has_paths) if has_paths else self.family.default_dataset)
         if not name:
             raise ConfigError(f"family {self.family.name!r} declares no default dataset; set data.dataset=NAME")
         from zoo.registry import get_registry

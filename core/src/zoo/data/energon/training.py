@@ -185,7 +185,11 @@ class DataPosition:
 
 
 def path_kind(path: Any) -> str:
-    """``energon`` for a prepared WebDataset directory (or URL) or a metadataset YAML, else Megatron data."""
+    """``energon`` for a prepared WebDataset directory (or URL) or a metadataset YAML, ``sft`` for
+    JSON-lines conversations, else Megatron data."""
+    first = path[0] if isinstance(path, list) and path else path
+    if isinstance(first, str) and first.endswith(".jsonl"):
+        return "sft"
     if isinstance(path, str):
         from zoo.data.energon.dataset import is_dataset
         from zoo.data.energon.metadataset import is_metadataset
