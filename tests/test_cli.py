@@ -224,6 +224,8 @@ SURFACE = {
     "data": ["what"],
     "generate": ["--checkpoint", "--greedy", "--max-new-tokens", "--no-cache", "--prompt", "--seed", "--temperature",
                  "--tokenizer", "--top-k", "--top-p", "--weights", "--model", "--device", "--dtype",
+                 # a conversation's turn (sft checkpoints' chat template)
+                 "--chat", "--chat-template",
                  # image-text models (CLIP, LLaVA)
                  "--image", "--labels",
                  # diffusion models (DFM's snake_case spellings are the aliases listed last)
