@@ -227,3 +227,26 @@ def test_bad_input_names_the_line_and_the_fix(tok_dir, tmp_path):
     run.data.chat_template = str(tmp_path / "evil.jinja")
     with pytest.raises(Exception, match="unsafe|access"):
         sft.load_split(run, "train")
+
+
+def test_families_that_cannot_keep_packed_documents_apart_are_refused():
+    """Packed conversations (or Megatron's reset_attention_mask) need a model that reads segment_ids:
+    the GPT and MoE families do, Mamba's does not (its state would run on from one conversation into
+    the next) and is refused; token data for a diffusion family is refused too; the ramp-up reads sft."""
+    import zoo
+    from zoo.family import check_dataset
+    from zoo.registry import get_registry
+
+    sft_spec, megatron = get_registry().dataset("sft")[0], get_registry().dataset("megatron")[0]
+    run = SimpleNamespace(data=SimpleNamespace(reset_attention_mask=False),
+                          train=SimpleNamespace(rampup_batch_size=[8, 8, 64], cuda_graph=False))
+    for name in ("llama", "gemma2", "mixtral"):
+        check_dataset(zoo.get_family(name), sft_spec, run)
+    check_dataset(zoo.get_family("mamba2"), megatron, run)
+    with pytest.raises(ConfigError, match="family 'mamba2' keeps no packed documents apart"):
+        check_dataset(zoo.get_family("mamba2"), sft_spec, run)
+    run.data.reset_attention_mask = True
+    with pytest.raises(ConfigError, match="data.reset_attention_mask: family 'mamba2'"):
+        check_dataset(zoo.get_family("mamba2"), megatron, run)
+    with pytest.raises(ConfigError, match="family 'dit' \\(task diffusion\\)"):
+        check_dataset(zoo.get_family("dit"), sft_spec, run)

@@ -52,7 +52,7 @@ def step(train: Any, consumed: int, layout: Any) -> tuple[int, int]:
 
 # The datasets whose order zoo computes from the global sample index, so that each step's batch can
 # grow: Megatron indexed data and the built-in corpus (an Energon loader's position is its own).
-RAMPED = ("megatron", "python-docs")
+RAMPED = ("megatron", "python-docs", "sft")
 
 
 def check_run(run: Any, dataset: str) -> None:

@@ -31,7 +31,7 @@ from zoo.checkpoint.state import Stateful, TrainState
 from zoo.config import RunConfig, rampup, torch_dtype
 from zoo.data.energon.training import path_kind
 from zoo.errors import ConfigError
-from zoo.family import DatasetSpec, Family, resolve
+from zoo.family import DatasetSpec, Family, check_dataset, resolve
 from zoo.io import atomic_write_text
 from zoo.parallel import cuda_graphs
 from zoo.parallel.engine import Parallel, StepOutput
@@ -75,7 +75,7 @@ class Trainer:
         from zoo.registry import get_registry
 
         spec, info = get_registry().dataset(name)
-        rampup.check_run(run, spec.name)
+        check_dataset(self.family, spec, run)
         return spec, str(info)
 
     # ------------------------------------------------------------------------------- the job
