@@ -332,7 +332,8 @@ def check_dataset(family: Family, dataset: DatasetSpec, run: Any) -> None:
     sequences for a family that is no language model; documents packed into a sequence and kept
     apart by ``segment_ids`` (conversations of the sft dataset, Megatron's
     ``data.reset_attention_mask``) for a family whose model does not read them (its sequence spec
-    lists none: a Mamba state would run on from one document into the next); a batch-size ramp-up
+    lists none, or it declares no sequence spec: a Mamba state would run on from one document into
+    the next); a batch-size ramp-up
     where it cannot run (`zoo.config.rampup.check_run`)."""
     from zoo.config import rampup
     from zoo.errors import ConfigError
@@ -342,7 +343,7 @@ def check_dataset(family: Family, dataset: DatasetSpec, run: Any) -> None:
                           f"{family.name!r} (task {family.task}) trains on its own data (leave data.path and "
                           "data.dataset unset for its default)")
     packs = dataset.name == "sft" or (dataset.modality == "tokens" and run.data.reset_attention_mask)
-    if packs and family.sequence is not None and "segment_ids" not in family.sequence.keys:
+    if packs and "segment_ids" not in (family.sequence.keys if family.sequence is not None else ()):
         what = "packed conversations (dataset sft)" if dataset.name == "sft" else "data.reset_attention_mask"
         raise ConfigError(f"{what}: family {family.name!r} keeps no packed documents apart (its model reads no "
                           "segment_ids), so each would run on into the next")
