@@ -250,3 +250,26 @@ def test_families_that_cannot_keep_packed_documents_apart_are_refused():
         check_dataset(zoo.get_family("mamba2"), megatron, run)
     with pytest.raises(ConfigError, match="family 'dit' \\(task diffusion\\)"):
         check_dataset(zoo.get_family("dit"), sft_spec, run)
+
+
+def test_data_info_and_lint_of_a_conversations_file(tok_dir, tmp_path, capsys):
+    """`zoo data info FILE.jsonl` counts conversations, messages, tokens (learned ones apart) and the
+    rows they pack into; `zoo data lint` lists every bad line and exits 1."""
+    from zoo.cli import main
+
+    good = tmp_path / "good.jsonl"
+    good.write_text("\n".join(json.dumps({"messages": c}) for c in CONVERSATIONS) + "\n")
+    assert main(["data", "info", str(good), "--tokenizer", str(tok_dir), "--seq-length", "64"]) == 0
+    out = capsys.readouterr().out
+    tok, (source, special) = load_tokenizer(tok_dir), sft.template_source(str(tok_dir), None)
+    render = sft.Renderer(source, **special)
+    encoded = [sft.encode(tok, *render(c)) for c in CONVERSATIONS]
+    total, learned = sum(len(i) for i, _ in encoded), sum(int(m.sum()) for _, m in encoded)
+    assert "3 conversations (sft), messages: 4 assistant, 1 system, 4 user" in out
+    assert f"tokens: {total:,} ({learned:,} learned)" in out and "seq_length 64: " in out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"oops\n{"messages": [{"role": "user", "content": "x"}]}\n')
+    assert main(["data", "lint", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "bad.jsonl:2: not JSON" in out and "bad.jsonl:3: no assistant message" in out
+    assert "3 lines checked, 2 problem(s)" in out

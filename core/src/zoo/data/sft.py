@@ -51,21 +51,35 @@ _START, _END = "\ue000", "\ue001"  # (private-use characters: where a generation
 
 
 def conversations(path: str | os.PathLike[str]) -> list[list[dict[str, str]]]:
-    """The conversations of one JSON-lines file, each a list of ``{"role", "content"}`` messages."""
-    out = []
+    """The conversations of one JSON-lines file, each a list of ``{"role", "content"}`` messages;
+    the first problem raises, naming its line."""
+    convs, problems = read(path, stop_at_first=True)
+    if problems:
+        raise UsageError(problems[0])
+    return convs
+
+
+def read(path: str | os.PathLike[str], *, stop_at_first: bool = False) -> tuple[list[list[dict[str, str]]], list[str]]:
+    """(the conversations, a line for each problem) of one JSON-lines file (`zoo data lint`)."""
+    out, problems = [], []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             where = f"{path}:{n}"
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
-            out.append(_messages(row, where))
-    if not out:
-        raise UsageError(f"{path}: no conversations")
-    return out
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UsageError(f"{where}: not JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
+                out.append(_messages(row, where))
+            except UsageError as e:
+                problems.append(str(e))
+                if stop_at_first:
+                    break
+    if not out and not problems:
+        problems.append(f"{path}: no conversations")
+    return out, problems
 
 
 def _messages(row: Any, where: str) -> list[dict[str, str]]:
@@ -415,3 +429,49 @@ def build(run: Any, *, split: str, dp_rank: int, dp_size: int, consumed_samples:
             pick = [row(mine + m * mbs + j) for j in range(mbs)]
             yield {f: torch.from_numpy(getattr(packed, f)[pick]) for f in fields}
         g += gbs
+
+
+def describe(path: str, *, tokenizer: str | None, chat_template: str | None, seq_length: int | None,
+             lint: bool) -> int:
+    """`zoo data info` / `zoo data lint` of a conversations file: counts, and with a tokenizer the
+    tokens, the learned tokens and the rows they pack into; lint reports every problem (exit 1)."""
+    convs, problems = read(path)
+    roles: dict[str, int] = {}
+    for c in convs:
+        for m in c:
+            roles[m["role"]] = roles.get(m["role"], 0) + 1
+    print(f"{path}: {len(convs):,} conversation{'' if len(convs) == 1 else 's'} (sft), messages: "
+          + ", ".join(f"{n:,} {r}" for r, n in sorted(roles.items())))
+    if tokenizer is not None and convs:
+        from zoo.data.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(tokenizer)
+        source, special = template_source(tokenizer, chat_template)
+        if special.get("eos_token") is None and tok.backend is not None:
+            special["eos_token"] = tok.backend.id_to_token(tok.eod_id)
+        render = Renderer(source, **special)
+        lengths, learned = [], 0
+        for i, c in enumerate(convs):
+            try:
+                ids, mask = encode(tok, *render(c))
+            except UsageError as e:
+                problems.append(f"{path}: conversation {i + 1}: {e}")
+                continue
+            lengths.append(len(ids))
+            learned += int(mask.sum())
+        if lengths:
+            arr = np.asarray(lengths)
+            print(f"tokens: {int(arr.sum()):,} ({learned:,} learned), per conversation min {arr.min()} mean "
+                  f"{arr.mean():.1f} max {arr.max()}; template: "
+                  f"{'zoo' if source == ZOO_TEMPLATE else chat_template or 'the tokenizer' + chr(39) + 's'}")
+            if seq_length:
+                rows = pack([min(n - 1, seq_length) for n in lengths], seq_length)
+                cut = int((arr - 1 > seq_length).sum())
+                print(f"seq_length {seq_length}: {len(rows):,} packed rows, {(arr - 1).clip(max=seq_length).sum() / (len(rows) * seq_length):.1%} "
+                      f"filled" + (f", {cut:,} cut to it (longer)" if cut else ""))
+    if lint or problems:
+        for line in problems[:50]:
+            print(line)
+        print(f"{len(convs) + len(problems):,} lines checked, {len(problems)} problem(s)"
+              + (" (first 50 shown)" if len(problems) > 50 else ""))
+    return 1 if problems else 0

@@ -107,6 +107,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     from zoo.data.energon.dataset import META, WebDataset
     from zoo.data.energon.metadataset import is_metadataset
 
+    if args.path.endswith(".jsonl"):
+        return _conversations(args, lint=False)
     if (ds := _indexed(args.path)) is not None:
         print(ds.describe())
         return 0
@@ -177,6 +179,8 @@ def cmd_lint(args: argparse.Namespace) -> int:
     """Every `.tar.idx` against its tar and `.info.json`, then every sample of every split decoded."""
     from zoo.data.energon.dataset import WebDataset, make_sample
 
+    if args.path.endswith(".jsonl"):
+        return _conversations(args, lint=True)
     if (indexed := _indexed(args.path)) is not None:
         return _lint_indexed(indexed)
     bad: list[str] = []
@@ -202,6 +206,13 @@ def cmd_lint(args: argparse.Namespace) -> int:
         print(line)
     print(f"{checked:,} samples checked, {len(bad)} problem(s)" + (" (first 50 shown)" if len(bad) > 50 else ""))
     return 1 if bad else 0
+
+
+def _conversations(args: argparse.Namespace, *, lint: bool) -> int:
+    from zoo.data.sft import describe
+
+    return describe(args.path, tokenizer=args.tokenizer, chat_template=args.chat_template,
+                    seq_length=args.seq_length, lint=lint)
 
 
 def _lint_indexed(ds: Any) -> int:
@@ -292,13 +303,17 @@ def add_prepare_parsers(prep: Any) -> None:
 
 
 def add_data_parser(sub: Any) -> None:
-    p = sub.add_parser("data", help="inspect Energon datasets: info, lint, preview")
+    p = sub.add_parser("data", help="inspect datasets (Energon, Megatron .bin/.idx, sft .jsonl): info, lint, preview")
     what = p.add_subparsers(dest="what", metavar="ACTION", required=True)
     i = what.add_parser("info", help="samples, shards, splits and sample type")
     i.add_argument("path")
     i.set_defaults(func=cmd_info)
     lint = what.add_parser("lint", help="check every index and decode every sample")
     lint.add_argument("path")
+    for q in (i, lint):  # (a conversations .jsonl: tokens, learned tokens and packed rows with a tokenizer)
+        q.add_argument("--tokenizer", help="sft .jsonl: the tokenizer (directory, or a zoo run) to count tokens with")
+        q.add_argument("--chat-template", help="sft .jsonl: a Jinja chat template file (default: the tokenizer's)")
+        q.add_argument("--seq-length", type=at_least_one, help="sft .jsonl: the rows the conversations pack into")
     lint.add_argument("--split-parts", help="comma-separated (default: all)")
     lint.add_argument("--allow-pickle", action="store_true")
     lint.set_defaults(func=cmd_lint)
