@@ -208,6 +208,8 @@ def test_bad_input_names_the_line_and_the_fix(tok_dir, tmp_path):
         with pytest.raises(UsageError, match=match):
             sft.conversations(bad)
     (tmp_path / "c.jsonl").write_text("\n".join(map(json.dumps, _conversations(20))) + "\n")
+    with pytest.raises(ConfigError, match="data.path: .*missing.jsonl: no such file"):
+        sft.load_split(_run(tmp_path / "missing.jsonl", tok_dir), "train")
     run = _run(tmp_path / "c.jsonl", tok_dir)
     run.data.tokenizer = None
     with pytest.raises(ConfigError, match="set data.tokenizer"):

@@ -355,6 +355,9 @@ def load_split(run: Any, split: str) -> Packed:
                           "template and end-of-document token are used too)")
     own = getattr(d, f"{split}_path", None)
     files = _files(own or d.path)
+    for f in files:
+        if not Path(f).is_file():
+            raise ConfigError(f"data.{split + '_' if own else ''}path: {f}: no such file")
     tok = load_tokenizer(d.tokenizer)
     source, special = template_source(d.tokenizer, d.chat_template)
     if special.get("eos_token") is None and tok.backend is not None:
