@@ -474,3 +474,22 @@ def test_fsdp_trains_like_one_process_and_its_checkpoints_reshard_both_ways(tmp_
     index = json.loads((tmp_path / "to-hsdp" / "checkpoints" / "step_00000006" / "index.json").read_text())
     pieces = index["tensors"]["layers.0.mlp.fc.weight::exp_avg"]["pieces"]  # written by the first replica only
     assert sorted(p["offset"][0] for p in pieces) == [0, rows // 2]
+
+
+def test_tied_embeddings_load_under_tensor_parallelism(tmp_path, corpus_cache):
+    """`checkpoint.load` of a model whose head is its embedding (Gemma, GPT-2, Llama 3.2), from a zoo
+    checkpoint or a Hugging Face directory, under tp2: each rank takes its vocabulary rows for both
+    names, and training goes on exactly as in one process (the tied head read the whole embedding for
+    its shard before, and the run stopped)."""
+    tied = ("model.tie_embeddings=true", "train.micro_batch_size=4", "train.global_batch_size=8")
+    first = zoo(*small_run(tmp_path / "first", corpus_cache, *tied, "train.steps=1"))
+    assert first.returncode == 0, first.stderr
+    assert zoo("convert", "--to", "hf", str(tmp_path / "first"), str(tmp_path / "hf")).returncode == 0
+    for source in (str(tmp_path / "first"), f"hf:{tmp_path / 'hf'}"):
+        name = "hf" if source.startswith("hf:") else "zoo"
+        common = (*tied, "train.steps=2", f"checkpoint.load={source}")
+        one = zoo(*small_run(tmp_path / f"{name}-1", corpus_cache, *common))
+        assert one.returncode == 0, one.stderr
+        two = ranks(2, *small_run(tmp_path / f"{name}-tp2", corpus_cache, *common, "parallel.tp=2"))
+        assert two.returncode == 0, two.stdout + two.stderr
+        assert _close(curve(tmp_path / f"{name}-tp2"), curve(tmp_path / f"{name}-1"))

@@ -96,11 +96,12 @@ def load_initial_weights(source: str, *, model: nn.Module, placements: Placement
         source_of = weight_source(list(reader.names()), weights, where=path)
         ties = md.meta.get("ties", {})
         out = {}
-        for name, t in _local_state(model).items():
+        state, aliases = _local_state(model)
+        for name, t in state.items():
             canon = placements.canonical(name)
             out[name] = reader.read_local(source_of(ties.get(canon, canon)), t.shape, placements.split(name),
                                           what=f" (loading {path})")
-        return out
+        return {**out, **{alias: out[name] for alias, name in aliases.items()}}
     finally:
         reader.close()
 
@@ -115,7 +116,7 @@ def _from_hf(path: Path, *, model: nn.Module, placements: Placements, family: st
     if entry.family.name != family:
         raise CheckpointError(f"{path}: a {entry.family.name!r} model, not {family!r}")
     lazy = LazyTensors(path)
-    state = _local_state(model)
+    state, aliases = _local_state(model)
     try:
         if any(placements.split(n) is not None for n in state):  # read only the boxes this rank's pieces come from
             wanted: dict[str, tuple[tuple[int, ...], Any]] = {}
@@ -124,7 +125,7 @@ def _from_hf(path: Path, *, model: nn.Module, placements: Placements, family: st
                 shape = shard.global_shape(t.shape) if shard is not None else tuple(t.shape)
                 wanted[placements.canonical(name)] = (shape, shard.cut if shard is not None else (lambda x: x))
             got = read_sliced(fmt.table_for(config, list(lazy)), lazy, config, wanted)
-            return {name: got[placements.canonical(name)] for name in state}
+            return {name: got[placements.canonical(aliases.get(name, name))] for name in (*state, *aliases)}
         keep = {n for name in state for n in (name, placements.canonical(name))}
         full = from_external(fmt.table_for(config, list(lazy)), lazy, config, keep=keep)
     except MappingError as e:
@@ -133,11 +134,22 @@ def _from_hf(path: Path, *, model: nn.Module, placements: Placements, family: st
     if missing:
         raise CheckpointError(f"{path}: the checkpoint lacks {missing[0]!r}"
                               + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    return {name: full[placements.canonical(name)] for name in state}  # (nothing split: whole tensors)
+    # (nothing split: whole tensors)
+    return {name: full[placements.canonical(aliases.get(name, name))] for name in (*state, *aliases)}
 
 
-def _local_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: local(t) for name, t in model.state_dict().items()}
+def _local_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """This rank's tensors by their first name, and the other names of tied ones (an LM head tied
+    to the embedding: placements describe the first name only, so a tied head under tensor
+    parallelism took the whole embedding for its shard) -> their first name."""
+    state, aliases, first = {}, {}, {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in first:
+            aliases[name] = first[id(t)]
+            continue
+        first[id(t)] = name
+        state[name] = local(t.detach())
+    return state, aliases
 
 
 __all__ = ["ModelState", "load_initial_weights"]
