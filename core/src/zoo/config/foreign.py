@@ -106,6 +106,8 @@ NAMES: dict[str, str] = {
     "data_cache_path": "data.cache_dir={}",
     "mock_data": "nothing to set: without data.path a family trains on its embedded dataset",
     "dataloader_num_workers": "data.num_workers={}",
+    "sft": "data.dataset=sft",  # (Megatron-LM's --sft: conversations from .jsonl, the loss on answers; docs/sft.md)
+    "chat_template": "data.chat_template={}",
     "config_file": "--config {}",
     # model (offered only where the family has the key)
     "num_hidden_layers": "model.num_layers={}",
