@@ -275,3 +275,28 @@ def test_data_info_and_lint_of_a_conversations_file(tok_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "bad.jsonl:2: not JSON" in out and "bad.jsonl:3: no assistant message" in out
     assert "3 lines checked, 2 problem(s)" in out
+
+
+def test_prepare_chats_writes_checkable_conversations(tmp_path, capsys):
+    """`zoo prepare chats`: conversations the sft dataset reads, every answer the arithmetic of its
+    question, the same file for the same seed; an existing file is kept."""
+    import re
+
+    from zoo.cli import main
+
+    out = tmp_path / "c.jsonl"
+    assert main(["prepare", "chats", str(out), "--count", "300", "--seed", "1"]) == 0
+    convs = sft.conversations(out)
+    assert len(convs) == 300 and any(len(c) > 2 for c in convs) and any(c[0]["role"] == "system" for c in convs)
+    ops = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b, "times": lambda a, b: a * b}
+    for c in convs:
+        turns = [m for m in c if m["role"] != "system"]
+        for q, a in zip(turns[::2], turns[1::2]):
+            x, op, y = re.fullmatch(r"What is (\d+) (plus|minus|times) (\d+)\?", q["content"]).groups()
+            assert a["role"] == "assistant" and int(a["content"]) == ops[op](int(x), int(y))
+    first = out.read_bytes()
+    assert main(["prepare", "chats", str(out), "--count", "300", "--seed", "1"]) == 2  # (kept)
+    assert main(["prepare", "chats", str(out), "--count", "300", "--seed", "1", "--force-overwrite"]) == 0
+    assert out.read_bytes() == first
+    assert main(["prepare", "chats", str(tmp_path / "c.json")]) == 2
+    assert "must end in .jsonl" in capsys.readouterr().err

@@ -358,7 +358,7 @@ def build_parser(registry: Any | None) -> _Parser:
 
     add_generate_parser(sub)
 
-    p = sub.add_parser("prepare", help="prepare datasets (Megatron .bin/.idx, Energon WebDataset)")
+    p = sub.add_parser("prepare", help="prepare datasets (Megatron .bin/.idx, Energon WebDataset, chats)")
     prep = p.add_subparsers(dest="what", metavar="KIND", parser_class=_Parser, required=True)
     t = prep.add_parser("text", help="tokenize JSONL/text into <prefix>_<key>_document.{bin,idx}")
     t.add_argument("--input", nargs="+", required=True, help="JSONL (.gz), .txt files or directories of them")
@@ -380,9 +380,11 @@ def build_parser(registry: Any | None) -> _Parser:
     t.add_argument("--on-error", default="fail", help="fail (default) or skip malformed lines")
     t.add_argument("--quiet", action="store_true", help="no progress line")
     t.set_defaults(func=cmd_prepare_text)
+    from zoo.data.chats import add_prepare_parser
     from zoo.data.energon.cli import add_data_parser, add_prepare_parsers
 
     add_prepare_parsers(prep)
+    add_prepare_parser(prep)  # (chats: built-in conversations for the sft dataset)
     add_data_parser(sub)
 
     if registry is not None:
