@@ -10,6 +10,7 @@ rank takes its share of each step's batch, so one process and many read the same
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -52,6 +53,22 @@ def step(train: Any, consumed: int, layout: Any) -> tuple[int, int]:
 
 # The datasets whose order zoo computes from the global sample index, so that each step's batch can
 # grow: Megatron indexed data and the built-in corpus (an Energon loader's position is its own).
+def rank_micro_batches(train: Any, *, split: str, consumed: int, dp_rank: int, dp_size: int, final: int
+                       ) -> Iterator[list[int]]:
+    """The global sample indices of each of data-parallel rank ``dp_rank``'s micro-batches, from
+    ``consumed`` samples on: its share of every global batch (``final`` samples; in training the
+    ramp's size at the samples consumed before the step). What datasets read by global sample
+    index (`RAMPED`) hand out, so that any layout and any resume sees the same samples."""
+    mbs, g = train.micro_batch_size, consumed
+    while True:
+        gbs = batch_size_at(train, g, final) if split == "train" else final
+        per_rank = gbs // dp_size
+        mine = g + dp_rank * per_rank
+        for m in range(per_rank // mbs):
+            yield [mine + m * mbs + j for j in range(mbs)]
+        g += gbs
+
+
 RAMPED = ("megatron", "python-docs", "sft")
 
 

@@ -223,27 +223,21 @@ def batches(run: Any, blend: list[tuple[float | None, str]], *, split: str, dp_r
     import torch
 
     source = Source(run, blend, split=split, target=samples_needed(run, split, dp_size), cache_dir=cache_dir, whole=whole)
-    from zoo.config.rampup import batch_size_at
+    from zoo.config.rampup import rank_micro_batches
 
-    mbs = run.train.micro_batch_size
-    final = run.train.global_batch_size or mbs * dp_size
+    final = run.train.global_batch_size or run.train.micro_batch_size * dp_size
     d = run.data
     documents = d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
     eod = eod_id(run, eod) if documents else None
-    g = consumed_samples
-    while True:  # one optimizer step's global batch a round (growing while train.rampup_batch_size ramps)
-        gbs = batch_size_at(run.train, g, final) if split == "train" else final
-        per_rank = gbs // dp_size
-        mine = g + dp_rank * per_rank
-        for m in range(per_rank // mbs):
-            rows = np.stack([source.sample((mine + m * mbs + j) % len(source))[1] for j in range(mbs)])
-            t = torch.from_numpy(rows)
-            batch = {"tokens": t[:, :-1], "labels": t[:, 1:]}
-            if eod is not None:
-                batch.update(document_fields(rows[:, :-1], eod, reset_position_ids=d.reset_position_ids,
-                                             eod_mask_loss=d.eod_mask_loss, segments=d.reset_attention_mask))
-            yield batch
-        g += gbs
+    for picks in rank_micro_batches(run.train, split=split, consumed=consumed_samples, dp_rank=dp_rank,
+                                    dp_size=dp_size, final=final):
+        rows = np.stack([source.sample(g % len(source))[1] for g in picks])
+        t = torch.from_numpy(rows)
+        batch = {"tokens": t[:, :-1], "labels": t[:, 1:]}
+        if eod is not None:
+            batch.update(document_fields(rows[:, :-1], eod, reset_position_ids=d.reset_position_ids,
+                                         eod_mask_loss=d.eod_mask_loss, segments=d.reset_attention_mask))
+        yield batch
 
 
 def build(run: Any, *, split: str, dp_rank: int, dp_size: int, consumed_samples: int = 0) -> Iterator[dict[str, Any]]:

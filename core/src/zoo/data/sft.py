@@ -408,11 +408,11 @@ def build(run: Any, *, split: str, dp_rank: int, dp_size: int, consumed_samples:
     """Micro-batches of packed conversations for one data-parallel rank (see the module's text)."""
     import torch
 
-    from zoo.config.rampup import batch_size_at
+    from zoo.config.rampup import rank_micro_batches
 
     packed = load_split(run, split)
     n = len(packed)
-    mbs, final = run.train.micro_batch_size, run.train.global_batch_size or run.train.micro_batch_size * dp_size
+    final = run.train.global_batch_size or run.train.micro_batch_size * dp_size
     orders: dict[int, np.ndarray] = {}
 
     def row(g: int) -> int:
@@ -423,15 +423,10 @@ def build(run: Any, *, split: str, dp_rank: int, dp_size: int, consumed_samples:
         return int(orders[epoch][g % n])
 
     fields = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids")
-    g = consumed_samples
-    while True:  # one optimizer step's global batch a round (growing while train.rampup_batch_size ramps)
-        gbs = batch_size_at(run.train, g, final) if split == "train" else final
-        per_rank = gbs // dp_size
-        mine = g + dp_rank * per_rank
-        for m in range(per_rank // mbs):
-            pick = [row(mine + m * mbs + j) for j in range(mbs)]
-            yield {f: torch.from_numpy(getattr(packed, f)[pick]) for f in fields}
-        g += gbs
+    for picks in rank_micro_batches(run.train, split=split, consumed=consumed_samples, dp_rank=dp_rank,
+                                    dp_size=dp_size, final=final):
+        pick = [row(g) for g in picks]
+        yield {f: torch.from_numpy(getattr(packed, f)[pick]) for f in fields}
 
 
 def describe(path: str, *, tokenizer: str | None, chat_template: str | None, seq_length: int | None,
