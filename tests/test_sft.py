@@ -300,3 +300,25 @@ def test_prepare_chats_writes_checkable_conversations(tmp_path, capsys):
     assert out.read_bytes() == first
     assert main(["prepare", "chats", str(tmp_path / "c.json")]) == 2
     assert "must end in .jsonl" in capsys.readouterr().err
+
+
+def test_best_fit_packing_against_a_brute_force_search():
+    """`pack` puts each conversation where it leaves the least room (the oldest such row), as a
+    search over every row does; every item once, no row over its capacity, and a large set fast."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 60, 3000).tolist()
+    rows, room = [], []
+    for i, n in enumerate(lengths):  # the reference: look at every row
+        fits = [(free, r) for r, free in enumerate(room) if free >= n]
+        if fits:
+            free, r = min(fits)
+            rows[r].append(i)
+            room[r] -= n
+        else:
+            rows.append([i])
+            room.append(64 - n)
+    assert sft.pack(lengths, 64) == rows
+    big = rng.integers(20, 1500, 200_000).tolist()
+    packed = sft.pack(big, 4096)
+    assert sorted(i for r in packed for i in r) == list(range(len(big)))
+    assert max(sum(big[i] for i in r) for r in packed) <= 4096 and sum(big) / (len(packed) * 4096) > 0.99

@@ -16,7 +16,7 @@ token is learned when its characters start inside such a span (transformers' rul
 holding a span's first and last characters and those between).
 
 Packing: each conversation of n tokens gives n - 1 (input, label) pairs; conversations (shuffled with
-``train.seed``) fill rows of ``train.seq_length`` pairs first-fit, each keeping its own positions
+``train.seed``) fill rows of ``train.seq_length`` pairs best-fit, each keeping its own positions
 (from 0) and attention (``segment_ids``); a row's unused tail is padding, out of the loss. A
 conversation longer than a row is cut to it (counted and reported). Rows are drawn in a new
 shuffled order every epoch; sample g of the stream is row ``order(g // rows)[g % rows]``, so a run
@@ -241,18 +241,23 @@ def encode(tokenizer: Any, text: str, spans: Sequence[tuple[int, int]]) -> tuple
 
 
 def pack(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """First-fit: each item (in order) goes into the first row with room for it."""
+    """Best-fit: each item (in order) goes into the row it fills most tightly (the one whose room is
+    the least that holds it; among equals the oldest), else a new row. The rows' rooms stay in a
+    sorted list: a bisection a conversation (200,000 of them into 20,000 rows: about a second)."""
+    import bisect
+
     rows: list[list[int]] = []
-    room: list[int] = []
+    room: list[tuple[int, int]] = []  # (free positions, row), sorted
     for i, n in enumerate(lengths):
-        for r, free in enumerate(room):
-            if free >= n:
-                rows[r].append(i)
-                room[r] -= n
-                break
+        at = bisect.bisect_left(room, (n, -1))
+        if at < len(room):
+            free, r = room.pop(at)
+            rows[r].append(i)
         else:
+            free, r = capacity, len(rows)
             rows.append([i])
-            room.append(capacity - n)
+        if free - n > 0:
+            bisect.insort(room, (free - n, r))
     return rows
 
 
