@@ -39,11 +39,13 @@ import numpy as np
 from zoo.errors import ConfigError, UsageError
 
 # The template for tokenizers without one: role lines, the assistant's turn ended by the tokenizer's
-# end-of-document token (what the model learns to stop with).
+# end-of-document token (what the model learns to stop with). (Templates render with trim_blocks, as
+# transformers renders them: a newline right after a block tag is dropped, so it is written as an
+# expression.)
 ZOO_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n"
     "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}"
-    "{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
+    "{% else %}{{ m['content'] }}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 ROLES = ("system", "user", "assistant", "tool")
