@@ -254,9 +254,10 @@ def test_families_that_cannot_keep_packed_documents_apart_are_refused():
         check_dataset(zoo.get_family("dit"), sft_spec, run)
 
 
-def test_data_info_and_lint_of_a_conversations_file(tok_dir, tmp_path, capsys):
+def test_data_info_preview_and_lint_of_a_conversations_file(tok_dir, tmp_path, capsys):
     """`zoo data info FILE.jsonl` counts conversations, messages, tokens (learned ones apart) and the
-    rows they pack into; `zoo data lint` lists every bad line and exits 1."""
+    rows they pack into; `zoo data preview` shows what is learned; `zoo data lint` lists every bad
+    line and exits 1."""
     from zoo.cli import main
 
     good = tmp_path / "good.jsonl"
@@ -269,6 +270,11 @@ def test_data_info_and_lint_of_a_conversations_file(tok_dir, tmp_path, capsys):
     total, learned = sum(len(i) for i, _ in encoded), sum(int(m.sum()) for _, m in encoded)
     assert "3 conversations (sft), messages: 4 assistant, 1 system, 4 user" in out
     assert f"tokens: {total:,} ({learned:,} learned)" in out and "seq_length 64: " in out
+    # preview: the rendering, learned token runs decoded between ⟦ and ⟧
+    assert main(["data", "preview", str(good), "--tokenizer", str(tok_dir), "-n", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "⟦cba<|im_end|>\n⟧" in out and "⟦11 é, ok<|im_end|>\n⟧" in out and "reverse abc" in out
+    assert f"({len(encoded[0][0])} tokens, {int(encoded[0][1].sum())} learned)" in out
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "completion": "b"}\n{"oops\n{"messages": [{"role": "user", "content": "x"}]}\n')
     assert main(["data", "lint", str(bad)]) == 1

@@ -209,7 +209,7 @@ def cmd_lint(args: argparse.Namespace) -> int:
 
 
 def _conversations(args: argparse.Namespace, *, lint: bool) -> int:
-    from zoo.data.sft import describe
+    from zoo.data.sft_inspect import describe
 
     return describe(args.path, tokenizer=args.tokenizer, chat_template=args.chat_template,
                     seq_length=args.seq_length, lint=lint)
@@ -234,6 +234,10 @@ def _lint_indexed(ds: Any) -> int:
 def cmd_preview(args: argparse.Namespace) -> int:
     from zoo.data.energon.dataset import WebDataset, make_sample
 
+    if args.path.endswith(".jsonl"):
+        from zoo.data.sft_inspect import preview
+
+        return preview(args.path, tokenizer=args.tokenizer, chat_template=args.chat_template, n=args.n)
     ds = WebDataset(args.path, split_part=args.split_part, allow_pickle=args.allow_pickle)
     for i in range(min(args.n, len(ds))):
         s = make_sample(ds, i, restore_key=("s", 0, i), subflavors=None)
@@ -310,19 +314,19 @@ def add_data_parser(sub: Any) -> None:
     i.set_defaults(func=cmd_info)
     lint = what.add_parser("lint", help="check every index and decode every sample")
     lint.add_argument("path")
-    for q in (i, lint):  # (a conversations .jsonl: tokens, learned tokens and packed rows with a tokenizer)
+    pv = what.add_parser("preview", help="print the first samples decoded (sft .jsonl: rendered, learned tokens marked)")
+    pv.add_argument("path")
+    pv.add_argument("--split-part", default="train")
+    pv.add_argument("-n", type=at_least_one, default=3)
+    pv.add_argument("--allow-pickle", action="store_true")
+    pv.set_defaults(func=cmd_preview)
+    for q in (i, lint, pv):  # (a conversations .jsonl: tokens, learned tokens and packed rows with a tokenizer)
         q.add_argument("--tokenizer", help="sft .jsonl: the tokenizer (directory, or a zoo run) to count tokens with")
         q.add_argument("--chat-template", help="sft .jsonl: a Jinja chat template file (default: the tokenizer's)")
         q.add_argument("--seq-length", type=at_least_one, help="sft .jsonl: the rows the conversations pack into")
     lint.add_argument("--split-parts", help="comma-separated (default: all)")
     lint.add_argument("--allow-pickle", action="store_true")
     lint.set_defaults(func=cmd_lint)
-    pv = what.add_parser("preview", help="print the first samples decoded")
-    pv.add_argument("path")
-    pv.add_argument("--split-part", default="train")
-    pv.add_argument("-n", type=at_least_one, default=3)
-    pv.add_argument("--allow-pickle", action="store_true")
-    pv.set_defaults(func=cmd_preview)
 
 
 __all__ = ["add_data_parser", "add_prepare_parsers"]
