@@ -231,6 +231,9 @@ class DatasetSpec:
     # returned on every data-parallel rank at the checkpoint, as ``{"ranks": [...]}``, or None)
     # and ``family``; the trainer saves that position in every checkpoint.
     stateful: bool = False
+    # Every sample packs several documents, kept apart by ``segment_ids`` (and ``position_ids`` from
+    # 0 in each): only a family whose model reads them may train on it (`check_dataset`).
+    packed: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,7 +333,7 @@ _RESERVED_METRICS = frozenset({"step", "loss", "lr", "grad_norm", "val_loss", "m
 def check_dataset(family: Family, dataset: DatasetSpec, run: Any) -> None:
     """Refuse a dataset ``family`` cannot train on as ``run`` configures it, naming both: token
     sequences for a family that is no language model; documents packed into a sequence and kept
-    apart by ``segment_ids`` (conversations of the sft dataset, Megatron's
+    apart by ``segment_ids`` (a ``packed`` dataset such as sft's conversations, Megatron's
     ``data.reset_attention_mask``) for a family whose model does not read them (its sequence spec
     lists none, or it declares no sequence spec: a Mamba state would run on from one document into
     the next); a batch-size ramp-up
@@ -342,9 +345,9 @@ def check_dataset(family: Family, dataset: DatasetSpec, run: Any) -> None:
         raise ConfigError(f"dataset {dataset.name!r} holds token sequences for language models; family "
                           f"{family.name!r} (task {family.task}) trains on its own data (leave data.path and "
                           "data.dataset unset for its default)")
-    packs = dataset.name == "sft" or (dataset.modality == "tokens" and run.data.reset_attention_mask)
+    packs = dataset.packed or (dataset.modality == "tokens" and run.data.reset_attention_mask)
     if packs and "segment_ids" not in (family.sequence.keys if family.sequence is not None else ()):
-        what = "packed conversations (dataset sft)" if dataset.name == "sft" else "data.reset_attention_mask"
+        what = f"packed documents (dataset {dataset.name})" if dataset.packed else "data.reset_attention_mask"
         raise ConfigError(f"{what}: family {family.name!r} keeps no packed documents apart (its model reads no "
                           "segment_ids), so each would run on into the next")
     rampup.check_run(run, dataset.name)

@@ -193,6 +193,7 @@ BUILTIN_DATASETS = (
         "rendered by the tokenizer's chat template, packed; the loss on the answers only",
         build="zoo.data.sft:build",
         tokenizer="zoo.data.sft:tokenizer_dir",
+        packed=True,
     ),
     DatasetSpec(
         name="energon",

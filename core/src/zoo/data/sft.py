@@ -265,7 +265,25 @@ def pack(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 
 class Packed:
     """The packed rows of one split: tokens, labels, loss mask, positions and sample ids, each
-    (rows, seq_length)."""
+    (rows, seq_length) (`FIELDS`: a micro-batch's keys)."""
+
+    FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids")
+
+    def save(self, path: Path) -> None:
+        """Written to a temporary name and renamed (the cache)."""
+        tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
+        np.savez(tmp, truncated=self.truncated, conversations=self.conversations,
+                 **{f: getattr(self, f) for f in self.FIELDS})
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> Packed:
+        packed = cls.__new__(cls)
+        with np.load(path) as z:
+            for f in cls.FIELDS:
+                setattr(packed, f, z[f])
+            packed.truncated, packed.conversations = int(z["truncated"]), int(z["conversations"])
+        return packed
 
     def __init__(self, ids: list[np.ndarray], learned: list[np.ndarray], seq: int, pad: int, seed: int) -> None:
         order = np.random.default_rng(seed).permutation(len(ids))
@@ -352,7 +370,6 @@ def _files(value: Any) -> list[str]:
 def load_split(run: Any, split: str) -> Packed:
     """The packed rows of ``split``: data.<split>_path's conversations, or data.path's divided by
     data.split (in file order, as Megatron divides documents), cached beside the first file."""
-    from zoo.data.gpt import split_ranges
     from zoo.data.megatron import file_lock
     from zoo.data.tokenizer import load_tokenizer
 
@@ -375,35 +392,34 @@ def load_split(run: Any, split: str) -> Packed:
     cache = Path(d.cache_dir) if d.cache_dir else Path(files[0]).parent / "cache"
     path = cache / f"sft-{key.hexdigest()[:20]}.npz"
     with file_lock(cache / "sft.lock"):
-        if path.is_file():
-            with np.load(path) as z:
-                packed = Packed.__new__(Packed)
-                for name in ("tokens", "labels", "loss_mask", "position_ids", "segment_ids"):
-                    setattr(packed, name, z[name])
-                packed.truncated, packed.conversations = int(z["truncated"]), int(z["conversations"])
-                return packed
-        convs = [c for f in files for c in conversations(f)]
-        if not own:
-            rng = split_ranges(d.split, len(convs))[split]
-            if rng is None or rng[0] == rng[1]:
-                raise ConfigError(f"data.split={d.split!r} leaves the {split} split of {len(convs)} conversations "
-                                  f"empty; give data.{split}_path or change data.split")
-            convs = convs[rng[0]:rng[1]]
-        render = Renderer(source, **special)
-        ids, learned = zip(*(encode(tok, *render(c)) for c in convs))
-        if max(int(i.max(initial=0)) for i in ids) >= run.model.vocab_size:
-            raise ConfigError(f"data.tokenizer {d.tokenizer!r} has ids up to {max(int(i.max()) for i in ids)}, beyond "
-                              f"model.vocab_size={run.model.vocab_size}")
-        packed = Packed(list(ids), list(learned), run.train.seq_length, tok.eod_id, run.train.seed)
-        tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
-        np.savez(tmp, tokens=packed.tokens, labels=packed.labels, loss_mask=packed.loss_mask,
-                 position_ids=packed.position_ids, segment_ids=packed.segment_ids, truncated=packed.truncated,
-                 conversations=packed.conversations)
-        os.replace(tmp, path)
-    if packed.truncated:
+        built = not path.is_file()
+        packed = _build(files, own, d, split, run.train, source, special, tok) if built else Packed.load(path)
+        if built:
+            packed.save(path)
+    top = int(packed.tokens.max(initial=0))  # (checked on cached rows too: the model is not in the key)
+    if top >= run.model.vocab_size:
+        raise ConfigError(f"data.tokenizer {d.tokenizer!r} has ids up to {top}, beyond model.vocab_size="
+                          f"{run.model.vocab_size}")
+    if built and packed.truncated:
         print(f"zoo: sft {split}: {packed.truncated} of {packed.conversations} conversations cut to "
               f"train.seq_length={run.train.seq_length} tokens", file=sys.stderr)
     return packed
+
+
+def _build(files: list[str], own: Any, d: Any, split: str, train: Any, source: str, special: dict[str, Any],
+           tok: Any) -> Packed:
+    from zoo.data.gpt import split_ranges
+
+    convs = [c for f in files for c in conversations(f)]
+    if not own:
+        rng = split_ranges(d.split, len(convs))[split]
+        if rng is None or rng[0] == rng[1]:
+            raise ConfigError(f"data.split={d.split!r} leaves the {split} split of {len(convs)} conversations "
+                              f"empty; give data.{split}_path or change data.split")
+        convs = convs[rng[0]:rng[1]]
+    render = Renderer(source, **special)
+    ids, learned = zip(*(encode(tok, *render(c)) for c in convs))
+    return Packed(list(ids), list(learned), train.seq_length, tok.eod_id, train.seed)
 
 
 def _file_digest(source: str) -> str | None:
@@ -429,9 +445,8 @@ def build(run: Any, *, split: str, dp_rank: int, dp_size: int, consumed_samples:
             orders[epoch] = np.random.default_rng([run.train.seed, epoch]).permutation(n)
         return int(orders[epoch][g % n])
 
-    fields = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids")
     for picks in rank_micro_batches(run.train, split=split, consumed=consumed_samples, dp_rank=dp_rank,
                                     dp_size=dp_size, final=final):
         pick = [row(g) for g in picks]
-        yield {f: torch.from_numpy(getattr(packed, f)[pick]) for f in fields}
+        yield {f: torch.from_numpy(getattr(packed, f)[pick]) for f in Packed.FIELDS}
 

@@ -20,6 +20,7 @@ from zoo import fused, gemm
 from zoo.nn.attention_ops import attend, attend_at
 from zoo.nn.cache import KVCache as KVCache  # (its own module; zoo.nn's API)
 from zoo.nn.loss import linear_cross_entropy as linear_cross_entropy  # (its own module; zoo.nn's API)
+from zoo.nn.loss import soft_cap as soft_cap
 from zoo.nn.recompute import SelectiveCore, recomputable, recording
 from zoo.parallel.context import ContextParallelSite, SequenceShard  # noqa: F401 (SequenceShard: for models)
 from zoo.spec import NormSpec

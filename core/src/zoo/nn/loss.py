@@ -32,6 +32,12 @@ def _accumulates_in_float32(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` in float32: Gemma 2's soft-capping of logits (attention paths cap
+    their scores inside their own kernels, which keep the slope for backward)."""
+    return torch.tanh(x.float() / cap) * cap
+
+
 class _LinearCrossEntropyFn(torch.autograd.Function):
     """Mean cross entropy of ``hidden @ weight.T`` without keeping the logits.
 
@@ -71,8 +77,8 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             lab = labels[s:s + chunk]
             m = mask[s:s + chunk].float()
             if not need:
-                if softcap is not None:  # cap tanh(logits / cap) (Gemma 2's final soft-capping)
-                    logits = torch.tanh(logits.float() / softcap) * softcap
+                if softcap is not None:
+                    logits = soft_cap(logits, softcap)  # (Gemma 2's final soft-capping)
                 total -= (torch.log_softmax(logits.float(), -1).gather(1, lab[:, None]).squeeze(1) * m).sum()
                 continue
             # the rows' losses, and d loss / d logits in w's dtype (one cast for both GEMMs); with a
@@ -135,7 +141,7 @@ def linear_cross_entropy(hidden: torch.Tensor, head: nn.Module | torch.Tensor, l
 
         logits = comm.copy_to(hidden, head.group) @ head.weight.t()
         if softcap is not None:  # (elementwise: each rank caps its share of the vocabulary)
-            logits = torch.tanh(logits.float() / softcap) * softcap
+            logits = soft_cap(logits, softcap)
         per_token = vocab_parallel_cross_entropy(logits, labels, head.group)
         mask = loss_mask.to(per_token.dtype)
         return (per_token * mask).sum() / mask.sum().clamp(min=1)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zoo.nn import KVCache, RMSNorm, Rotary, linear_cross_entropy, make_norm
+from zoo.nn import KVCache, RMSNorm, Rotary, linear_cross_entropy, make_norm, soft_cap
 from zoo.nn.layers import TransformerLayer, kept_positions, run_layers, take_positions
 from zoo.spec import AttentionSpec, BlockSpec, ModelSpec
 from zoo_gpt.plugin import GemmaConfig, GPTConfig
@@ -123,8 +123,7 @@ class GPT(nn.Module):
             mask = loss_mask.flatten().bool() if loss_mask is not None else None
             return linear_cross_entropy(x.flatten(0, 1), self.head, labels.flatten(), mask, softcap=self.logit_softcap)
         logits = self.head(x)
-        cap = self.logit_softcap
-        return logits if cap is None else torch.tanh(logits.float() / cap).mul(cap).to(logits.dtype)
+        return logits if self.logit_softcap is None else soft_cap(logits, self.logit_softcap).to(logits.dtype)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.embed.weight
@@ -151,12 +150,13 @@ class GemmaBlock(TransformerLayer):
 
 class Gemma(GPT):
     """Gemma 2's and 3's decoder: GPT's with the embeddings scaled by sqrt(hidden) (rounded to their
-    dtype, as Gemma does), two rotary tables, the global layers' and the sliding-window layers' (one
-    base in Gemma 2: the same table twice), and Gemma 2's soft-capped logits."""
+    dtype, as Gemma does), two rotary tables, the global layers' and the sliding-window layers' (Gemma
+    2 has one base: its one table serves both), and Gemma 2's soft-capped logits."""
 
     def __init__(self, cfg: GemmaConfig, spec: ModelSpec) -> None:
         super().__init__(cfg, spec)
-        self.rotary_local = Rotary(cfg.head_dim, cfg.rope_local_theta, None)
+        same = cfg.rope_local_theta == cfg.rope_theta and not cfg.rope_scaling
+        self.rotary_local = None if same else Rotary(cfg.head_dim, cfg.rope_local_theta, None)
         self.logit_softcap = cfg.final_logit_softcapping
 
     def make_block(self, cfg: GemmaConfig, spec: BlockSpec, layer: int) -> nn.Module:
@@ -171,7 +171,8 @@ class Gemma(GPT):
 
     def rope_tables(self, positions: torch.Tensor) -> dict[bool, Any]:
         """Both tables, keyed by whether the layer has a window (`GemmaBlock` picks its own)."""
-        return {False: super().rope_tables(positions), True: self.rotary_local(positions)}
+        glob = super().rope_tables(positions)
+        return {False: glob, True: glob if self.rotary_local is None else self.rotary_local(positions)}
 
 
 def build(cfg: GPTConfig, spec: ModelSpec) -> GPT:
