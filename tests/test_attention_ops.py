@@ -71,10 +71,29 @@ CASES = {
 }
 
 
+@pytest.fixture(params=["torch", "native"], ids=["torch-softmax", "native-softmax"])
+def softmax_kernel(request, monkeypatch):
+    """bf16 blocks' softmax: torch's with the scale in the products, or `zoo.native`'s with the scale
+    inside it (on a CPU with AMX); yields the native kernel's calls, so a test sees which ran."""
+    from zoo import native
+
+    calls: list[int] = []
+    monkeypatch.setattr(native, "_ENABLED", False)  # (whatever an earlier test configured; restored after)
+    if request.param == "native":
+        monkeypatch.delenv("ZOO_BACKENDS", raising=False)
+        native.configure("auto")
+        if not native.softmax_ok(256):
+            pytest.skip(f"native.c's softmax is AVX-512 code ({native.status()})")
+        monkeypatch.setattr(ops, "has_amx", lambda: True)
+        real = native.softmax
+        monkeypatch.setattr(native, "softmax", lambda x, s: calls.append(1) or real(x, s))
+    yield calls
+
+
 @pytest.mark.parametrize("keep", [False, True], ids=["recomputed", "kept-probs"])
 @pytest.mark.parametrize("blocks", [None, (8, 400), (4, 60)], ids=["default", "few-rows", "tiny"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_blocked_attention_matches_float64(case, blocks, keep, monkeypatch):
+def test_blocked_attention_matches_float64(case, blocks, keep, softmax_kernel, monkeypatch):
     # ``keep``: backward reads the probabilities the forward kept instead of recomputing them
     monkeypatch.setattr(ops, "_keeps_probs", lambda *shape: keep)
     if blocks is not None:  # many blocks; bf16 through the long keys' sizes (of their own)
@@ -101,6 +120,7 @@ def test_blocked_attention_matches_float64(case, blocks, keep, monkeypatch):
     torch_bf16 = _run(reference, q, k, v, grad, torch.bfloat16)
     for got, theirs, want in zip(_run(ours, q, k, v, grad, torch.bfloat16), torch_bf16, ref):
         assert _rel(got, want) < max(2.5 * _rel(theirs, want), 4e-3)
+    assert bool(softmax_kernel) == ops.native.enabled()  # (the native kernel ran exactly where it is on)
 
 
 def _packed(b, t):

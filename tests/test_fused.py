@@ -124,25 +124,32 @@ def test_gelu_tanh_and_its_derivative_match_float64(on, dtype):
 
 def test_tanh_gelu_takes_the_compiled_kernel_where_onednns_is_not_the_faster(on, monkeypatch):
     """`zoo.gemm.gelu_tanh`: oneDNN's kernel on an AVX-512 CPU without AMX where `configure` chose it,
-    the compiled one on a CPU with AMX or where oneDNN's is not chosen, torch's inside autograd; a
-    compiler failure falls back to oneDNN's or torch's (not back into the compiled kernel)."""
-    from zoo import gemm
+    on a CPU with AMX `zoo.native`'s (where built with its AVX-512 GELU) or else the compiled one,
+    the compiled one where oneDNN's is not chosen, torch's inside autograd; a compiler failure falls
+    back to oneDNN's or torch's (not back into the compiled kernel)."""
+    from zoo import gemm, native
 
     x = torch.randn(64, 96)
     calls: list[str] = []
     monkeypatch.setattr(gemm, "_gelu_tanh", lambda t: calls.append("onednn") or torch.zeros_like(t))
     with monkeypatch.context() as mp:
         mp.setattr(fused, "gelu_tanh", lambda t, _unfused: calls.append("compiled") or torch.ones_like(t))
-        for amx, eltwise, want in ((False, (torch.float32,), "onednn"), (True, (torch.float32,), "compiled"),
-                                   (False, (), "compiled")):
+        mp.setattr(native, "gelu_tanh", lambda t: calls.append("native") or torch.ones_like(t))
+        mp.setattr(native, "_ENABLED", True)
+        vector = native.gelu_ok(x)  # (built with AVX-512 here)
+        for amx, eltwise, own, want in ((False, (torch.float32,), True, "onednn"),
+                                        (True, (torch.float32,), True, "native" if vector else "compiled"),
+                                        (True, (torch.float32,), False, "compiled"), (False, (), True, "compiled")):
             mp.setattr(gemm, "has_amx", lambda a=amx: a)
             mp.setattr(gemm, "_ELTWISE", eltwise)
+            mp.setattr(native, "_ENABLED", own)
             calls.clear()
             gemm.gelu_tanh(x)
-            assert calls == [want], (amx, eltwise, calls)
+            assert calls == [want], (amx, eltwise, own, calls)
         xg = x.clone().requires_grad_(True)
         assert torch.equal(gemm.gelu_tanh(xg), torch.nn.functional.gelu(xg, approximate="tanh"))  # autograd
         assert calls == [want]
+    monkeypatch.setattr(native, "_ENABLED", False)
 
     def broken(*_a):
         raise RuntimeError("no C++ compiler")

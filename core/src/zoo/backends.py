@@ -8,7 +8,8 @@ reason kept for `zoo list --backends`. ``ZOO_BACKENDS=off`` (or a comma list of 
 e.g. ``ZOO_BACKENDS=-flash-attn``) forces the PyTorch paths, to compare or to rule a kernel out.
 ``-inductor`` turns off the CPU elementwise kernels torch's compiler builds (`zoo.fused`), as
 ``train.cpu_fused=eager`` does for one run: part of torch, not listed here, but each process that
-compiles one first spends ~3 s importing the compiler.
+compiles one first spends ~3 s importing the compiler. ``-native`` turns off zoo's own C kernels
+(`zoo.native`: built with the system's C compiler at first use).
 
 A caller asks for the one function it uses, ``kernel("mamba-ssm", "mamba_ssm.ops.triton.ssd_combined",
 "mamba_chunk_scan_combined")``, and takes its own fallback when the answer is None.

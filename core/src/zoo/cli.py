@@ -153,9 +153,10 @@ def cmd_version(args: argparse.Namespace) -> int:
     from zoo import gemm
 
     print(gemm.configure("auto") + " under train.cpu_gemm=auto")  # what `zoo train` computes with here
-    from zoo import fused
+    from zoo import fused, native
 
     print(fused.configure("auto") + " under train.cpu_fused=auto")
+    print(native.configure("auto") + " under train.cpu_fused=auto")
     return 0
 
 

@@ -5,16 +5,14 @@ On a CPU, torch runs each elementwise operation as its own pass over memory: DiT
 (`zoo.nn.modulated_layer_norm`) is ~10 passes forward, recomputation and backward, and tanh-GELU's
 derivative spends its time in SLEEF's tanh. Compiled, the adaLN is one pass each way and GELU's
 derivative takes its tanh from an exponential (``(1 + tanh u) / 2 = sigmoid(2u)``): 6x and 2.2x
-faster alone on a 2-core AMD EPYC (bf16, 8 x 256 x 384 and 2048 x 1536), ~4% of a bf16 DiT-S step
-(inside a step their inputs come from memory, not cache). tanh-GELU itself is computed the same
-way where `zoo.gemm.gelu_tanh` finds it faster than oneDNN's (a CPU with AMX: 1.9 against 2.3-3.2
-ms; a float32 and a bf16 DiT-S step ~2% faster). adaLN-Zero's gated residual (one pass each way
-where eager torch takes three), LLaMA's RMS norm, SwiGLU (forward and backward) and the LM loss's
-softmax gradient are compiled the same way, and so is the transposed
-copy of a float32 weight gradient's operand that oneDNN's inner product wants dense (tiled: ~3.5x
-torch's strided copy; `zoo.gemm._product` copies the smaller of the two).
-The Mamba mixers' convolution + SiLU and Mamba-2's gated norm live in `zoo.nn.ssm_fused`, through
-`run` here.
+faster alone on a 2-core AMD EPYC (bf16, 8 x 256 x 384 and 2048 x 1536), ~4% of a bf16 DiT-S step.
+tanh-GELU itself is computed the same way where `zoo.gemm.gelu_tanh` finds it faster than oneDNN's.
+adaLN-Zero's gated residual (one pass each way where eager torch takes three), LLaMA's RMS norm,
+SwiGLU (forward and backward), the LM loss's softmax gradient and the transposed copy of a float32
+weight gradient's operand that oneDNN's inner product wants dense (tiled: ~3.5x torch's strided
+copy; `zoo.gemm._product`) are compiled the same way; the Mamba mixers' convolution + SiLU and
+Mamba-2's gated norm (`zoo.nn.ssm_fused`) through `run` here. (zoo's own C kernels, for what no
+compiler writes fast: `zoo.native`.)
 
 Used for CPU tensors of at least `_MIN_ELEMENTS` elements (a compile costs ~2.5 s per process,
 once for each of the first `_SIGNATURES` sets of sizes a kernel sees and once more for any others;
@@ -239,21 +237,23 @@ def _transpose(a: torch.Tensor) -> torch.Tensor:
 
 
 def transpose(a: torch.Tensor) -> torch.Tensor:
-    """``a.t().contiguous()`` for a 2-D ``a``: inductor tiles it (3.5-4.4x torch's strided copy for a
-    2048 x 512..3072 float32 matrix), where oneDNN's products want a weight gradient's operands."""
+    """``a.t().contiguous()`` of a 2-D ``a``, tiled by inductor: 3.5-4.4x torch's strided copy on a Zen 4."""
     return run("transpose", _transpose, _transpose, a)
 
 
 # ------------------------------------------------------------------------------ adaLN layer norm
 
 
+def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+              dtype: torch.dtype) -> torch.Tensor:
+    return torch.addcmul(shift.float(), (x.float() - mean) * rstd, 1 + scale.float()).to(dtype)
+
+
 def _modulated_ln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, dtype: torch.dtype
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    xf = x.float()
-    mean = xf.mean(-1, keepdim=True)
-    xc = xf - mean
-    rstd = torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps)
-    return torch.addcmul(shift.float(), xc * rstd, 1 + scale.float()).to(dtype), mean, rstd
+    mean = x.float().mean(-1, keepdim=True)
+    rstd = torch.rsqrt(((x.float() - mean) * (x.float() - mean)).mean(-1, keepdim=True) + eps)
+    return _modulate(x, shift, scale, mean, rstd, dtype), mean, rstd
 
 
 def _modulated_ln_eager(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, dtype: torch.dtype
@@ -267,6 +267,12 @@ def modulated_ln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps:
     """``(LN(x) * (1 + scale) + shift`` rounded to ``dtype``, the rows' float32 mean and 1/std)``,
     LN without affine weights, computed in float32."""
     return run("modulated_ln", _modulated_ln, _modulated_ln_eager, x, shift, scale, eps, dtype)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+             dtype: torch.dtype) -> torch.Tensor:
+    """`modulated_ln`'s output from the statistics it returned, bitwise, without its reductions."""
+    return run("modulate", _modulate, _modulate, x, shift, scale, mean, rstd, dtype)
 
 
 def _modulated_ln_backward(g: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor,

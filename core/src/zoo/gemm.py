@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo import fused
+from zoo import fused, native
 
 Mode = Literal["auto", "onednn", "blas"]
 _ONEDNN = False  # whether float32 CPU products go through oneDNN in this process
@@ -46,6 +46,12 @@ _ELTWISE: tuple[torch.dtype, ...] = ()  # the dtypes whose tanh-GELU on a CPU is
 _AUTOCAST = False  # whether bf16-autocast CPU linears go through `_AutocastLinear`
 _FEW_ROWS = 32  # autocast linears over at most this many rows compute in float32 (`linear`)
 _EYE = 16  # width of the identity `gelu_tanh` multiplies by (the fastest of 8-128 measured)
+# `mm` makes an operand of a bf16/fp16 product read along its columns dense first from this many
+# elements of the reduction and this many multiply-adds (`_dense_first`): below, the copy's cost
+# is not won back (an expert's (384 rows)^T x (384, 512): 0.36 against 0.29 ms in place; at
+# (256 rows)^T x (256, 1,536) 0.39 against 0.49).
+_DENSE_REDUCTION = 256
+_DENSE_WORK = 1 << 27
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,17 +107,26 @@ def bf16_is_native() -> bool:
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """``F.gelu(x, approximate="tanh")``, for a CPU tensor outside autograd (the activations' own
-    backward takes the derivative) through the fastest kernel measured for the CPU: `zoo.fused`'s
-    compiled one on a CPU with AMX (oneDNN's is slower there: float32 (2,048, 1,536) 1.9 ms against
-    2.3-3.0, bf16 1.9 against 2.8-3.2) or where oneDNN's eltwise kernel is not chosen; oneDNN's where
-    `configure` chose it (AVX-512 AMD CPUs: 2.7x torch's), for contiguous float32/bf16; else torch's.
-    Each is within float32 rounding of torch's and gives the same bits for the same input whatever
-    the tensor's size or thread count, so a recomputed copy is exact."""
+    backward takes the derivative) through the fastest kernel measured for the CPU: on a CPU with
+    AMX `zoo.native`'s (bf16 (2,048, 1,536) 0.74 ms against `zoo.fused`'s compiled one's 1.03,
+    float32 likewise), else the compiled one (oneDNN's is slower there too: float32 1.9 ms against
+    2.3-3.0, bf16 1.9 against 2.8-3.2) where oneDNN's eltwise kernel is not chosen; oneDNN's where
+    `configure` chose it (AVX-512 AMD CPUs: 2.7x torch's), for contiguous float32/bf16; else
+    torch's. Each is within float32 rounding of torch's and gives the same bits for the same input
+    whatever the tensor's size or thread count, so a recomputed copy is exact."""
     if x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
         return F.gelu(x, approximate="tanh")
+    if native_gelu(x):
+        return native.gelu_tanh(x)
     if fused.wanted(x) and (not _onednn_gelu(x) or has_amx()):
         return fused.gelu_tanh(x, gelu_tanh_unfused)
     return gelu_tanh_unfused(x)
+
+
+def native_gelu(*tensors: torch.Tensor) -> bool:
+    """Whether tanh-GELU (or its derivative, given ``g, x``) of these tensors is `zoo.native`'s: on a
+    CPU with AMX (where it was measured the faster), tensors of at least `zoo.fused`'s minimum size."""
+    return tensors[0].numel() >= fused._MIN_ELEMENTS and has_amx() and native.gelu_ok(*tensors)
 
 
 def _onednn_gelu(x: torch.Tensor) -> bool:
@@ -275,7 +290,7 @@ class _AutocastLinear(torch.autograd.Function):
         g = grad.to(ctx.dtype).reshape(-1, grad.shape[-1])
         # torch's bf16 mm is oneDNN's too, and reads the transposed operands in place
         dx = torch.mm(g, weight.to(ctx.dtype)).view(x.shape) if ctx.needs_input_grad[0] else None
-        dw = torch.mm(g.t(), x.reshape(-1, x.shape[-1])).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        dw = mm(g.t(), x.reshape(-1, x.shape[-1]), torch.empty_like(weight)) if ctx.needs_input_grad[1] else None
         # (torch's bf16 sum accumulates in float32; sum(dtype=float32) would first copy g to float32)
         db = g.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None
@@ -302,11 +317,52 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b`` (2-D, no autograd: for hand-written backward passes), into ``out`` if given."""
-    if not onednn_for(a, b):
-        return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
-    y = _product(a, b)
-    return _dense(y) if out is None else out.copy_(y)
+    """``a @ b`` (2-D, no autograd: for hand-written backward passes), into ``out`` if given (which may
+    be float32 for bf16/fp16 operands: the product rounded to their dtype, then widened, as
+    ``.to(out.dtype)`` would). A bf16 weight gradient ``g.T @ x`` goes through `_dense_first`."""
+    if onednn_for(a, b):
+        y = _product(a, b)
+        return _dense(y) if out is None else out.copy_(y)
+    if _dense_first(a, b):
+        return _transposed_product(a, b, out)
+    if out is not None and out.dtype != a.dtype:
+        return out.copy_(torch.mm(a, b))
+    return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
+
+
+def _dense_first(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a @ b`` computes from a dense copy of one operand (`_transposed_product`): bf16/fp16 on
+    a CPU with AMX, ``a`` laid out by columns (``g.T``, g's rows the reduction: every linear layer's
+    weight gradient) and ``b`` by rows, large enough, with `zoo.native`'s transposition available.
+
+    oneDNN's AMX products read their left operand along the reduction. Given ``g.T``, read the
+    other way, they transpose it themselves and take 1.6-2x the time of the product of a dense
+    operand: on a 2-core Xeon with AMX, DiT-S's four weight gradients (2,048 tokens; 384 to 1,536,
+    1,536 to 384, 384 to 1,152, 384 to 384) 2.25, 2.54, 2.18 and 0.77 ms in place, 1.32, 1.34, 1.08
+    and 0.57 from a dense copy, which `zoo.native` makes in 0.1-0.25 ms for the smaller operand.
+    (float32 products, MKL's and oneDNN's AVX-512 ones, gain little or nothing: `_product` copies
+    one operand for oneDNN.)"""
+    return (a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype and a.device.type == "cpu"
+            and b.device.type == "cpu" and a.dim() == 2 and b.dim() == 2 and a.stride(0) == 1
+            and a.shape[0] > 1 and b.stride(1) == 1 and a.shape[1] >= _DENSE_REDUCTION
+            and a.shape[0] * a.shape[1] * b.shape[1] >= _DENSE_WORK and has_amx() and native.available())
+
+
+def _transposed_product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``a @ b`` for ``a`` read by columns (`_dense_first`), the smaller operand made dense first:
+    ``a`` itself (dense ``a`` times ``b``), or ``b`` as ``(b.T @ a.T).T`` (``b.T`` dense, ``a.T`` read
+    by rows), whose transposition back is the copy into ``out`` (widening it where ``out`` is
+    float32). The same products, rounded once to the operands' dtype."""
+    if a.shape[0] <= b.shape[1]:
+        dense = native.transposed(a.t())
+        if out is None or out.dtype != a.dtype:
+            y = torch.mm(dense, b)
+            return y if out is None else out.copy_(y)
+        return torch.mm(dense, b, out=out)
+    yt = torch.mm(native.transposed(b), a.t())
+    if out is None:
+        out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    return native.transpose_into(yt, out)
 
 
 class Linear(nn.Linear):

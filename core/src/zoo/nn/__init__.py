@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo import fused, gemm
+from zoo import fused, gemm, native
 from zoo.nn.attention_ops import attend, attend_at
 from zoo.nn.cache import KVCache as KVCache  # (its own module; zoo.nn's API)
 from zoo.nn.loss import linear_cross_entropy as linear_cross_entropy  # (its own module; zoo.nn's API)
@@ -163,10 +163,12 @@ def _modulate(xhat: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, dtyp
     return torch.addcmul(_up(shift), xhat, 1 + _up(scale)).to(dtype)
 
 
-def _modulated(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """The forward's output again from its inputs: the same kernels, so the same bits."""
+def _modulated(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+               eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """The forward's output again from its inputs and statistics: the same kernels' arithmetic, so
+    the same bits."""
     if fused.wanted(x):
-        return fused.modulated_ln(x, shift, scale, eps, dtype)[0]
+        return fused.modulate(x, shift, scale, mean, rstd, dtype)
     return _modulate(torch.native_layer_norm(_up(x), x.shape[-1:], None, None, eps)[0], shift, scale, dtype)
 
 
@@ -199,8 +201,8 @@ def modulated_layer_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tens
     dtype = _autocast_output(x)
     y = _ModulatedLayerNormFn.apply(x, shift, scale, eps, dtype)
     if y.grad_fn is not None and recording():
-        xs, sh, sc, _, _ = y.grad_fn.saved_tensors
-        recomputable(y, lambda: _modulated(xs, sh, sc, eps, dtype))
+        xs, sh, sc, mean, rstd = y.grad_fn.saved_tensors
+        recomputable(y, lambda: _modulated(xs, sh, sc, mean, rstd, eps, dtype))
     return y
 
 
@@ -265,7 +267,8 @@ def activation(x: torch.Tensor, name: str) -> torch.Tensor:
 
 _DERIVATIVES = {
     "gelu": lambda g, x: torch.ops.aten.gelu_backward(g, x),
-    "gelu_tanh": lambda g, x: (fused.gelu_tanh_backward(g, x) if fused.wanted(x)
+    "gelu_tanh": lambda g, x: (native.gelu_tanh_backward(g, x) if gemm.native_gelu(g, x)
+                               else fused.gelu_tanh_backward(g, x) if fused.wanted(x)
                                else torch.ops.aten.gelu_backward(g, x, approximate="tanh")),
     "silu": torch.ops.aten.silu_backward,
     "relu": lambda g, x: torch.ops.aten.threshold_backward(g, x, 0),

@@ -1,6 +1,7 @@
 """What `zoo train` sets in a process that computes on a CPU (the benchmarks set the same): freed
-memory kept for reuse (`zoo.training.malloc`), the float32 products' library (`zoo.gemm`) and the
-fused elementwise kernels (`zoo.fused`), each from its `TrainConfig` field."""
+memory kept for reuse (`zoo.training.malloc`), the float32 products' library (`zoo.gemm`), the
+fused elementwise kernels (`zoo.fused`) and zoo's C kernels with them (`zoo.native`), each from
+its `TrainConfig` field."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from typing import Any
 def configure(train: Any, announce: bool = False) -> list[str]:
     """Apply ``train``'s (a `zoo.config.TrainConfig`) CPU settings to this process; returns what each
     chose (one line each). ``announce``: print `precision_note` where there is one."""
-    from zoo import fused, gemm
+    from zoo import fused, gemm, native
     from zoo.training import malloc
 
-    lines = [malloc.configure(train.cpu_malloc), gemm.configure(train.cpu_gemm), fused.configure(train.cpu_fused)]
+    lines = [malloc.configure(train.cpu_malloc), gemm.configure(train.cpu_gemm), fused.configure(train.cpu_fused),
+             native.configure(train.cpu_fused)]
     if announce and (note := precision_note(train.precision)):
         print(note, flush=True)
     return lines
