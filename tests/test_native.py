@@ -34,7 +34,7 @@ def on(monkeypatch):
 
 def _vectorized() -> bool:
     lib = native._library()
-    return lib is not None and bool(lib.zoo_gelu_vectorized())
+    return lib is not None and bool(lib.zoo_avx512())
 
 
 needs_avx512 = pytest.mark.skipif(not _vectorized(), reason="native.c's GELU and softmax are AVX-512 code")

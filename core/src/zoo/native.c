@@ -179,11 +179,11 @@ void zoo_transpose(int kind, const void* src, void* dst, int64_t batch, int64_t 
    (vscalefps: overflow to inf, underflow to 0), 1 / (1 + 2^t) as a reciprocal estimate refined by
    one Newton step (2^-28). Each element's result depends on its input alone (no reduction), so a
    recomputed output equals the forward's bit for bit whatever the threads or the tensor's size.
-   AVX-512 only (zoo_gelu_vectorized() says whether it was compiled in; zoo.native's callers keep
+   AVX-512 only (zoo_avx512() says whether it was compiled in; zoo.native's callers keep
    inductor's kernel otherwise). */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#define ZOO_GELU_VECTORIZED 1
+#define ZOO_AVX512 1
 #define GELU_K 0.7978845608028654f
 #define GELU_A 0.044715f
 #define GELU_K2 (-2.0f * 0.7978845608028654f * 1.4426950408889634f)
@@ -241,30 +241,52 @@ static inline void store16(int bf16, void* p, int64_t i, __m512 v, __mmask16 m) 
 }
 
 #define GELU_CHUNK 4096
+
+/* The lanes of a vector of 16 that hold elements when ``left`` remain. */
+static inline __mmask16 lanes(int64_t left) {
+  return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
 #endif
 
-int zoo_gelu_vectorized(void) {
-#ifdef ZOO_GELU_VECTORIZED
+int zoo_avx512(void) {
+#ifdef ZOO_AVX512
   return 1;
 #else
   return 0;
 #endif
 }
 
-/* y = GELU_tanh(x), n elements of float32 (bf16 = 0) or bf16 (bf16 = 1), contiguous. */
-void zoo_gelu_tanh(int bf16, const void* x, void* y, int64_t n, int nthreads) {
-#ifdef ZOO_GELU_VECTORIZED
+#ifdef ZOO_AVX512
+/* GELU(x) into y, or with g, g * GELU'(x): n elements, chunks of them to the threads. Inlined into
+   each caller, so that the test of g is the compiler's and each loop is straight. */
+static inline __attribute__((always_inline)) void gelu(int bf16, const void* g, const void* x, void* y, int64_t n,
+                                                       int nthreads) {
   const int64_t chunks = (n + GELU_CHUNK - 1) / GELU_CHUNK;
   (void)nthreads;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t c = 0; c < chunks; c++) {
     const int64_t end = (c + 1) * GELU_CHUNK < n ? (c + 1) * GELU_CHUNK : n;
     for (int64_t i = c * GELU_CHUNK; i < end; i += 16) {
-      const __mmask16 m = end - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (end - i)) - 1);
-      const __m512 v = load16(bf16, x, i, m);
-      store16(bf16, y, i, _mm512_mul_ps(v, sigmoid2u(v)), m);
+      const __mmask16 m = lanes(end - i);
+      const __m512 v = load16(bf16, x, i, m), s = sigmoid2u(v);
+      if (!g) {
+        store16(bf16, y, i, _mm512_mul_ps(v, s), m);
+        continue;
+      }
+      /* s + 2K x s (1 - s) (1 + 3A x^2) */
+      const __m512 poly = _mm512_fmadd_ps(_mm512_set1_ps(3.0f * GELU_A), _mm512_mul_ps(v, v), _mm512_set1_ps(1.0f));
+      const __m512 w = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(2.0f * GELU_K), v), s),
+                                     _mm512_sub_ps(_mm512_set1_ps(1.0f), s));
+      store16(bf16, y, i, _mm512_mul_ps(load16(bf16, g, i, m), _mm512_fmadd_ps(w, poly, s)), m);
     }
   }
+}
+#endif
+
+/* y = GELU_tanh(x), n elements of float32 (bf16 = 0) or bf16 (bf16 = 1), contiguous. */
+void zoo_gelu_tanh(int bf16, const void* x, void* y, int64_t n, int nthreads) {
+#ifdef ZOO_AVX512
+  gelu(bf16, 0, x, y, n, nthreads);
 #else
   (void)bf16; (void)x; (void)y; (void)n; (void)nthreads;
 #endif
@@ -272,25 +294,8 @@ void zoo_gelu_tanh(int bf16, const void* x, void* y, int64_t n, int nthreads) {
 
 /* out = g * GELU_tanh'(x), g, x and out all float32 or all bf16, contiguous. */
 void zoo_gelu_tanh_backward(int bf16, const void* g, const void* x, void* out, int64_t n, int nthreads) {
-#ifdef ZOO_GELU_VECTORIZED
-  const int64_t chunks = (n + GELU_CHUNK - 1) / GELU_CHUNK;
-  (void)nthreads;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t c = 0; c < chunks; c++) {
-    const int64_t end = (c + 1) * GELU_CHUNK < n ? (c + 1) * GELU_CHUNK : n;
-    for (int64_t i = c * GELU_CHUNK; i < end; i += 16) {
-      const __mmask16 m = end - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (end - i)) - 1);
-      const __m512 v = load16(bf16, x, i, m);
-      const __m512 s = sigmoid2u(v);
-      const __m512 x2 = _mm512_mul_ps(v, v);
-      /* s + 2K x s (1 - s) (1 + 3A x^2) */
-      const __m512 poly = _mm512_fmadd_ps(_mm512_set1_ps(3.0f * GELU_A), x2, _mm512_set1_ps(1.0f));
-      const __m512 w = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(2.0f * GELU_K), v), s),
-                                     _mm512_sub_ps(_mm512_set1_ps(1.0f), s));
-      const __m512 d = _mm512_fmadd_ps(w, poly, s);
-      store16(bf16, out, i, _mm512_mul_ps(load16(bf16, g, i, m), d), m);
-    }
-  }
+#ifdef ZOO_AVX512
+  gelu(bf16, g, x, out, n, nthreads);
 #else
   (void)bf16; (void)g; (void)x; (void)out; (void)n; (void)nthreads;
 #endif
@@ -304,7 +309,7 @@ void zoo_gelu_tanh_backward(int bf16, const void* g, const void* x, void* out, i
    max)) / sum, c = scale (an all -inf row gives NaNs, as torch's softmax). Backward: ds = scale p
    (dp - sum(p dp)), the next two products' scale folded in. Rows of at most 16,384 elements. */
 
-#if defined(ZOO_GELU_VECTORIZED)
+#if defined(ZOO_AVX512)
 #define SOFTMAX_MAX 16384
 
 static inline float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
@@ -313,21 +318,21 @@ static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 static void softmax_row(const uint16_t* x, uint16_t* y, int64_t n, float scale, float* e) {
   __m512 mv = _mm512_set1_ps(-INFINITY);
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __mmask16 m = lanes(n - i);
     mv = _mm512_mask_max_ps(mv, m, mv, load16(1, x, i, m));
   }
   const float mx = hmax(mv);
   const __m512 c = _mm512_set1_ps(scale * 1.4426950408889634f), mxv = _mm512_set1_ps(mx);
   __m512 sv = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __mmask16 m = lanes(n - i);
     const __m512 v = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(load16(1, x, i, m), mxv), c));
     _mm512_mask_storeu_ps(e + i, m, v);
     sv = _mm512_mask_add_ps(sv, m, sv, v);
   }
   const __m512 inv = _mm512_set1_ps(1.0f / hsum(sv));
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __mmask16 m = lanes(n - i);
     store16(1, y, i, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, e + i), inv), m);
   }
 }
@@ -335,12 +340,12 @@ static void softmax_row(const uint16_t* x, uint16_t* y, int64_t n, float scale, 
 static void softmax_backward_row(const uint16_t* dp, const uint16_t* p, uint16_t* ds, int64_t n, float scale) {
   __m512 dot = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __mmask16 m = lanes(n - i);
     dot = _mm512_fmadd_ps(load16(1, p, i, m), load16(1, dp, i, m), dot);
   }
   const __m512 d = _mm512_set1_ps(hsum(dot)), sc = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __mmask16 m = lanes(n - i);
     const __m512 pv = load16(1, p, i, m);
     store16(1, ds, i, _mm512_mul_ps(_mm512_mul_ps(pv, sc), _mm512_sub_ps(load16(1, dp, i, m), d)), m);
   }
@@ -350,7 +355,7 @@ static void softmax_backward_row(const uint16_t* dp, const uint16_t* p, uint16_t
 /* y = softmax(scale x) over rows of n bf16 elements (rows x n, contiguous). Returns 0 when not
    compiled (no AVX-512) or n is too long: the caller then takes torch's. */
 int zoo_softmax_bf16(const void* x, void* y, int64_t rows, int64_t n, float scale, int nthreads) {
-#if defined(ZOO_GELU_VECTORIZED)
+#if defined(ZOO_AVX512)
   if (n > SOFTMAX_MAX) return 0;
   (void)nthreads;
 #pragma omp parallel num_threads(nthreads)
@@ -369,7 +374,7 @@ int zoo_softmax_bf16(const void* x, void* y, int64_t rows, int64_t n, float scal
 /* ds = scale p (dp - rowsum(p dp)), all bf16, rows x n contiguous. Returns 0 when not compiled. */
 int zoo_softmax_backward_bf16(const void* dp, const void* p, void* ds, int64_t rows, int64_t n, float scale,
                               int nthreads) {
-#if defined(ZOO_GELU_VECTORIZED)
+#if defined(ZOO_AVX512)
   (void)nthreads;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t r = 0; r < rows; r++)

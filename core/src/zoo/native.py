@@ -113,7 +113,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     fn = lib.zoo_transpose
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 7 + [ctypes.c_int]
     fn.restype = None
-    lib.zoo_gelu_vectorized.restype = ctypes.c_int
+    lib.zoo_avx512.restype = ctypes.c_int
     lib.zoo_gelu_tanh.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.zoo_gelu_tanh.restype = None
     lib.zoo_gelu_tanh_backward.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int]
@@ -164,7 +164,7 @@ def configure(mode: str = "auto") -> str:
         why = "ZOO_BACKENDS switches native off" if mode == "auto" else f"train.cpu_fused={mode}"
         return f"zoo's C kernels (transposition, GELU, softmax): off ({why})"
     lib = _library()
-    vector = lib is not None and bool(lib.zoo_gelu_vectorized())
+    vector = lib is not None and bool(lib.zoo_avx512())
     kernels = "transposition, GELU, softmax" if vector else "transposition (GELU and softmax need AVX-512)"
     if lib is None:
         return f"zoo's C kernels: unavailable ({_why})"
@@ -211,7 +211,7 @@ def gelu_ok(*tensors: torch.Tensor) -> bool:
     """Whether `gelu_tanh` / `gelu_tanh_backward` take these tensors: contiguous CPU float32 or bf16
     tensors of one dtype, the library built with its AVX-512 GELU."""
     lib = _library() if _ENABLED else None
-    return (lib is not None and bool(lib.zoo_gelu_vectorized())
+    return (lib is not None and bool(lib.zoo_avx512())
             and all(t.device.type == "cpu" and t.dtype == tensors[0].dtype and t.is_contiguous()
                     and t.shape == tensors[0].shape for t in tensors)
             and tensors[0].dtype in (torch.float32, torch.bfloat16))
@@ -236,7 +236,7 @@ def gelu_tanh_backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def softmax_ok(n: int) -> bool:
     """Whether `softmax` and `softmax_backward` take contiguous bf16 rows of ``n`` elements here."""
     lib = _library() if _ENABLED else None
-    return lib is not None and bool(lib.zoo_gelu_vectorized()) and 0 < n <= 16384
+    return lib is not None and bool(lib.zoo_avx512()) and 0 < n <= 16384
 
 
 def softmax(x: torch.Tensor, scale: float) -> torch.Tensor | None:
