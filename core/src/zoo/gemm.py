@@ -46,7 +46,7 @@ _ELTWISE: tuple[torch.dtype, ...] = ()  # the dtypes whose tanh-GELU on a CPU is
 _AUTOCAST = False  # whether bf16-autocast CPU linears go through `_AutocastLinear`
 _FEW_ROWS = 32  # autocast linears over at most this many rows compute in float32 (`linear`)
 _EYE = 16  # width of the identity `gelu_tanh` multiplies by (the fastest of 8-128 measured)
-# `mm` makes an operand of a bf16/fp16 product read along its columns dense first from this many
+# `mm` makes an operand of a bf16 product read along its columns dense first from this many
 # elements of the reduction and this many multiply-adds (`_dense_first`): below, the copy's cost
 # is not won back (an expert's (384 rows)^T x (384, 512): 0.36 against 0.29 ms in place; at
 # (256 rows)^T x (256, 1,536) 0.39 against 0.49).
@@ -318,8 +318,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b`` (2-D, no autograd: for hand-written backward passes), into ``out`` if given (which may
-    be float32 for bf16/fp16 operands: the product rounded to their dtype, then widened, as
-    ``.to(out.dtype)`` would). A bf16 weight gradient ``g.T @ x`` goes through `_dense_first`."""
+    be float32 for bf16 operands: the product rounded to bf16, then widened, as ``.to(out.dtype)``
+    would). A bf16 weight gradient ``g.T @ x`` goes through `_dense_first`."""
     if onednn_for(a, b):
         y = _product(a, b)
         return _dense(y) if out is None else out.copy_(y)
@@ -331,8 +331,8 @@ def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> tor
 
 
 def _dense_first(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a @ b`` computes from a dense copy of one operand (`_transposed_product`): bf16/fp16 on
-    a CPU with AMX, ``a`` laid out by columns (``g.T``, g's rows the reduction: every linear layer's
+    """Whether ``a @ b`` computes from a dense copy of one operand (`_transposed_product`): bf16 on a
+    CPU with AMX (the kind measured), ``a`` laid out by columns (``g.T``, g's rows the reduction: every linear layer's
     weight gradient) and ``b`` by rows, large enough, with `zoo.native`'s transposition available.
 
     oneDNN's AMX products read their left operand along the reduction. Given ``g.T``, read the
@@ -342,7 +342,7 @@ def _dense_first(a: torch.Tensor, b: torch.Tensor) -> bool:
     and 0.57 from a dense copy, which `zoo.native` makes in 0.1-0.25 ms for the smaller operand.
     (float32 products, MKL's and oneDNN's AVX-512 ones, gain little or nothing: `_product` copies
     one operand for oneDNN.)"""
-    return (a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype and a.device.type == "cpu"
+    return (a.dtype == torch.bfloat16 and b.dtype == a.dtype and a.device.type == "cpu"
             and b.device.type == "cpu" and a.dim() == 2 and b.dim() == 2 and a.stride(0) == 1
             and a.shape[0] > 1 and b.stride(1) == 1 and a.shape[1] >= _DENSE_REDUCTION
             and a.shape[0] * a.shape[1] * b.shape[1] >= _DENSE_WORK and has_amx() and native.available())
