@@ -182,6 +182,11 @@ def available() -> bool:
     return _ENABLED and _library() is not None
 
 
+def status() -> str:
+    """How the library was built, or why it was not (after the first use), for messages."""
+    return _why
+
+
 def _fits(a: torch.Tensor, out: torch.Tensor) -> bool:
     return (a.device.type == "cpu" and out.device.type == "cpu" and (a.dtype, out.dtype) in _KINDS
             and a.dim() == out.dim() and a.dim() in (2, 3) and a.shape[:-2] == out.shape[:-2]
