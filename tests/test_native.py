@@ -76,7 +76,7 @@ def test_transposition_reads_and_writes_strided_views(on):
     assert (big[outside] == 0).all()
 
 
-def test_transposition_without_the_library_is_torchs_copy(monkeypatch):
+def test_transposition_without_the_library_is_torchs_copy():
     """Switched off (or not built), `transposed` is torch's copy, and autograd still records it."""
     native.configure("eager")
     a = torch.randn(40, 30, requires_grad=True)
