@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _gpt_helpers import zoo
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from zoo_gpt import plugin
 from zoo_gpt.convert import to_hf_config
@@ -66,8 +66,7 @@ def test_meta_build_matches_published_size(flavor):
                          ids=lambda f: f.__name__)
 def test_same_count_as_hf_from_exported_config(flavor):
     cfg = flavor()
-    hf_cfg = to_hf_config(cfg)
-    config = AutoConfig.for_model(hf_cfg.pop("model_type"), **{k: v for k, v in hf_cfg.items() if k != "architectures"})
+    config = to_hf_config(cfg)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config)
         ours = _build(cfg)

@@ -302,14 +302,17 @@ def test_bad_patterns_fail_with_one_clear_line(over, message):
 
 
 def test_unsupported_hugging_face_configs_are_refused():
+    from zoo.checkpoint.fields import check_config
     from zoo.errors import UsageError
 
-    with pytest.raises(UsageError, match="use_bias=True is not supported"):
+    mamba1 = convert.to_hf_config(MambaConfig(vocab_size=64, hidden_size=32, num_layers=2, layer_spec="mamba1"))
+    check_config(convert.FIELDS, mamba1)
+    mamba1.use_bias = True
+    with pytest.raises(UsageError, match=r"MambaConfig.use_bias=True changes the computation"):
+        check_config(convert.FIELDS, mamba1)
+    with pytest.raises(UsageError, match="num_heads"):  # (transformers' own validation)
         convert.from_hf_config({**convert.to_hf_config(MambaConfig(vocab_size=64, hidden_size=32, num_layers=2,
-                                                                   layer_spec="mamba1")), "use_bias": True})
-    with pytest.raises(UsageError, match="num_heads=3"):
-        convert.from_hf_config({**convert.to_hf_config(MambaConfig(vocab_size=64, hidden_size=32, num_layers=2,
-                                                                   ssm_head_dim=16)), "num_heads": 3})
+                                                                   ssm_head_dim=16)).to_dict(), "num_heads": 3})
     assert math.isinf(convert.from_hf_config(convert.to_hf_config(MambaConfig(vocab_size=64, hidden_size=32,
                                                                               num_layers=2, ssm_head_dim=16))).dt_max)
     grouped = _hf("nemotron_h", **GROUPED).config.to_dict()

@@ -168,6 +168,7 @@ def test_dropless_dispatch_equals_the_per_token_formula(router):
 ROUTERS = [  # (score, renormalised, groups, group_topk, top_k, scaling, expert bias)
     ("softmax", True, 1, 1, 2, 1.0, False), ("softmax", True, 4, 2, 4, 1.0, False),
     ("softmax", False, 4, 2, 4, 1.0, False), ("softmax", True, 4, 1, 3, 1.0, False),
+    ("softmax", True, 1, 1, 1, 1.0, False), ("softmax", False, 1, 1, 1, 1.0, False),  # top-1: a gate of 1 / the score
     ("sigmoid", True, 4, 2, 4, 2.5, True), ("sigmoid", True, 8, 3, 6, 1.0, False), ("sigmoid", True, 1, 1, 3, 2.5, True),
 ]
 
@@ -452,12 +453,11 @@ def test_a_flavors_num_layers_overrides_alone_where_the_pattern_is_its_default(f
 def test_flavors_count_what_transformers_builds_from_their_exported_config(flavor):
     """On the meta device: a flavor's parameters equal those of the Hugging Face model its exported
     config describes (Qwen3-30B-A3B: 30,532,122,624, as released)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from zoo_moe import plugin
 
     cfg = getattr(plugin, flavor)()
-    hf_cfg = convert.to_hf_config(cfg)
-    config = AutoConfig.for_model(hf_cfg.pop("model_type"), **{k: v for k, v in hf_cfg.items() if k != "architectures"})
+    config = convert.to_hf_config(cfg)
     with torch.device("meta"):
         ours = sum(p.numel() for p in build(cfg, SPECS[cfg.layer_spec]).parameters())
         theirs = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())

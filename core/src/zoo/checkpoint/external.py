@@ -1,10 +1,13 @@
-"""Checkpoint conversion between zoo's model directories and external formats (Hugging Face),
-and loading a model from either.
+"""Checkpoint conversion between zoo's model directories and external formats (Hugging Face
+transformers and diffusers), and loading a model from either.
 
 A family declares each format it converts to as an `ExternalFormat`: the format's architecture
-names, a key `MappingTable` (`zoo.checkpoint.mapping`) and the config translation both ways.
-Conversions write into a temporary sibling directory and rename it into place, and refuse to
-overwrite anything.
+names, a key `MappingTable` (`zoo.checkpoint.mapping`), the config translation both ways and a
+`FieldTable` per config class (`zoo.checkpoint.fields`). Config files are read and written by the
+library that owns them: transformers' config classes (``AutoConfig``, never remote code) and
+diffusers' ``ConfigMixin`` (the model class's config, built on the meta device), so every
+release's serialisation and defaults are that library's. Conversions write into a temporary
+sibling directory and rename it into place, and refuse to overwrite anything.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import shutil
 import tempfile
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from zoo.checkpoint.fields import FieldTable, check_config
 from zoo.checkpoint.mapping import MappingError, MappingTable, check_shapes, from_external, to_external
 from zoo.checkpoint.model_dir import (
     META,
@@ -49,15 +54,22 @@ class ExternalFormat:
     ``import_table(config, keys)``, when given, picks the table to import with from the keys
     present (a format with several on-disk layouts, e.g. Mixtral's per-expert and fused experts)
     and refuses a mix; export always writes ``table(config)``.
+
+    ``from_config`` receives the library's config object (a transformers ``PretrainedConfig``; for
+    diffusers the model's ``config``, every default filled in) and ``to_config`` returns one
+    (a ``PretrainedConfig``, or a diffusers model built on the meta device), which is saved with
+    that library's own ``save_pretrained`` / ``save_config``. ``fields`` maps each config class
+    the format reads to its `FieldTable`; values a table fixes are checked before ``from_config``.
     """
 
     name: str
     architectures: Mapping[str, str]
     table: Callable[[Any], MappingTable]
-    to_config: Callable[[Any], dict[str, Any]]
-    from_config: Callable[[dict[str, Any]], Any]
+    to_config: Callable[[Any], Any]
+    from_config: Callable[[Any], Any]
     stem: str = "model"
     import_table: Callable[[Any, Collection[str]], MappingTable] | None = None
+    fields: Mapping[str, FieldTable] = dataclass_field(default_factory=dict)
 
     def table_for(self, config: Any, keys: Collection[str]) -> MappingTable:
         """The mapping to import a state dict with these keys."""
@@ -142,23 +154,30 @@ def _formats(fmt_name: str) -> list[tuple[Any, ExternalFormat]]:
     return out
 
 
-def _hf_source(src: Path, fmt_name: str = "hf") -> tuple[Any, ExternalFormat, Any, dict[str, Any]]:
+def _hf_source(src: Path, fmt_name: str = "hf") -> tuple[Any, ExternalFormat, Any, Any]:
+    """The family, format and zoo config of the model directory ``src``, and the library's config
+    object it was read from."""
     cfg_path = src / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{src}: no config.json (not a Hugging Face model directory)")
-    hf = read_json(cfg_path)
-    archs = hf.get("architectures") or ([hf["_class_name"]] if isinstance(hf.get("_class_name"), str) else [])
-    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-        raise CheckpointError(f"{cfg_path}: 'architectures' must be a list of class names")
     known: dict[str, tuple[Any, ExternalFormat]] = {}
     for _, fmt in _formats(fmt_name):
         for arch, family in fmt.architectures.items():
             known.setdefault(arch, (_registry().get(family), fmt))
+    supported = ", ".join(f"{a} ({e.family.name})" for a, (e, _) in sorted(known.items())) or \
+        f"none (no plugin declares a {fmt_name} format)"
+    archs, library_config = (_read_diffusers if fmt_name == "diffusers" else _read_transformers)(src, known, supported)
     for arch in archs:
         if arch in known:
             entry, fmt = known[arch]
             try:
-                config = fmt.from_config(hf)
+                if fmt_name == "diffusers":
+                    table = fmt.fields.get(arch)
+                    if table is not None:
+                        table.check(library_config)
+                elif fmt.fields:
+                    check_config(fmt.fields, library_config)
+                config = fmt.from_config(library_config)
                 # Building the model it describes (on the meta device: no memory) checks every
                 # size, so a damaged config.json is named here rather than by the weights' shapes.
                 build_empty(entry, config, device="meta")
@@ -166,10 +185,78 @@ def _hf_source(src: Path, fmt_name: str = "hf") -> tuple[Any, ExternalFormat, An
                 raise CheckpointError(f"{cfg_path}: {e}") from None
             except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RuntimeError) as e:
                 raise CheckpointError(f"{cfg_path}: cannot read the {arch} config ({type(e).__name__}: {e})") from None
-            return entry, fmt, config, hf
-    supported = ", ".join(f"{a} ({e.family.name})" for a, (e, _) in sorted(known.items())) or \
-        f"none (no plugin declares a {fmt_name} format)"
+            return entry, fmt, config, library_config
     raise UsageError(f"{cfg_path}: unsupported architecture {archs or '(none given)'}; supported: {supported}")
+
+
+def _read_transformers(src: Path, known: Mapping[str, Any], supported: str) -> tuple[list[str], Any]:
+    """transformers' own config object for ``src`` (configuration classes only: no model code is
+    imported, no remote code runs)."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise UsageError(f"{src}: reading a Hugging Face directory needs transformers (pip install transformers)") \
+            from None
+    cfg_path = src / "config.json"
+    doc = read_json(cfg_path)  # (only to name what is unsupported before transformers is asked)
+    archs = doc.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise CheckpointError(f"{cfg_path}: 'architectures' must be a list of class names")
+    if not any(a in known for a in archs):
+        raise UsageError(f"{cfg_path}: unsupported architecture {archs or '(none given)'}; supported: {supported}")
+    try:
+        config = AutoConfig.from_pretrained(str(src), trust_remote_code=False, local_files_only=True)
+    except Exception as e:  # (whatever the library raises on a file it cannot read: one line naming the file)
+        reason = " ".join(str(e).split())
+        raise CheckpointError(f"{cfg_path}: transformers cannot read it ({type(e).__name__}: {reason[:300]})") from None
+    return list(config.architectures or archs), config
+
+
+def _read_diffusers(src: Path, known: Mapping[str, Any], supported: str) -> tuple[list[str], Any]:
+    """diffusers' config of the model class ``src`` names, every default filled in: the class's
+    own ``from_config`` on the meta device (diffusers keeps a model's config on its model class)."""
+    cfg_path = src / "config.json"
+    name = read_json(cfg_path).get("_class_name")
+    if not isinstance(name, str) or name not in known:
+        raise UsageError(f"{cfg_path}: unsupported architecture {[name] if name else '(none given)'}; "
+                         f"supported: {supported}")
+    return [name], diffusers_config_of(name, src)
+
+
+def diffusers_config_of(class_name: str, src: Path | Mapping[str, Any]) -> Any:
+    """The ``config`` (a FrozenDict) diffusers' ``class_name`` makes of the directory or document
+    ``src``; raises CheckpointError naming the file when diffusers refuses it."""
+    import warnings
+
+    import torch
+
+    try:
+        import diffusers
+    except ImportError:
+        raise UsageError("reading a diffusers directory needs diffusers (pip install diffusers)") from None
+    cls = getattr(diffusers, class_name)
+    what = str(Path(src) / "config.json") if isinstance(src, (str, Path)) else class_name
+    try:
+        doc = cls.load_config(str(src)) if isinstance(src, (str, Path)) else dict(src)
+        with warnings.catch_warnings(), torch.device("meta"):
+            warnings.simplefilter("ignore")  # (diffusers warns of keys its class does not take: it ignores them)
+            return cls.from_config(doc).config
+    except Exception as e:  # (whatever the library raises on a file it cannot read: one line naming the file)
+        reason = " ".join(str(e).split())
+        raise CheckpointError(f"{what}: diffusers cannot read it ({type(e).__name__}: {reason[:300]})") from None
+
+
+def _save_library_config(config: Any, directory: Path, *, dtype: Any) -> None:
+    """Write ``config`` (from a format's ``to_config``) with its library's own writer."""
+    if hasattr(config, "save_config"):  # diffusers (a model built on the meta device)
+        config.save_config(str(directory))
+    elif hasattr(config, "save_pretrained"):  # transformers' PretrainedConfig
+        key = "dtype" if hasattr(config, "dtype") else "torch_dtype"
+        setattr(config, key, str(dtype).removeprefix("torch."))
+        config.save_pretrained(str(directory))
+    else:
+        raise TypeError(f"to_config returned {type(config).__name__}, which has neither save_pretrained "
+                        "(transformers) nor save_config (diffusers)")
 
 
 def _import_tensors(src: Path, entry: FamilyEntry, fmt: ExternalFormat, config: Any) -> dict[str, Any]:
@@ -227,10 +314,7 @@ def export_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.Pa
         stream = ShardStream(tmp, max_shard_bytes=max_shard_bytes, dtype=target, stem=fmt.stem)
         to_external(fmt.table(config), state, config, put=stream.put)
         stream.close()
-        hf_config = fmt.to_config(config)
-        if "_class_name" not in hf_config:  # (diffusers' config documents carry no dtype)
-            hf_config["torch_dtype"] = hf_config["dtype"] = str(stream.first_dtype).removeprefix("torch.")
-        atomic_write_text(tmp / "config.json", json.dumps(hf_config, indent=2))
+        _save_library_config(fmt.to_config(config), tmp, dtype=stream.first_dtype)
         copy_tokenizer_files(src, tmp)
         os.replace(tmp, dst)
     except BaseException:

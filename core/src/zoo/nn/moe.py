@@ -132,7 +132,9 @@ class Router(Float32Buffers):
         if self.force is not None:
             experts = torch.tensor(self.force, device=x.device).expand(x.shape[0], self.top_k)
         gates = scores.gather(1, experts)
-        if self.normalize and self.top_k > 1:
+        # (top-1 too: its gate is then 1.0, as in Mixtral's and Qwen's own code and Megatron's post-softmax
+        # top-k; the router learns through the balancing loss alone)
+        if self.normalize:
             gates = gates / (gates.sum(dim=-1, keepdim=True) + (1e-20 if self.score == "sigmoid" else 0.0))
         if self.scale != 1.0:
             gates = gates * self.scale

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from zoo.checkpoint.external import ExternalFormat
+from zoo.checkpoint.fields import FieldTable
 from zoo.checkpoint.mapping import (
     Fuse,
     Ignore,
@@ -137,28 +138,48 @@ def diffusers_config(cfg: DiTConfig) -> dict[str, Any]:
 
 
 def config_from_diffusers(d: Mapping[str, Any]) -> DiTConfig:
-    out_ch = d.get("out_channels") or d.get("in_channels", 4)
-    if out_ch != d.get("in_channels", 4):
-        raise MappingError(f"diffusers DiT with out_channels={out_ch} != in_channels={d.get('in_channels', 4)} "
+    """zoo's config for diffusers' ``DiTTransformer2DModel`` config (its ``config``, every default
+    filled in, or a document diffusers fills in); the fixed fields were checked against `FIELDS`."""
+    from zoo.checkpoint.external import diffusers_config_of
+
+    if not all(k in d for k in ("num_attention_heads", "attention_head_dim", "in_channels", "num_layers")):
+        d = diffusers_config_of("DiTTransformer2DModel", {"_class_name": "DiTTransformer2DModel", **d})
+    out_ch = d["out_channels"] or d["in_channels"]
+    if out_ch != d["in_channels"]:
+        raise MappingError(f"diffusers DiT with out_channels={out_ch} != in_channels={d['in_channels']} "
                            "(a learn_sigma model): EDM predicts the sample only")
-    if d.get("activation_fn", "gelu-approximate") != "gelu-approximate" or not d.get("attention_bias", True):
-        raise MappingError("diffusers DiT: only activation_fn='gelu-approximate' with attention biases is DiT")
-    heads, hd = d.get("num_attention_heads", 16), d.get("attention_head_dim", 72)
-    return DiTConfig(in_channels=d.get("in_channels", 4), patch_size=d.get("patch_size", 2), hidden_size=heads * hd,
-                     num_layers=d.get("num_layers", 28), num_heads=heads, sample_size=d.get("sample_size", 32),
-                     num_classes=d.get("num_embeds_ada_norm", 1000), time_freq_shift=1.0,
-                     mlp_norm_eps=d.get("norm_eps", 1e-5))
+    heads, hd = d["num_attention_heads"], d["attention_head_dim"]
+    return DiTConfig(in_channels=d["in_channels"], patch_size=d["patch_size"], hidden_size=heads * hd,
+                     num_layers=d["num_layers"], num_heads=heads, sample_size=d["sample_size"],
+                     num_classes=d["num_embeds_ada_norm"], time_freq_shift=1.0, mlp_norm_eps=d["norm_eps"])
 
 
-def _config_document(cfg: DiTConfig) -> dict[str, Any]:
-    return {"_class_name": "DiTTransformer2DModel", "_diffusers_version": "0.30.0", **diffusers_config(cfg)}
+def _config_object(cfg: DiTConfig) -> Any:
+    """diffusers' own ``DiTTransformer2DModel`` for ``cfg``, built on the meta device (no memory),
+    whose ``save_config`` writes the file diffusers writes."""
+    import diffusers
+
+    with torch.device("meta"):
+        return diffusers.DiTTransformer2DModel(**diffusers_config(cfg))
+
+
+# Every field of DiTTransformer2DModel's config (see zoo.checkpoint.fields).
+FIELDS = {"DiTTransformer2DModel": FieldTable(
+    config_class="DiTTransformer2DModel",
+    mapped=("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "num_layers", "sample_size",
+            "patch_size", "num_embeds_ada_norm", "norm_eps"),
+    # (dropout: none at sampling, and zoo trains DiT without it; upcast_attention: the same product in
+    # float32; norm_num_groups: read by no layer of the ada_norm_zero DiT)
+    inert=("dropout", "upcast_attention", "norm_num_groups"),
+    fixed={"attention_bias": (True,), "activation_fn": ("gelu-approximate",), "norm_type": ("ada_norm_zero",),
+           "norm_elementwise_affine": (False,)})}
 
 
 # `zoo convert --to diffusers RUN DIR` / `--from diffusers DIR OUT`: a directory diffusers'
 # `DiTTransformer2DModel.from_pretrained` reads (config.json + diffusion_pytorch_model.safetensors).
 DIFFUSERS = ExternalFormat(name="diffusers", architectures={"DiTTransformer2DModel": "dit"}, table=diffusers_table,
-                           to_config=_config_document, from_config=config_from_diffusers,
-                           stem="diffusion_pytorch_model")
+                           to_config=_config_object, from_config=config_from_diffusers,
+                           stem="diffusion_pytorch_model", fields=FIELDS)
 
-__all__ = ["DIFFUSERS", "config_from_diffusers", "diffusers_config", "diffusers_table", "from_diffusers",
+__all__ = ["DIFFUSERS", "FIELDS", "config_from_diffusers", "diffusers_config", "diffusers_table", "from_diffusers",
            "from_reference", "reference_table", "to_diffusers", "to_reference"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from zoo.checkpoint import ExternalFormat
+from zoo.checkpoint.fields import FieldTable
+from zoo.checkpoint.hf import library_config, make_config, rope_fields, rope_of
 from zoo.checkpoint.mapping import Fuse, Ignore, MappingTable, Rename, Tie, Transpose
 from zoo.errors import UsageError
 from zoo_gpt.plugin import GPTConfig
@@ -101,7 +103,7 @@ def table(cfg: GPTConfig) -> MappingTable:
     return _gpt2_table(cfg) if cfg.layer_spec == "gpt2" else _llama_table(cfg)
 
 
-def _gemma_to_hf(cfg: Any) -> dict[str, Any]:
+def _gemma_to_hf(cfg: Any) -> Any:
     gemma2 = cfg.layer_spec == "gemma2"
     architecture = "Gemma2ForCausalLM" if gemma2 else "Gemma3ForCausalLM"
     if not cfg.tie_embeddings:
@@ -110,116 +112,104 @@ def _gemma_to_hf(cfg: Any) -> dict[str, Any]:
         raise UsageError("Gemma3ForCausalLM computes its attention without a cap: model.attn_logit_softcapping="
                          f"{cfg.attn_logit_softcapping} has no place in its config (Gemma 2's layers have one)")
     layers = [i for i in range(cfg.num_layers) if cfg.window(i) is not None]
-    full = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
     if gemma2 and cfg.rope_local_theta != cfg.rope_theta:
         raise UsageError(f"Gemma2ForCausalLM has one RoPE base: model.rope_local_theta={cfg.rope_local_theta} "
                          f"differs from model.rope_theta={cfg.rope_theta}")
-    rope = full if gemma2 else {"full_attention": full,
-                                "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}}
-    return {
-        "architectures": [architecture], "model_type": "gemma2" if gemma2 else "gemma3_text",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": cfg.max_seq_length,
-        "rms_norm_eps": cfg.norm_eps, "initializer_range": cfg.init_std, "tie_word_embeddings": True,
-        "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
-        "sliding_window": cfg.sliding_window if layers else None,
-        "layer_types": ["sliding_attention" if i in layers else "full_attention" for i in range(cfg.num_layers)],
-        "rope_parameters": rope,
-        # (what transformers before 5 reads)
-        "rope_theta": cfg.rope_theta, "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
-        **({} if gemma2 else {"rope_local_base_freq": cfg.rope_local_theta}),
-        "attn_logit_softcapping": cfg.attn_logit_softcapping, "final_logit_softcapping": cfg.final_logit_softcapping,
-        "attention_bias": False,
-    }
+    kind = "gemma2" if gemma2 else "gemma3_text"
+    rope = rope_fields(kind, cfg.rope_theta, cfg.rope_scaling)
+    if not gemma2 and "rope_parameters" in rope:
+        rope = {"rope_parameters": {"full_attention": rope["rope_parameters"],
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}}}
+    elif not gemma2:
+        rope["rope_local_base_freq"] = cfg.rope_local_theta
+    return make_config(
+        kind, architectures=[architecture], vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=cfg.max_seq_length,
+        rms_norm_eps=cfg.norm_eps, initializer_range=cfg.init_std, tie_word_embeddings=True,
+        query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+        sliding_window=cfg.sliding_window if layers else None,
+        layer_types=["sliding_attention" if i in layers else "full_attention" for i in range(cfg.num_layers)],
+        attn_logit_softcapping=cfg.attn_logit_softcapping, final_logit_softcapping=cfg.final_logit_softcapping,
+        attention_bias=False, attention_dropout=0.0, **rope)
 
 
-# transformers' Gemma3TextConfig defaults, which the released image-text configs leave out of text_config
-_GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
-                         "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-                         "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
-                         "sliding_window": 4096, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0}
-
-
-# transformers' Gemma2Config defaults (the 2B's)
-_GEMMA2_DEFAULTS = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192,
-                    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 10000.0,
-                    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
-
-
-def _gemma_from_hf(hf: dict[str, Any], *, gemma2: bool) -> Any:
+def _gemma_from_hf(config: Any, *, gemma2: bool, tied: bool) -> Any:
+    """``tied``: the head is the embedding (the top-level flag of an image-text config decides)."""
     from zoo_gpt.plugin import GemmaConfig
 
-    name = "Gemma 2" if gemma2 else "Gemma 3"
-    hf = {**(_GEMMA2_DEFAULTS if gemma2 else _GEMMA3_TEXT_DEFAULTS), **hf}
-    if hf.get("attention_bias") or hf.get("use_bidirectional_attention"):
-        raise UsageError(f"{name} with attention biases or bidirectional attention is not supported")
-    if not gemma2 and hf.get("attn_logit_softcapping") is not None:
-        # (transformers' Gemma 3 keeps the number but computes its attention without it)
-        raise UsageError(f"Gemma 3 with attn_logit_softcapping={hf['attn_logit_softcapping']}: transformers' "
-                         "Gemma3 ignores it, so which model is meant is unclear (Gemma 2's is model_type gemma2)")
-    if hf.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise UsageError(f"{name} with hidden_activation={hf['hidden_activation']!r}: zoo's is tanh-GELU")
+    what = "Gemma 2" if gemma2 else "Gemma 3"
+    if not tied:
+        raise UsageError(f"{what} with tie_word_embeddings=false: zoo's Gemma ties its head to the embedding")
+    hf = config.to_dict()
     n = hf["num_hidden_layers"]
     # (configs from before layer_types: Gemma 2 slides its even layers, Gemma 3 five of every six)
     pattern = 2 if gemma2 else int(hf.get("sliding_window_pattern", 6))
     types = hf.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                                       for i in range(n)]
-    params = hf.get("rope_parameters") or {}
-    full = dict((params if gemma2 else params.get("full_attention")) or hf.get("rope_scaling") or {})
-    theta = float(full.pop("rope_theta", hf["rope_theta"]))
-    local = theta if gemma2 else (params.get("sliding_attention") or {}).get("rope_theta", hf["rope_local_base_freq"])
-    scaling = full if full.get("rope_type", full.get("type", "default")) != "default" else None
+    params = getattr(config, "rope_parameters", None)
+    if not gemma2 and params is not None and "full_attention" in params:  # (transformers 5: one table per kind)
+        theta, scaling = rope_of(_Rope(params["full_attention"]), what=what)
+        local, _ = rope_of(_Rope(params.get("sliding_attention") or {"rope_theta": theta}), what=f"{what} (local)")
+    else:
+        theta, scaling = rope_of(config, what=what)
+        local = theta if gemma2 else float(hf.get("rope_local_base_freq", 10000.0))
     windows = windows_from_hf({**hf, "layer_types": types}, "layer_types", flag=False)
     heads = hf["num_attention_heads"]
     return GemmaConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=n, num_heads=heads,
                        num_kv_heads=hf["num_key_value_heads"] or heads, head_dim=hf["head_dim"],
                        ffn_hidden_size=hf["intermediate_size"], max_seq_length=hf["max_position_embeddings"],
                        norm_eps=hf["rms_norm_eps"], tie_embeddings=True, rope_theta=theta,
-                       rope_scaling=scaling, init_std=hf.get("initializer_range", 0.02), rope_local_theta=float(local),
+                       rope_scaling=scaling, init_std=hf["initializer_range"], rope_local_theta=float(local),
                        query_pre_attn_scalar=int(hf["query_pre_attn_scalar"]), layer_spec="gemma2" if gemma2 else "gemma3",
                        attn_logit_softcapping=_cap(hf.get("attn_logit_softcapping")),
                        final_logit_softcapping=_cap(hf.get("final_logit_softcapping")), **windows)
+
+
+class _Rope:
+    """One of Gemma 3's per-kind RoPE tables, read as a config's ``rope_parameters``."""
+
+    def __init__(self, params: Any) -> None:
+        self.rope_parameters = dict(params)
 
 
 def _cap(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def to_hf_config(cfg: GPTConfig) -> dict[str, Any]:
+def to_hf_config(cfg: GPTConfig) -> Any:
+    """transformers' config object for ``cfg`` (refused where the architecture has no place for it)."""
     if cfg.layer_spec in ("gemma2", "gemma3"):
         return _gemma_to_hf(cfg)
     if cfg.layer_spec == "gpt2":
-        return {
-            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-            "n_positions": cfg.max_seq_length, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
-            "n_head": cfg.num_heads, "n_inner": cfg.ffn_hidden_size, "activation_function": "gelu_new",
-            "layer_norm_epsilon": cfg.norm_eps, "initializer_range": cfg.init_std, "tie_word_embeddings": True,
-            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-        }
-    rope: dict[str, Any] = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+        if cfg.num_kv_heads != cfg.num_heads or cfg.head_dim * cfg.num_heads != cfg.hidden_size:
+            raise UsageError(f"GPT2LMHeadModel has hidden_size / num_heads per head and no grouped KV: model.head_dim="
+                             f"{cfg.head_dim}, num_heads={cfg.num_heads}, num_kv_heads={cfg.num_kv_heads}, hidden_size="
+                             f"{cfg.hidden_size}")
+        return make_config(
+            "gpt2", architectures=["GPT2LMHeadModel"], vocab_size=cfg.vocab_size,
+            n_positions=cfg.max_seq_length, n_embd=cfg.hidden_size, n_layer=cfg.num_layers,
+            n_head=cfg.num_heads, n_inner=cfg.ffn_hidden_size, activation_function="gelu_new",
+            layer_norm_epsilon=cfg.norm_eps, initializer_range=cfg.init_std, tie_word_embeddings=True,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
     spec = cfg.layer_spec
     if spec == "llama" and cfg.sliding_window is not None:
         spec = "mistral"  # LlamaConfig has no window: LLaMA with one is Mistral's architecture
     if spec not in _ARCHITECTURES:
         raise UsageError(f"model.layer_spec={cfg.layer_spec!r} has no Hugging Face architecture")
     architecture, kind, windows = _ARCHITECTURES[spec]
-    return {
-        "architectures": [architecture], "model_type": kind,
+    return make_config(
+        kind, architectures=[architecture],
         **windows_to_hf(cfg, windows, architecture, flag=kind.startswith("qwen")),
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_length, "rms_norm_eps": cfg.norm_eps,
-        "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
-        **({"attention_bias": spec == "llama_attn_bias", "mlp_bias": False} if kind in ("llama", "qwen3") else {}),
-        # transformers 5 reads rope_parameters; older releases read rope_theta and rope_scaling.
-        "rope_parameters": rope, "rope_theta": cfg.rope_theta,
-        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
-    }
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
+        max_position_embeddings=cfg.max_seq_length, rms_norm_eps=cfg.norm_eps,
+        initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
+        attention_bias=spec == "llama_attn_bias", mlp_bias=False, attention_dropout=0.0,
+        **rope_fields(kind, cfg.rope_theta, cfg.rope_scaling))
 
 
 # layer_spec -> (architecture, model_type, how its config says which layers slide: see windows_from_hf)
@@ -290,44 +280,90 @@ def windows_to_hf(cfg: GPTConfig, rule: str | None, architecture: str, *, flag: 
     return fields
 
 
-def from_hf_config(hf: dict[str, Any]) -> GPTConfig:
+def from_hf_config(config: Any) -> GPTConfig:
+    """zoo's config for transformers' ``config`` (a config object, or a document transformers turns
+    into one); the fixed fields were checked against `FIELDS` before."""
+    config = library_config(config)
+    hf = config.to_dict()
     kind = hf.get("model_type")
     if kind == "gpt2":
-        act = hf.get("activation_function", "gelu_new")
-        if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise UsageError(f"GPT-2 with activation_function={act!r} is not supported (gelu_new only)")
-        d = hf["n_embd"]
-        return GPTConfig(vocab_size=hf["vocab_size"], hidden_size=d, num_layers=hf["n_layer"], num_heads=hf["n_head"],
-                         num_kv_heads=hf["n_head"], head_dim=d // hf["n_head"], ffn_hidden_size=hf.get("n_inner") or 4 * d,
-                         max_seq_length=hf.get("n_positions", 1024), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-                         tie_embeddings=True, init_std=hf.get("initializer_range", 0.02), layer_spec="gpt2")
-    if kind in ("gemma3_text", "gemma3"):
-        return _gemma_from_hf((hf.get("text_config") or hf) if kind == "gemma3" else hf, gemma2=False)
-    if kind == "gemma2":
-        return _gemma_from_hf(hf, gemma2=True)
+        d, heads = hf["n_embd"], hf["n_head"]
+        return GPTConfig(vocab_size=hf["vocab_size"], hidden_size=d, num_layers=hf["n_layer"], num_heads=heads,
+                         num_kv_heads=heads, head_dim=d // heads, ffn_hidden_size=hf["n_inner"] or 4 * d,
+                         max_seq_length=hf["n_positions"], norm_eps=hf["layer_norm_epsilon"],
+                         tie_embeddings=True, init_std=hf["initializer_range"], layer_spec="gpt2")
+    if kind == "gemma3":
+        return _gemma_from_hf(config.text_config, gemma2=False, tied=bool(config.tie_word_embeddings))
+    if kind in ("gemma3_text", "gemma2"):
+        return _gemma_from_hf(config, gemma2=kind == "gemma2", tied=bool(config.tie_word_embeddings))
     if kind in _SPEC_OF:
-        if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias", False):
-            raise UsageError(f"{kind} with a non-SiLU activation or MLP biases is not supported")
-        if kind == "qwen3" and hf.get("attention_bias"):
-            raise UsageError("Qwen3 with attention biases is not supported")
-        rope = dict(hf.get("rope_parameters") or {})
-        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-        scaling = {k: v for k, v in rope.items() if k != "rope_type" or v != "default"} or hf.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-            scaling = None
+        theta, scaling = rope_of(config, what=kind)
         heads = hf["num_attention_heads"]
         spec = "llama_attn_bias" if kind == "llama" and hf.get("attention_bias") else _SPEC_OF[kind]
         return GPTConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
                          num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
                          head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-                         ffn_hidden_size=hf["intermediate_size"], max_seq_length=hf.get("max_position_embeddings", 2048),
-                         norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                         rope_theta=theta, rope_scaling=scaling, init_std=hf.get("initializer_range", 0.02),
+                         ffn_hidden_size=hf["intermediate_size"], max_seq_length=hf["max_position_embeddings"],
+                         norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
+                         rope_theta=theta, rope_scaling=scaling, init_std=hf["initializer_range"],
                          layer_spec=spec, **windows_from_hf(hf, _ARCHITECTURES[spec][2], flag=kind.startswith("qwen")))
     raise UsageError(f"model_type {kind!r} is not GPT-2, LLaMA, Mistral, Qwen2, Qwen3, Gemma 2 or Gemma 3")
 
 
 _SPEC_OF = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}  # model_type -> layer_spec
+
+
+# ----------------------------------------------------------------------------- fields accounted for
+# Every field of each config class: read (mapped), without effect on what the model computes
+# (inert), or computed by zoo at the listed values only (fixed; anything else is refused on import).
+# Dropout probabilities are inert: they change nothing at inference and zoo trains without dropout.
+# Legacy names (transformers 4.x: rope_theta, rope_scaling, ...) are listed for the releases that have them.
+_IDS = ("use_cache", "pad_token_id", "bos_token_id", "eos_token_id")
+_DECODER = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "initializer_range", "rms_norm_eps", "tie_word_embeddings",
+            "rope_parameters", "rope_theta", "rope_scaling", "head_dim")
+_QWEN_WINDOWS = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+_GEMMA = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "head_dim", "max_position_embeddings", "initializer_range", "rms_norm_eps",
+          "tie_word_embeddings",  # (untied refused; an image-text config's own flag decides for its text_config)
+          "rope_parameters", "rope_theta", "rope_scaling", "query_pre_attn_scalar", "sliding_window", "layer_types",
+          "final_logit_softcapping")
+_GEMMA_FIXED = {"hidden_activation": ("gelu_pytorch_tanh", "gelu_tanh"),
+                "attention_bias": (False,), "use_bidirectional_attention": (False, None), "hidden_act": (None, "gelu_pytorch_tanh")}
+
+FIELDS = {t.config_class: t for t in (
+    FieldTable(config_class="GPT2Config",
+               mapped=("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "layer_norm_epsilon",
+                       "initializer_range"),
+               inert=(*_IDS, "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout", "n_ctx",
+                      # (the sequence-classification head's, which a causal LM does not build)
+                      "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels",
+                      "reorder_and_upcast_attn"),  # (an fp16 upcast of the same product)
+               fixed={"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
+                      "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,),
+                      "tie_word_embeddings": (True,)}),
+    FieldTable(config_class="LlamaConfig", mapped=(*_DECODER, "attention_bias"),
+               inert=(*_IDS, "attention_dropout", "pretraining_tp"),  # (tp: the same product in slices)
+               fixed={"hidden_act": ("silu",), "mlp_bias": (False,)}),
+    FieldTable(config_class="MistralConfig", mapped=(*_DECODER, "sliding_window"), inert=(*_IDS, "attention_dropout"),
+               fixed={"hidden_act": ("silu",)}),
+    FieldTable(config_class="Qwen2Config", mapped=(*_DECODER, *_QWEN_WINDOWS), inert=(*_IDS, "attention_dropout"),
+               fixed={"hidden_act": ("silu",)}),
+    FieldTable(config_class="Qwen3Config", mapped=(*_DECODER, *_QWEN_WINDOWS), inert=(*_IDS, "attention_dropout"),
+               fixed={"hidden_act": ("silu",), "attention_bias": (False,)}),
+    FieldTable(config_class="Gemma2Config", mapped=(*_GEMMA, "attn_logit_softcapping"),
+               inert=(*_IDS, "attention_dropout", "cache_implementation"), fixed=_GEMMA_FIXED),
+    FieldTable(config_class="Gemma3TextConfig",
+               mapped=(*_GEMMA, "rope_local_base_freq", "sliding_window_pattern"),
+               inert=(*_IDS, "attention_dropout", "cache_implementation"),
+               fixed={**_GEMMA_FIXED, "attn_logit_softcapping": (None,)}),
+    # Gemma3ForConditionalGeneration: zoo's gemma3 is its language model (text in, text out); the
+    # vision tower and the image-token fields only act on images.
+    FieldTable(config_class="Gemma3Config",
+               inert=("vision_config", "mm_tokens_per_image", "boi_token_index", "eoi_token_index", "image_token_index",
+                      "initializer_range"),
+               mapped=("text_config", "tie_word_embeddings")),
+)}
 
 
 HF = ExternalFormat(
@@ -339,4 +375,5 @@ HF = ExternalFormat(
     table=table,
     to_config=to_hf_config,
     from_config=from_hf_config,
+    fields=FIELDS,
 )

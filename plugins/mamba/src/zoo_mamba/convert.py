@@ -17,6 +17,8 @@ from collections.abc import Collection
 from typing import Any, Literal
 
 from zoo.checkpoint import ExternalFormat
+from zoo.checkpoint.fields import FieldTable
+from zoo.checkpoint.hf import library_config, make_config
 from zoo.checkpoint.mapping import Fuse, Ignore, MappingError, MappingTable, Rename, StackExperts, Tie
 from zoo.errors import UsageError
 from zoo_mamba.plugin import MambaConfig
@@ -74,40 +76,40 @@ def import_table(cfg: MambaConfig, keys: Collection[str]) -> MappingTable:
     return table(cfg, "fused" if fused else "per_expert")
 
 
-def to_hf_config(cfg: MambaConfig) -> dict[str, Any]:
-    base = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "layer_norm_epsilon": cfg.norm_eps,
-            "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings, "conv_kernel": cfg.conv_kernel,
-            "expand": cfg.expand, "use_conv_bias": True}
+def to_hf_config(cfg: MambaConfig) -> Any:
+    """transformers' config object for ``cfg``."""
+    base = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, layer_norm_epsilon=cfg.norm_eps,
+                initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings, conv_kernel=cfg.conv_kernel,
+                expand=cfg.expand, use_conv_bias=True, use_bias=False)
     if cfg.layer_spec == "mamba1":
-        return {**base, "architectures": ["MambaForCausalLM"], "model_type": "mamba", "num_hidden_layers": cfg.num_layers,
-                "state_size": cfg.ssm_state_size, "intermediate_size": cfg.ssm_inner, "time_step_rank": cfg.dt_rank,
-                "use_bias": False, "hidden_act": "silu", "residual_in_fp32": True}
+        return make_config("mamba", architectures=["MambaForCausalLM"], **base, num_hidden_layers=cfg.num_layers,
+                           state_size=cfg.ssm_state_size, time_step_rank=cfg.dt_rank,
+                           hidden_act="silu", residual_in_fp32=True)
     if cfg.layer_spec == "mamba2":
-        return {**base, "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2", "num_hidden_layers": cfg.num_layers,
-                "state_size": cfg.ssm_state_size, "num_heads": cfg.ssm_heads, "head_dim": cfg.ssm_head_dim,
-                "n_groups": cfg.ssm_groups, "chunk_size": cfg.chunk_size, "time_step_limit": [cfg.dt_min, cfg.dt_max],
-                "use_bias": False, "hidden_act": "silu", "residual_in_fp32": True}
+        return make_config("mamba2", architectures=["Mamba2ForCausalLM"], **base, num_hidden_layers=cfg.num_layers,
+                           state_size=cfg.ssm_state_size, num_heads=cfg.ssm_heads, head_dim=cfg.ssm_head_dim,
+                           n_groups=cfg.ssm_groups, chunk_size=cfg.chunk_size, time_step_limit=(cfg.dt_min, cfg.dt_max),
+                           hidden_act="silu", residual_in_fp32=True)
     if cfg.layer_spec != "nemotron_h":
         raise UsageError(f"model.layer_spec={cfg.layer_spec!r} has no Hugging Face architecture")
     if cfg.dt_max != math.inf:
         raise UsageError("NemotronH clamps dt to [time_step_min, inf): model.dt_max must stay inf to export it")
-    out = {**base, "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
-           "layers_block_type": [_KIND[s] for s in cfg.symbols], "ssm_state_size": cfg.ssm_state_size,
-           "mamba_num_heads": cfg.ssm_heads, "mamba_head_dim": cfg.ssm_head_dim, "n_groups": cfg.ssm_groups,
-           "chunk_size": cfg.chunk_size, "time_step_min": cfg.dt_min, "mamba_hidden_act": "silu",
-           "mamba_proj_bias": False, "num_attention_heads": max(cfg.num_heads, 1),
-           "num_key_value_heads": max(cfg.num_kv_heads, 1), "head_dim": cfg.head_dim or None,
-           "max_position_embeddings": cfg.max_seq_length, "attention_bias": False,
-           "intermediate_size": cfg.ffn_hidden_size, "mlp_hidden_act": "relu2", "mlp_bias": False}
+    out = dict(layers_block_type=[_KIND[s] for s in cfg.symbols], ssm_state_size=cfg.ssm_state_size,
+               mamba_num_heads=cfg.ssm_heads, mamba_head_dim=cfg.ssm_head_dim, n_groups=cfg.ssm_groups,
+               chunk_size=cfg.chunk_size, time_step_min=cfg.dt_min, mamba_hidden_act="silu",
+               mamba_proj_bias=False, num_attention_heads=max(cfg.num_heads, 1),
+               num_key_value_heads=max(cfg.num_kv_heads, 1), head_dim=cfg.head_dim or None,
+               max_position_embeddings=cfg.max_seq_length, attention_bias=False,
+               intermediate_size=cfg.ffn_hidden_size, mlp_hidden_act="relu2", mlp_bias=False)
     if cfg.moe_layers:
-        out |= {"n_routed_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k,
-                "moe_intermediate_size": cfg.moe_ffn_hidden_size,
-                "moe_shared_expert_intermediate_size": cfg.shared_ffn_hidden_size, "n_shared_experts": 1,
-                "n_group": cfg.router_groups, "topk_group": cfg.router_group_topk, "norm_topk_prob": True,
-                "routed_scaling_factor": cfg.router_scaling}
+        out |= dict(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+                    moe_intermediate_size=cfg.moe_ffn_hidden_size,
+                    moe_shared_expert_intermediate_size=cfg.shared_ffn_hidden_size, n_shared_experts=1,
+                    n_group=cfg.router_groups, topk_group=cfg.router_group_topk, norm_topk_prob=True,
+                    routed_scaling_factor=cfg.router_scaling)
         if cfg.router_groups > 1 and cfg.top_k != 2 * cfg.router_group_topk:
             raise UsageError(_GROUP_RULE.format(k=cfg.top_k, g=cfg.router_group_topk))
-    return out
+    return make_config("nemotron_h", architectures=["NemotronHForCausalLM"], **base, **out)
 
 
 # Hugging Face scores a group of experts by its top 2, Megatron (and zoo) by its top k / topk_group.
@@ -115,54 +117,44 @@ _GROUP_RULE = ("group-limited routing with num_experts_per_tok={k}, topk_group={
                "its top 2 experts, zoo by its top k/topk_group as Megatron; they agree only where k = 2 x topk_group")
 
 
-def _require(hf: dict[str, Any], what: str, **expected: Any) -> None:
-    for key, want in expected.items():
-        if key in hf and hf[key] is not None and hf[key] != want:
-            raise UsageError(f"{what} with {key}={hf[key]!r} is not supported ({want!r} only)")
-
-
-def from_hf_config(hf: dict[str, Any]) -> MambaConfig:
+def from_hf_config(config: Any) -> MambaConfig:
+    """zoo's config for transformers' Mamba / Mamba-2 / NemotronH ``config`` (or a document
+    transformers turns into one); the fixed fields were checked against `FIELDS` before."""
+    config = library_config(config)
+    hf = config.to_dict()
     kind = hf.get("model_type")
-    common = dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-                  init_std=hf.get("initializer_range", 0.1), conv_kernel=hf.get("conv_kernel", 4),
-                  expand=hf.get("expand", 2))
+    common = dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], norm_eps=hf["layer_norm_epsilon"],
+                  init_std=hf["initializer_range"], conv_kernel=hf["conv_kernel"], expand=hf["expand"],
+                  tie_embeddings=bool(hf["tie_word_embeddings"]))
     if kind == "mamba":
-        _require(hf, "Mamba", use_bias=False, use_conv_bias=True, hidden_act="silu")
-        rank = hf.get("time_step_rank", "auto")
-        return MambaConfig(**common, num_layers=hf["num_hidden_layers"], ssm_state_size=hf.get("state_size", 16),
-                           dt_rank=math.ceil(hf["hidden_size"] / 16) if rank == "auto" else int(rank),
-                           tie_embeddings=bool(hf.get("tie_word_embeddings", True)), layer_spec="mamba1")
+        rank = hf["time_step_rank"]
+        return MambaConfig(**common, num_layers=hf["num_hidden_layers"], ssm_state_size=hf["state_size"],
+                           dt_rank=math.ceil(hf["hidden_size"] / 16) if rank == "auto" else int(rank), layer_spec="mamba1")
     if kind == "mamba2":
-        _require(hf, "Mamba-2", use_bias=False, use_conv_bias=True, hidden_act="silu")
-        low, high = hf.get("time_step_limit") or (0.0, math.inf)
-        cfg = MambaConfig(**common, num_layers=hf["num_hidden_layers"], ssm_state_size=hf.get("state_size", 128),
-                          ssm_head_dim=hf.get("head_dim", 64), ssm_groups=hf.get("n_groups", 1),
-                          chunk_size=hf.get("chunk_size", 256), dt_min=float(low), dt_max=float(high),
-                          tie_embeddings=bool(hf.get("tie_word_embeddings", True)), layer_spec="mamba2")
+        low, high = config.time_step_limit or (0.0, math.inf)
+        cfg = MambaConfig(**common, num_layers=hf["num_hidden_layers"], ssm_state_size=hf["state_size"],
+                          ssm_head_dim=hf["head_dim"], ssm_groups=hf["n_groups"], chunk_size=hf["chunk_size"],
+                          dt_min=float(low), dt_max=float(high), layer_spec="mamba2")
         _same_heads(cfg, hf.get("num_heads"), "num_heads")
         return cfg
     if kind == "nemotron_h":
-        _require(hf, "NemotronH", mamba_proj_bias=False, use_conv_bias=True, mamba_hidden_act="silu", attention_bias=False,
-                 mlp_bias=False, mlp_hidden_act="relu2", n_shared_experts=1, norm_topk_prob=True, moe_latent_size=None,
-                 num_nextn_predict_layers=0)
         groups, group_topk = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
-        if groups > 1 and hf.get("num_experts_per_tok", 2) != 2 * group_topk:
-            raise UsageError(_GROUP_RULE.format(k=hf.get("num_experts_per_tok", 2), g=group_topk))
+        if groups > 1 and hf["num_experts_per_tok"] != 2 * group_topk:
+            raise UsageError(_GROUP_RULE.format(k=hf["num_experts_per_tok"], g=group_topk))
         types = hf.get("layers_block_type") or hf.get("layer_types")
         unknown = sorted({t for t in types if t not in _SYMBOL})
         if unknown:
             raise UsageError(f"NemotronH layer types {unknown} are not supported (mamba, attention, mlp, moe)")
         pattern = "".join(_SYMBOL[t] for t in types)
         moe = "E" in pattern
-        heads = hf.get("num_attention_heads", 1)
-        cfg = MambaConfig(**common, num_layers=len(pattern), pattern=pattern, ssm_state_size=hf.get("ssm_state_size", 128),
-                          ssm_head_dim=hf.get("mamba_head_dim", 64), ssm_groups=hf.get("n_groups", 1),
-                          chunk_size=hf.get("chunk_size", 128), dt_min=float(hf.get("time_step_min", 1e-3)),
+        heads = hf["num_attention_heads"]
+        cfg = MambaConfig(**common, num_layers=len(pattern), pattern=pattern, ssm_state_size=hf["ssm_state_size"],
+                          ssm_head_dim=hf["mamba_head_dim"], ssm_groups=hf["n_groups"], chunk_size=hf["chunk_size"],
+                          dt_min=float(hf["time_step_min"]),
                           num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
                           head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-                          ffn_hidden_size=hf.get("intermediate_size", 0), max_seq_length=hf.get("max_position_embeddings", 4096),
-                          tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                          num_experts=hf.get("n_routed_experts") if moe else None, top_k=hf.get("num_experts_per_tok", 2),
+                          ffn_hidden_size=hf.get("intermediate_size") or 0, max_seq_length=hf["max_position_embeddings"],
+                          num_experts=hf.get("n_routed_experts") if moe else None, top_k=hf["num_experts_per_tok"],
                           moe_ffn_hidden_size=hf.get("moe_intermediate_size", 0) if moe else 0,
                           shared_ffn_hidden_size=hf.get("moe_shared_expert_intermediate_size", 0) if moe else 0,
                           aux_loss_coeff=0.0, expert_bias=moe, router_groups=groups, router_group_topk=group_topk,
@@ -177,6 +169,41 @@ def _same_heads(cfg: MambaConfig, heads: int | None, key: str) -> None:
         raise UsageError(f"{key}={heads} x head_dim={cfg.ssm_head_dim} must equal expand x hidden_size = {cfg.ssm_inner}")
 
 
+# Every field of each config class (see zoo.checkpoint.fields). The time-step bounds other than
+# the clamp (time_step_min/max/floor/scale/init_scheme) and the residual rescaling only initialise
+# weights; residual_in_fp32 keeps a reduced-precision residual in float32 (zoo's precision policy
+# decides that); the kernel switches pick an implementation of the same scan.
+_IDS = ("use_cache", "pad_token_id", "bos_token_id", "eos_token_id")
+_INIT = ("time_step_min", "time_step_max", "time_step_floor", "rescale_prenorm_residual", "residual_in_fp32")
+_SSM_FIXED = {"use_bias": (False,), "use_conv_bias": (True,), "hidden_act": ("silu",)}
+_COMMON = ("vocab_size", "hidden_size", "layer_norm_epsilon", "initializer_range", "conv_kernel", "expand",
+           "tie_word_embeddings")
+FIELDS = {t.config_class: t for t in (
+    FieldTable(config_class="MambaConfig", mapped=(*_COMMON, "state_size", "num_hidden_layers", "time_step_rank"),
+               inert=(*_IDS, *_INIT, "time_step_scale", "time_step_init_scheme", "use_mambapy", "use_associative_scan"),
+               fixed=_SSM_FIXED),
+    FieldTable(config_class="Mamba2Config", mapped=(*_COMMON, "num_heads", "head_dim", "state_size", "num_hidden_layers",
+                                                    "n_groups", "chunk_size", "time_step_limit"),
+               inert=(*_IDS, *_INIT, "time_step_rank"),  # (Mamba-2's dt comes from in_proj: no rank)
+               fixed=_SSM_FIXED),
+    FieldTable(config_class="NemotronHConfig",
+               mapped=(*_COMMON, "layers_block_type", "num_attention_heads", "num_key_value_heads", "head_dim",
+                       "max_position_embeddings", "intermediate_size", "ssm_state_size", "mamba_num_heads",
+                       "mamba_head_dim", "n_groups", "chunk_size", "time_step_min", "n_routed_experts",
+                       "moe_intermediate_size", "moe_shared_expert_intermediate_size", "num_experts_per_tok",
+                       "routed_scaling_factor", "n_group", "topk_group"),
+               inert=(*_IDS, "time_step_max", "time_step_floor", "rescale_prenorm_residual", "residual_in_fp32",
+                      "num_logits_to_keep", "attention_dropout", "hidden_dropout", "use_mamba_kernels",
+                      "mamba_ssm_cache_dtype", "output_router_logits", "moe_shared_expert_overlap",
+                      "mtp_layers_block_type",  # (the multi-token-prediction layers: none while num_nextn_predict_layers=0)
+                      "time_step_limit"),  # (NemotronH clamps to [time_step_min, inf) whatever this says)
+               fixed={"use_bias": (False,), "use_conv_bias": (True,), "mamba_hidden_act": ("silu",),
+                      "mamba_proj_bias": (False,), "attention_bias": (False,), "mlp_bias": (False,),
+                      "mlp_hidden_act": ("relu2",), "n_shared_experts": (1, None), "norm_topk_prob": (True,),
+                      "moe_latent_size": (None,), "num_nextn_predict_layers": (0, None), "sliding_window": (None,)}),
+)}
+
+
 HF = ExternalFormat(
     name="hf",
     architectures={"MambaForCausalLM": "mamba", "Mamba2ForCausalLM": "mamba2", "NemotronHForCausalLM": "hybrid"},
@@ -184,4 +211,5 @@ HF = ExternalFormat(
     to_config=to_hf_config,
     from_config=from_hf_config,
     import_table=import_table,
+    fields=FIELDS,
 )

@@ -19,11 +19,12 @@ from collections.abc import Collection
 from typing import Any, Literal
 
 from zoo.checkpoint import ExternalFormat
+from zoo.checkpoint.fields import FieldTable
+from zoo.checkpoint.hf import library_config, make_config, rope_fields, rope_of
 from zoo.checkpoint.mapping import Fuse, MappingError, MappingTable, Rename, StackExperts
 from zoo.errors import UsageError
-from zoo_gpt.convert import from_hf_config as llama_from_hf
 from zoo_gpt.convert import table as llama_table
-from zoo_gpt.convert import windows_from_hf
+from zoo_gpt.convert import windows_from_hf, windows_to_hf
 from zoo_moe.plugin import MoEConfig
 
 Layout = Literal["per_expert", "fused"]
@@ -88,70 +89,93 @@ def import_table(cfg: MoEConfig, keys: Collection[str]) -> MappingTable:
     return table(cfg, "fused" if fused else "per_expert")
 
 
-def to_hf_config(cfg: MoEConfig) -> dict[str, Any]:
+def to_hf_config(cfg: MoEConfig) -> Any:
+    """transformers' config object for ``cfg`` (refused where the architecture has no place for it)."""
     if cfg.router_groups > 1 or cfg.router_scaling != 1.0:
         raise UsageError("group-limited routing and router_scaling have no place in Hugging Face's Mixtral or "
                          "Qwen2-MoE configs; zoo's own checkpoints hold them")
-    from zoo_gpt.convert import to_hf_config as llama_to_hf
-    from zoo_gpt.convert import windows_to_hf
-
-    # (as LLaMA's: the windows are written below)
-    window_free = dataclasses.replace(cfg, sliding_window=None, window_layers=None, layer_spec="llama")
-    base = {k: v for k, v in llama_to_hf(window_free).items() if k not in ("attention_bias", "mlp_bias")}
-    hf_coef = cfg.aux_loss_coeff if cfg.aux_loss_convention == "hf" else 0.001
+    base = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                hidden_act="silu", max_position_embeddings=cfg.max_seq_length, rms_norm_eps=cfg.norm_eps,
+                initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings, attention_dropout=0.0,
+                num_experts_per_tok=cfg.top_k,
+                router_aux_loss_coef=cfg.aux_loss_coeff if cfg.aux_loss_convention == "hf" else 0.001)
+    dense = [i for i, s in enumerate(cfg.symbols) if s == "T"]
     if cfg.layer_spec.startswith("qwen2_moe"):
-        return {**base, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
-                "moe_intermediate_size": cfg.ffn_hidden_size, "shared_expert_intermediate_size": cfg.shared_ffn_hidden_size,
-                "intermediate_size": cfg.dense_ffn_hidden_size or cfg.shared_ffn_hidden_size,
-                "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k,
-                "norm_topk_prob": cfg.layer_spec == "qwen2_moe_norm", "decoder_sparse_step": 1,
-                "mlp_only_layers": [i for i, s in enumerate(cfg.symbols) if s == "T"], "qkv_bias": True,
-                "router_aux_loss_coef": hf_coef, **windows_to_hf(cfg, "qwen2_moe", "Qwen2MoeForCausalLM", flag=True)}
+        return make_config(
+            "qwen2_moe", architectures=["Qwen2MoeForCausalLM"], **base, **rope_fields("qwen2_moe", cfg.rope_theta, cfg.rope_scaling),
+            moe_intermediate_size=cfg.ffn_hidden_size, shared_expert_intermediate_size=cfg.shared_ffn_hidden_size,
+            intermediate_size=cfg.dense_ffn_hidden_size or cfg.shared_ffn_hidden_size, num_experts=cfg.num_experts,
+            norm_topk_prob=cfg.layer_spec == "qwen2_moe_norm", decoder_sparse_step=1, mlp_only_layers=dense,
+            qkv_bias=True, **windows_to_hf(cfg, "qwen2_moe", "Qwen2MoeForCausalLM", flag=True))
     if cfg.layer_spec.startswith("qwen3_moe"):
-        return {**base, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-                "moe_intermediate_size": cfg.ffn_hidden_size, "intermediate_size": cfg.dense_ffn_hidden_size or cfg.ffn_hidden_size,
-                "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k,
-                "norm_topk_prob": cfg.layer_spec == "qwen3_moe_norm", "decoder_sparse_step": 1,
-                "mlp_only_layers": [i for i, s in enumerate(cfg.symbols) if s == "T"], "attention_bias": False,
-                "router_aux_loss_coef": hf_coef, **windows_to_hf(cfg, "all", "Qwen3MoeForCausalLM", flag=True)}
-    if "T" in cfg.symbols:
+        return make_config(
+            "qwen3_moe", architectures=["Qwen3MoeForCausalLM"], **base, **rope_fields("qwen3_moe", cfg.rope_theta, cfg.rope_scaling),
+            moe_intermediate_size=cfg.ffn_hidden_size, intermediate_size=cfg.dense_ffn_hidden_size or cfg.ffn_hidden_size,
+            num_experts=cfg.num_experts, norm_topk_prob=cfg.layer_spec == "qwen3_moe_norm", decoder_sparse_step=1,
+            mlp_only_layers=dense, attention_bias=False, **windows_to_hf(cfg, "all", "Qwen3MoeForCausalLM", flag=True))
+    if dense:
         raise UsageError(f"model.pattern={cfg.pattern!r} has dense layers ('T'), which Hugging Face's Mixtral does not "
                          "have; only the Qwen specs export with dense layers")
     if cfg.layer_spec != "mixtral":
         raise UsageError(f"model.layer_spec={cfg.layer_spec!r} has no Hugging Face architecture (mixtral, qwen2_moe, "
                          "qwen3_moe only)")
-    return {**base, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.top_k, "router_aux_loss_coef": hf_coef, "router_jitter_noise": 0.0,
-            **windows_to_hf(cfg, "all", "MixtralForCausalLM", flag=False)}
+    return make_config("mixtral", architectures=["MixtralForCausalLM"], **base,
+                       **rope_fields("mixtral", cfg.rope_theta, cfg.rope_scaling), intermediate_size=cfg.ffn_hidden_size,
+                       num_local_experts=cfg.num_experts, router_jitter_noise=0.0,
+                       **windows_to_hf(cfg, "all", "MixtralForCausalLM", flag=False))
 
 
-def from_hf_config(hf: dict[str, Any]) -> MoEConfig:
+def from_hf_config(config: Any) -> MoEConfig:
+    """zoo's config for transformers' Mixtral / Qwen2-MoE / Qwen3-MoE ``config`` (or a document
+    transformers turns into one); the fixed fields were checked against `FIELDS` before."""
+    config = library_config(config)
+    hf = config.to_dict()
     kind = hf.get("model_type")
     if kind not in ("mixtral", "qwen2_moe", "qwen3_moe"):
         raise UsageError(f"model_type {kind!r} is not Mixtral, Qwen2-MoE or Qwen3-MoE")
-    if kind == "qwen3_moe" and hf.get("attention_bias"):
-        raise UsageError("Qwen3-MoE with attention biases is not supported")
-    if hf.get("router_jitter_noise"):
-        raise UsageError("router_jitter_noise > 0 is not supported (it scales the experts' input too, as in HF)")
     qwen = kind in ("qwen2_moe", "qwen3_moe")
-    # (transformers 5 writes Qwen3-MoE's count as num_local_experts; the released configs num_experts)
-    experts = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]
+    experts = config.num_experts if qwen else config.num_local_experts  # (attribute maps: names differ by release)
     pattern = ""  # every layer MoE
     if qwen:  # transformers' Qwen2MoeDecoderLayer: sparse unless listed in mlp_only_layers or off the step
-        step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or ())
+        step, dense = int(hf["decoder_sparse_step"]), set(hf.get("mlp_only_layers") or ())
         pattern = "".join("E" if i not in dense and experts > 0 and (i + 1) % step == 0 else "T"
                           for i in range(hf["num_hidden_layers"]))
         pattern = pattern if "T" in pattern else ""
-    base = llama_from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False, "sliding_window": None,
-                          "intermediate_size": hf["moe_intermediate_size"] if qwen else hf["intermediate_size"]})
-    fields = {f: getattr(base, f) for f in base.__dataclass_fields__ if f != "layer_spec"}
-    fields.update(windows_from_hf(hf, "qwen2_moe" if kind == "qwen2_moe" else "all", flag=qwen))
+    theta, scaling = rope_of(config, what=kind)
+    heads = hf["num_attention_heads"]
     spec = (f"{kind}_norm" if hf.get("norm_topk_prob") else kind) if qwen else "mixtral"
-    return MoEConfig(**fields, num_experts=experts,
-                     top_k=hf["num_experts_per_tok"], shared_ffn_hidden_size=hf.get("shared_expert_intermediate_size", 0),
-                     aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)), aux_loss_convention="hf",
+    return MoEConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+                     num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+                     head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+                     ffn_hidden_size=hf["moe_intermediate_size"] if qwen else hf["intermediate_size"],
+                     max_seq_length=hf["max_position_embeddings"], norm_eps=hf["rms_norm_eps"],
+                     tie_embeddings=bool(hf["tie_word_embeddings"]), rope_theta=theta, rope_scaling=scaling,
+                     init_std=hf["initializer_range"],
+                     **windows_from_hf(hf, "qwen2_moe" if kind == "qwen2_moe" else "all", flag=qwen),
+                     num_experts=experts, top_k=hf["num_experts_per_tok"],
+                     shared_ffn_hidden_size=hf.get("shared_expert_intermediate_size") or 0,
+                     aux_loss_coeff=float(hf["router_aux_loss_coef"]), aux_loss_convention="hf",
                      pattern=pattern, dense_ffn_hidden_size=hf["intermediate_size"] if pattern else 0,
                      layer_spec=spec)
+
+
+# Every field of each config class (see zoo.checkpoint.fields and zoo_gpt.convert.FIELDS).
+_IDS = ("use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "output_router_logits", "attention_dropout")
+_DECODER = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "initializer_range", "rms_norm_eps", "tie_word_embeddings",
+            "rope_parameters", "rope_theta", "rope_scaling", "head_dim", "num_experts_per_tok", "router_aux_loss_coef")
+_QWEN = ("decoder_sparse_step", "moe_intermediate_size", "num_experts", "norm_topk_prob", "mlp_only_layers",
+         "use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+FIELDS = {t.config_class: t for t in (
+    FieldTable(config_class="MixtralConfig", mapped=(*_DECODER, "sliding_window", "num_local_experts"), inert=_IDS,
+               # (jitter multiplies the experts' input by noise in training: zoo has no such noise)
+               fixed={"hidden_act": ("silu",), "router_jitter_noise": (0.0, None)}),
+    FieldTable(config_class="Qwen2MoeConfig", mapped=(*_DECODER, *_QWEN, "shared_expert_intermediate_size"), inert=_IDS,
+               fixed={"hidden_act": ("silu",), "qkv_bias": (True,)}),  # (zoo's Qwen2-MoE spec has q/k/v biases)
+    FieldTable(config_class="Qwen3MoeConfig", mapped=(*_DECODER, *_QWEN), inert=_IDS,
+               fixed={"hidden_act": ("silu",), "attention_bias": (False,)}),
+)}
 
 
 HF = ExternalFormat(
@@ -161,4 +185,5 @@ HF = ExternalFormat(
     to_config=to_hf_config,
     from_config=from_hf_config,
     import_table=import_table,
+    fields=FIELDS,
 )

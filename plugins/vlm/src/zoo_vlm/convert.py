@@ -16,6 +16,8 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from zoo.checkpoint import ExternalFormat
+from zoo.checkpoint.fields import FieldTable
+from zoo.checkpoint.hf import library_config, make_config
 from zoo.checkpoint.mapping import Fuse, Ignore, MappingTable, Rename, Rule
 from zoo.errors import UsageError
 from zoo_gpt import convert as gpt_convert
@@ -138,77 +140,96 @@ def llava_import_table(cfg: LlavaConfig, keys: Collection[str]) -> MappingTable:
 
 
 def _vision_to_hf(cfg: VisionFields) -> dict[str, Any]:
-    return {"model_type": "clip_vision_model", "hidden_size": cfg.vision_hidden_size,
-            "intermediate_size": cfg.vision_ffn_hidden_size, "num_hidden_layers": cfg.vision_num_layers,
-            "num_attention_heads": cfg.vision_num_heads, "image_size": cfg.image_size, "patch_size": cfg.patch_size,
-            "num_channels": cfg.num_channels, "layer_norm_eps": cfg.vision_norm_eps, "hidden_act": "quick_gelu"}
+    return {"hidden_size": cfg.vision_hidden_size, "intermediate_size": cfg.vision_ffn_hidden_size,
+            "num_hidden_layers": cfg.vision_num_layers, "num_attention_heads": cfg.vision_num_heads,
+            "image_size": cfg.image_size, "patch_size": cfg.patch_size, "num_channels": cfg.num_channels,
+            "layer_norm_eps": cfg.vision_norm_eps, "hidden_act": "quick_gelu", "attention_dropout": 0.0}
 
 
 def _vision_from_hf(v: dict[str, Any]) -> dict[str, Any]:
-    if v.get("hidden_act", "quick_gelu") != "quick_gelu":
-        raise UsageError(f"a CLIP vision tower with hidden_act={v['hidden_act']!r} (quick_gelu only)")
-    return dict(image_size=v.get("image_size", 224), patch_size=v.get("patch_size", 32),
-                num_channels=v.get("num_channels", 3), vision_hidden_size=v.get("hidden_size", 768),
-                vision_num_layers=v.get("num_hidden_layers", 12), vision_num_heads=v.get("num_attention_heads", 12),
-                vision_ffn_hidden_size=v.get("intermediate_size", 3072), vision_norm_eps=v.get("layer_norm_eps", 1e-5))
+    return dict(image_size=v["image_size"], patch_size=v["patch_size"], num_channels=v["num_channels"],
+                vision_hidden_size=v["hidden_size"], vision_num_layers=v["num_hidden_layers"],
+                vision_num_heads=v["num_attention_heads"], vision_ffn_hidden_size=v["intermediate_size"],
+                vision_norm_eps=v["layer_norm_eps"])
 
 
-def clip_to_hf(cfg: CLIPConfig) -> dict[str, Any]:
+def clip_to_hf(cfg: CLIPConfig) -> Any:
+    """transformers' ``CLIPConfig`` for ``cfg``."""
     if cfg.eos_token_id == 2:
         raise UsageError("model.eos_token_id=2: transformers' CLIP reads that value as 'pool at the largest id'; "
                          "renumber the end token")
-    text = {"model_type": "clip_text_model", "vocab_size": cfg.vocab_size, "hidden_size": cfg.text_hidden_size,
+    text = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.text_hidden_size,
             "intermediate_size": cfg.text_ffn_hidden_size, "num_hidden_layers": cfg.text_num_layers,
             "num_attention_heads": cfg.text_num_heads, "max_position_embeddings": cfg.max_seq_length,
             "layer_norm_eps": cfg.text_norm_eps, "hidden_act": "quick_gelu", "projection_dim": cfg.projection_dim,
-            "eos_token_id": 2 if cfg.eos_token_id is None else cfg.eos_token_id}
-    return {"architectures": ["CLIPModel"], "model_type": "clip", "projection_dim": cfg.projection_dim,
-            "logit_scale_init_value": cfg.logit_scale_init, "text_config": text,
-            "vision_config": {**_vision_to_hf(cfg), "projection_dim": cfg.projection_dim}}
+            "eos_token_id": 2 if cfg.eos_token_id is None else cfg.eos_token_id, "attention_dropout": 0.0}
+    return make_config("clip", architectures=["CLIPModel"], projection_dim=cfg.projection_dim,
+                       logit_scale_init_value=cfg.logit_scale_init, text_config=text,
+                       vision_config={**_vision_to_hf(cfg), "projection_dim": cfg.projection_dim})
 
 
-def clip_from_hf(hf: dict[str, Any]) -> CLIPConfig:
-    t, v = hf.get("text_config") or {}, hf.get("vision_config") or {}
-    if t.get("hidden_act", "quick_gelu") != "quick_gelu":
-        raise UsageError(f"a CLIP text tower with hidden_act={t['hidden_act']!r} (quick_gelu only)")
-    eos = t.get("eos_token_id", 2)
-    return CLIPConfig(**_vision_from_hf(v), vocab_size=t.get("vocab_size", 49408),
-                      max_seq_length=t.get("max_position_embeddings", 77), text_hidden_size=t.get("hidden_size", 512),
-                      text_num_layers=t.get("num_hidden_layers", 12), text_num_heads=t.get("num_attention_heads", 8),
-                      text_ffn_hidden_size=t.get("intermediate_size", 2048), text_norm_eps=t.get("layer_norm_eps", 1e-5),
-                      eos_token_id=None if eos == 2 else eos, projection_dim=hf.get("projection_dim", 512),
-                      logit_scale_init=hf.get("logit_scale_init_value", 2.6592))
+def clip_from_hf(config: Any) -> CLIPConfig:
+    """zoo's config for transformers' ``CLIPConfig`` (or a document transformers turns into one)."""
+    hf = library_config(config).to_dict()
+    t, v = hf["text_config"], hf["vision_config"]
+    eos = t["eos_token_id"]
+    return CLIPConfig(**_vision_from_hf(v), vocab_size=t["vocab_size"], max_seq_length=t["max_position_embeddings"],
+                      text_hidden_size=t["hidden_size"], text_num_layers=t["num_hidden_layers"],
+                      text_num_heads=t["num_attention_heads"], text_ffn_hidden_size=t["intermediate_size"],
+                      text_norm_eps=t["layer_norm_eps"], eos_token_id=None if eos == 2 else eos,
+                      projection_dim=hf["projection_dim"], logit_scale_init=hf["logit_scale_init_value"])
 
 
-def llava_to_hf(cfg: LlavaConfig) -> dict[str, Any]:
-    text = gpt_convert.to_hf_config(dataclasses.replace(cfg, layer_spec="llama"))  # (its language model's)
-    text.pop("architectures")
-    return {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
-            "image_token_index": cfg.image_token_id, "projector_hidden_act": "gelu",
-            "multimodal_projector_bias": cfg.projector_bias, "vision_feature_layer": cfg.vision_feature_layer,
-            "vision_feature_select_strategy": cfg.vision_feature_select_strategy,
-            "image_seq_length": cfg.image_features, "tie_word_embeddings": cfg.tie_embeddings,
-            "text_config": text, "vision_config": _vision_to_hf(cfg)}
+def llava_to_hf(cfg: LlavaConfig) -> Any:
+    """transformers' ``LlavaConfig`` for ``cfg`` (its language model LLaMA's, `zoo_gpt.convert`)."""
+    text = gpt_convert.to_hf_config(dataclasses.replace(cfg, layer_spec="llama")).to_dict()  # (its language model's)
+    text.pop("architectures", None)
+    return make_config("llava", architectures=["LlavaForConditionalGeneration"], image_token_index=cfg.image_token_id,
+                       projector_hidden_act="gelu", multimodal_projector_bias=cfg.projector_bias,
+                       vision_feature_layer=cfg.vision_feature_layer,
+                       vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                       image_seq_length=cfg.image_features, tie_word_embeddings=cfg.tie_embeddings,
+                       text_config=text, vision_config={"model_type": "clip_vision_model", **_vision_to_hf(cfg)})
 
 
-def llava_from_hf(hf: dict[str, Any]) -> LlavaConfig:
-    text = dict(hf.get("text_config") or {})
-    if text.get("model_type", "llama") != "llama":
+def llava_from_hf(config: Any) -> LlavaConfig:
+    """zoo's config for transformers' ``LlavaConfig`` (or a document transformers turns into one)."""
+    config = library_config(config)
+    hf = config.to_dict()
+    text = hf["text_config"]
+    if text.get("model_type") != "llama":
         raise UsageError(f"LLaVA with a {text.get('model_type')!r} language model: zoo converts LLaMA ones")
-    if hf.get("projector_hidden_act", "gelu") != "gelu":
-        raise UsageError(f"projector_hidden_act={hf['projector_hidden_act']!r}: zoo's projector is GELU")
-    text.setdefault("model_type", "llama")
-    text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
-    lm = gpt_convert.from_hf_config(text)
+    # (the image-text model's own flag ties its head, as transformers builds it)
+    lm = gpt_convert.from_hf_config({**text, "tie_word_embeddings": hf["tie_word_embeddings"]})
     fields = {k: v for k, v in vars(lm).items() if k != "layer_spec"}
-    return LlavaConfig(**fields, **_vision_from_hf(hf.get("vision_config") or {}),
-                       vision_feature_layer=hf.get("vision_feature_layer", -2),
-                       vision_feature_select_strategy=hf.get("vision_feature_select_strategy", "default"),
-                       projector_bias=hf.get("multimodal_projector_bias", True),
-                       image_token_id=hf.get("image_token_index", hf.get("image_token_id", 32000)))
+    return LlavaConfig(**fields, **_vision_from_hf(hf["vision_config"]),
+                       vision_feature_layer=hf["vision_feature_layer"],
+                       vision_feature_select_strategy=hf["vision_feature_select_strategy"],
+                       projector_bias=hf["multimodal_projector_bias"], image_token_id=hf["image_token_index"])
+
+
+# Every field of each config class (see zoo.checkpoint.fields). CLIP's per-tower projection_dim is
+# read by the single-tower "with projection" models only; CLIPModel projects by the top-level one.
+_INIT = ("initializer_range", "initializer_factor", "attention_dropout")
+_TOWER = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "layer_norm_eps")
+FIELDS = {t.config_class: t for t in (
+    FieldTable(config_class="CLIPConfig", mapped=("text_config", "vision_config", "projection_dim",
+                                                  "logit_scale_init_value"), inert=("initializer_factor",)),
+    FieldTable(config_class="CLIPTextConfig", mapped=(*_TOWER, "vocab_size", "max_position_embeddings", "eos_token_id"),
+               inert=(*_INIT, "projection_dim", "pad_token_id", "bos_token_id"), fixed={"hidden_act": ("quick_gelu",)}),
+    FieldTable(config_class="CLIPVisionConfig", mapped=(*_TOWER, "num_channels", "image_size", "patch_size"),
+               inert=(*_INIT, "projection_dim"), fixed={"hidden_act": ("quick_gelu",)}),
+    FieldTable(config_class="LlavaConfig",
+               mapped=("vision_config", "text_config", "image_token_index", "vision_feature_select_strategy",
+                       "vision_feature_layer", "multimodal_projector_bias", "tie_word_embeddings"),
+               inert=("image_seq_length",),  # (the processor's count of image tokens; the model counts its own)
+               fixed={"projector_hidden_act": ("gelu",)}),
+    gpt_convert.FIELDS["LlamaConfig"],
+)}
 
 
 HF_CLIP = ExternalFormat(name="hf", architectures={"CLIPModel": "clip"}, table=clip_table, to_config=clip_to_hf,
-                         from_config=clip_from_hf)
+                         from_config=clip_from_hf, fields=FIELDS)
 HF_LLAVA = ExternalFormat(name="hf", architectures={"LlavaForConditionalGeneration": "llava"}, table=llava_table,
-                          to_config=llava_to_hf, from_config=llava_from_hf, import_table=llava_import_table)
+                          to_config=llava_to_hf, from_config=llava_from_hf, import_table=llava_import_table,
+                          fields=FIELDS)
