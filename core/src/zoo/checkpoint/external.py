@@ -183,7 +183,7 @@ def _hf_source(src: Path, fmt_name: str = "hf") -> tuple[Any, ExternalFormat, An
                 build_empty(entry, config, device="meta")
             except ZooError as e:
                 raise CheckpointError(f"{cfg_path}: {e}") from None
-            except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RuntimeError) as e:
+            except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RuntimeError, AssertionError) as e:
                 raise CheckpointError(f"{cfg_path}: cannot read the {arch} config ({type(e).__name__}: {e})") from None
             return entry, fmt, config, library_config
     raise UsageError(f"{cfg_path}: unsupported architecture {archs or '(none given)'}; supported: {supported}")

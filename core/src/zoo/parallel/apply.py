@@ -90,7 +90,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], local: Mapp
             new.takes_context = new.feeds_split = style == "row_allreduce"  # type: ignore[assignment]
         elif style == "vocab_embedding":
             assert isinstance(mod, nn.Embedding), f"{name}: vocab_embedding needs nn.Embedding"
-            new = VocabParallelEmbedding(mod.num_embeddings, mod.embedding_dim, group=group)
+            new = VocabParallelEmbedding(mod.num_embeddings, mod.embedding_dim, group=group, padding_idx=mod.padding_idx)
             new.load_full(mod.weight)
             embeddings[id(mod.weight)] = new
         else:

@@ -113,7 +113,7 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split over TP ranks; ids outside this rank's range contribute zeros."""
 
-    def __init__(self, num_embeddings: int, dim: int, *, group: Any) -> None:
+    def __init__(self, num_embeddings: int, dim: int, *, group: Any, padding_idx: int | None = None) -> None:
         super().__init__()
         self.group = group
         self.shard = _shard("rows", group)
@@ -121,6 +121,9 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"vocabulary of {num_embeddings} does not split over tp={self.shard.size} (pad it)")
         per = num_embeddings // self.shard.size
         self.start, self.end = self.shard.rank * per, (self.shard.rank + 1) * per
+        # (the row without input gradient, as nn.Embedding's padding_idx, where this rank holds it)
+        self.padding_idx = padding_idx - self.start if padding_idx is not None and self.start <= padding_idx < self.end \
+            else None
         self.weight = nn.Parameter(torch.empty(per, dim))
 
     def tp_shards(self) -> dict[str, TPShard]:
@@ -133,7 +136,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        out = F.embedding(local, self.weight, padding_idx=self.padding_idx).masked_fill(outside[..., None], 0.0)
         return comm.reduce_from(out, self.group)
 
 

@@ -132,7 +132,7 @@ def _gemma_to_hf(cfg: Any) -> Any:
         sliding_window=cfg.sliding_window if layers else None,
         layer_types=["sliding_attention" if i in layers else "full_attention" for i in range(cfg.num_layers)],
         attn_logit_softcapping=cfg.attn_logit_softcapping, final_logit_softcapping=cfg.final_logit_softcapping,
-        attention_bias=False, attention_dropout=0.0, **rope)
+        attention_bias=False, attention_dropout=0.0, pad_token_id=cfg.pad_token_id, **rope)
 
 
 def _gemma_from_hf(config: Any, *, gemma2: bool, tied: bool) -> Any:
@@ -164,7 +164,8 @@ def _gemma_from_hf(config: Any, *, gemma2: bool, tied: bool) -> Any:
                        rope_scaling=scaling, init_std=hf["initializer_range"], rope_local_theta=float(local),
                        query_pre_attn_scalar=int(hf["query_pre_attn_scalar"]), layer_spec="gemma2" if gemma2 else "gemma3",
                        attn_logit_softcapping=_cap(hf.get("attn_logit_softcapping")),
-                       final_logit_softcapping=_cap(hf.get("final_logit_softcapping")), **windows)
+                       final_logit_softcapping=_cap(hf.get("final_logit_softcapping")),
+                       pad_token_id=hf.get("pad_token_id"), **windows)
 
 
 class _Rope:
@@ -208,7 +209,7 @@ def to_hf_config(cfg: GPTConfig) -> Any:
         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
         max_position_embeddings=cfg.max_seq_length, rms_norm_eps=cfg.norm_eps,
         initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
-        attention_bias=spec == "llama_attn_bias", mlp_bias=False, attention_dropout=0.0,
+        attention_bias=spec == "llama_attn_bias", mlp_bias=False, attention_dropout=0.0, pad_token_id=cfg.pad_token_id,
         **rope_fields(kind, cfg.rope_theta, cfg.rope_scaling))
 
 
@@ -306,7 +307,7 @@ def from_hf_config(config: Any) -> GPTConfig:
                          ffn_hidden_size=hf["intermediate_size"], max_seq_length=hf["max_position_embeddings"],
                          norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
                          rope_theta=theta, rope_scaling=scaling, init_std=hf["initializer_range"],
-                         layer_spec=spec, **windows_from_hf(hf, _ARCHITECTURES[spec][2], flag=kind.startswith("qwen")))
+                         pad_token_id=hf.get("pad_token_id"), layer_spec=spec, **windows_from_hf(hf, _ARCHITECTURES[spec][2], flag=kind.startswith("qwen")))
     raise UsageError(f"model_type {kind!r} is not GPT-2, LLaMA, Mistral, Qwen2, Qwen3, Gemma 2 or Gemma 3")
 
 
@@ -318,12 +319,13 @@ _SPEC_OF = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "
 # (inert), or computed by zoo at the listed values only (fixed; anything else is refused on import).
 # Dropout probabilities are inert: they change nothing at inference and zoo trains without dropout.
 # Legacy names (transformers 4.x: rope_theta, rope_scaling, ...) are listed for the releases that have them.
-_IDS = ("use_cache", "pad_token_id", "bos_token_id", "eos_token_id")
-_DECODER = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+_IDS = ("use_cache", "bos_token_id", "eos_token_id")
+# (pad_token_id is mapped: transformers' LLaMA-like and Gemma embeddings give its row no input gradient)
+_DECODER = ("pad_token_id", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "max_position_embeddings", "initializer_range", "rms_norm_eps", "tie_word_embeddings",
             "rope_parameters", "rope_theta", "rope_scaling", "head_dim")
 _QWEN_WINDOWS = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
-_GEMMA = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+_GEMMA = ("pad_token_id", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "num_key_value_heads", "head_dim", "max_position_embeddings", "initializer_range", "rms_norm_eps",
           "tie_word_embeddings",  # (untied refused; an image-text config's own flag decides for its text_config)
           "rope_parameters", "rope_theta", "rope_scaling", "query_pre_attn_scalar", "sliding_window", "layer_types",
@@ -335,7 +337,7 @@ FIELDS = {t.config_class: t for t in (
     FieldTable(config_class="GPT2Config",
                mapped=("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "layer_norm_epsilon",
                        "initializer_range"),
-               inert=(*_IDS, "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout", "n_ctx",
+               inert=(*_IDS, "pad_token_id", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout", "n_ctx",
                       # (the sequence-classification head's, which a causal LM does not build)
                       "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels",
                       "reorder_and_upcast_attn"),  # (an fp16 upcast of the same product)

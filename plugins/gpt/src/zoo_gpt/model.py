@@ -35,7 +35,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         block = spec.block_for(self.symbol)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
         self.pos_embed = nn.Embedding(cfg.max_seq_length, cfg.hidden_size) if spec.positions == "learned" else None
         uses_rope = isinstance(block.mixer, AttentionSpec) and block.mixer.positions == "rope"
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling) if uses_rope else None

@@ -31,6 +31,9 @@ class GPTConfig:
     # Qwen2's max_window_layers=m is layers m..num_layers-1).
     sliding_window: int | None = None
     window_layers: list[int] | None = None
+    # The token whose embedding row gets no gradient from its use as an input (torch's
+    # padding_idx, which transformers' LLaMA-like models set to pad_token_id); None: none.
+    pad_token_id: int | None = None
     layer_spec: str = "llama"
 
     def __post_init__(self) -> None:
@@ -230,7 +233,7 @@ def _gemma3(layers: int, hidden: int, heads: int, kv: int, ffn: int, *, head_dim
                        head_dim=head_dim, ffn_hidden_size=ffn, max_seq_length=ctx, norm_eps=1e-6, tie_embeddings=True,
                        rope_theta=theta, rope_scaling={"rope_type": "linear", "factor": scaling} if scaling else None,
                        sliding_window=window, window_layers=[i for i in range(layers) if (i + 1) % 6],
-                       query_pre_attn_scalar=qpas)
+                       query_pre_attn_scalar=qpas, pad_token_id=0)  # (the releases' <pad>: no input gradient)
 
 
 def gemma3_tiny() -> GemmaConfig:  # a window of half the recipe's 128 tokens on the first layer
@@ -266,7 +269,8 @@ def _gemma2(layers: int, hidden: int, heads: int, kv: int, ffn: int, *, head_dim
                        head_dim=head_dim, ffn_hidden_size=ffn, max_seq_length=8192, norm_eps=1e-6, tie_embeddings=True,
                        rope_theta=10000.0, rope_local_theta=10000.0, sliding_window=4096,
                        window_layers=list(range(0, layers, 2)), query_pre_attn_scalar=qpas,
-                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0, layer_spec="gemma2")
+                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0, layer_spec="gemma2",
+                       pad_token_id=0)  # (the releases' <pad>: no input gradient)
 
 
 def gemma2_tiny() -> GemmaConfig:  # Gemma 2's caps on the tiny shape: a window of 64 on layer 0

@@ -94,6 +94,9 @@ def to_hf_config(cfg: MambaConfig) -> Any:
         raise UsageError(f"model.layer_spec={cfg.layer_spec!r} has no Hugging Face architecture")
     if cfg.dt_max != math.inf:
         raise UsageError("NemotronH clamps dt to [time_step_min, inf): model.dt_max must stay inf to export it")
+    if cfg.tie_embeddings:
+        raise UsageError("transformers' NemotronHForCausalLM never ties its head to the embedding, whatever "
+                         "tie_word_embeddings says: model.tie_embeddings must be false to export it")
     out = dict(layers_block_type=[_KIND[s] for s in cfg.symbols], ssm_state_size=cfg.ssm_state_size,
                mamba_num_heads=cfg.ssm_heads, mamba_head_dim=cfg.ssm_head_dim, n_groups=cfg.ssm_groups,
                chunk_size=cfg.chunk_size, time_step_min=cfg.dt_min, mamba_hidden_act="silu",
@@ -148,7 +151,9 @@ def from_hf_config(config: Any) -> MambaConfig:
         pattern = "".join(_SYMBOL[t] for t in types)
         moe = "E" in pattern
         heads = hf["num_attention_heads"]
-        cfg = MambaConfig(**common, num_layers=len(pattern), pattern=pattern, ssm_state_size=hf["ssm_state_size"],
+        # (transformers' NemotronH keeps lm_head its own tensor whatever tie_word_embeddings says)
+        cfg = MambaConfig(**{**common, "tie_embeddings": False}, num_layers=len(pattern), pattern=pattern,
+                          ssm_state_size=hf["ssm_state_size"],
                           ssm_head_dim=hf["mamba_head_dim"], ssm_groups=hf["n_groups"], chunk_size=hf["chunk_size"],
                           dt_min=float(hf["time_step_min"]),
                           num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
@@ -187,12 +192,13 @@ FIELDS = {t.config_class: t for t in (
                inert=(*_IDS, *_INIT, "time_step_rank"),  # (Mamba-2's dt comes from in_proj: no rank)
                fixed=_SSM_FIXED),
     FieldTable(config_class="NemotronHConfig",
-               mapped=(*_COMMON, "layers_block_type", "num_attention_heads", "num_key_value_heads", "head_dim",
+               mapped=(*(f for f in _COMMON if f != "tie_word_embeddings"), "layers_block_type", "num_attention_heads", "num_key_value_heads", "head_dim",
                        "max_position_embeddings", "intermediate_size", "ssm_state_size", "mamba_num_heads",
                        "mamba_head_dim", "n_groups", "chunk_size", "time_step_min", "n_routed_experts",
                        "moe_intermediate_size", "moe_shared_expert_intermediate_size", "num_experts_per_tok",
                        "routed_scaling_factor", "n_group", "topk_group"),
-               inert=(*_IDS, "time_step_max", "time_step_floor", "rescale_prenorm_residual", "residual_in_fp32",
+               inert=(*_IDS, "tie_word_embeddings",  # (its model never ties: see from_hf_config)
+                      "time_step_max", "time_step_floor", "rescale_prenorm_residual", "residual_in_fp32",
                       "num_logits_to_keep", "attention_dropout", "hidden_dropout", "use_mamba_kernels",
                       "mamba_ssm_cache_dtype", "output_router_logits", "moe_shared_expert_overlap",
                       "mtp_layers_block_type",  # (the multi-token-prediction layers: none while num_nextn_predict_layers=0)

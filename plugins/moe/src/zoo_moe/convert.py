@@ -98,7 +98,7 @@ def to_hf_config(cfg: MoEConfig) -> Any:
                 num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                 hidden_act="silu", max_position_embeddings=cfg.max_seq_length, rms_norm_eps=cfg.norm_eps,
                 initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings, attention_dropout=0.0,
-                num_experts_per_tok=cfg.top_k,
+                num_experts_per_tok=cfg.top_k, pad_token_id=cfg.pad_token_id,
                 router_aux_loss_coef=cfg.aux_loss_coeff if cfg.aux_loss_convention == "hf" else 0.001)
     dense = [i for i, s in enumerate(cfg.symbols) if s == "T"]
     if cfg.layer_spec.startswith("qwen2_moe"):
@@ -151,7 +151,7 @@ def from_hf_config(config: Any) -> MoEConfig:
                      ffn_hidden_size=hf["moe_intermediate_size"] if qwen else hf["intermediate_size"],
                      max_seq_length=hf["max_position_embeddings"], norm_eps=hf["rms_norm_eps"],
                      tie_embeddings=bool(hf["tie_word_embeddings"]), rope_theta=theta, rope_scaling=scaling,
-                     init_std=hf["initializer_range"],
+                     init_std=hf["initializer_range"], pad_token_id=hf.get("pad_token_id"),
                      **windows_from_hf(hf, "qwen2_moe" if kind == "qwen2_moe" else "all", flag=qwen),
                      num_experts=experts, top_k=hf["num_experts_per_tok"],
                      shared_ffn_hidden_size=hf.get("shared_expert_intermediate_size") or 0,
@@ -161,8 +161,8 @@ def from_hf_config(config: Any) -> MoEConfig:
 
 
 # Every field of each config class (see zoo.checkpoint.fields and zoo_gpt.convert.FIELDS).
-_IDS = ("use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "output_router_logits", "attention_dropout")
-_DECODER = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+_IDS = ("use_cache", "bos_token_id", "eos_token_id", "output_router_logits", "attention_dropout")
+_DECODER = ("pad_token_id", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "max_position_embeddings", "initializer_range", "rms_norm_eps", "tie_word_embeddings",
             "rope_parameters", "rope_theta", "rope_scaling", "head_dim", "num_experts_per_tok", "router_aux_loss_coef")
 _QWEN = ("decoder_sparse_step", "moe_intermediate_size", "num_experts", "norm_topk_prob", "mlp_only_layers",

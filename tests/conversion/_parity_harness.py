@@ -1,0 +1,224 @@
+"""One draw through the whole user path, judged against the library's own model.
+
+The library's model is built from the drawn config with random weights (every tensor off its
+initial value), saved with ``save_pretrained``, imported with ``zoo convert --from``, loaded with
+``zoo.load_model``, and compared: logits (diffusers: the predicted sample) within 1e-5, the loss
+and every gradient of one backward within 1e-4 relative; then exported with ``zoo convert --to``
+and loaded by the library's ``from_pretrained`` with no missing, unexpected or resized key and
+bitwise the same tensors. Or zoo refuses the draw: exit code 1 or 2, one ``zoo: error:`` line,
+nothing written. Anything else is a silent difference, reported with the draw that reproduces it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from _parity_draws import Draw
+
+LOGITS_TOL = 1e-5
+GRAD_TOL = 1e-4
+
+
+@dataclass
+class Outcome:
+    status: str  # "equal" | "refused"
+    detail: str = ""
+
+
+class SilentDifference(AssertionError):
+    pass
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype)
+            if name.endswith(("A_log", "dt_bias", ".D")) or "norm" in name:
+                p.add_(0.1 * noise)  # off their init values (ones, zeros), so a swapped tensor shows
+            else:
+                p.copy_(0.2 * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+
+
+def _equal_dit_embedders(model: torch.nn.Module) -> None:
+    """diffusers' DiT holds a copy of the timestep/class embedder in every block; a released
+    checkpoint's copies are equal (zoo refuses copies that differ)."""
+    blocks = model.transformer_blocks
+    with torch.no_grad():
+        for blk in blocks[1:]:
+            blk.norm1.emb.load_state_dict(blocks[0].norm1.emb.state_dict())
+
+
+def _summed_copies(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The library's gradients with each DiT embedder copy's replaced by the sum over the copies:
+    the gradient of the one embedder zoo holds (and `Replicate` writes to every copy)."""
+    import re
+
+    total: dict[str, torch.Tensor] = {}
+    for k, g in grads.items():
+        m = re.fullmatch(r"transformer_blocks\.\d+\.(norm1\.emb\..*)", k)
+        if m:
+            total[m[1]] = total.get(m[1], 0) + g
+    return {k: total[m[1]] if (m := re.fullmatch(r"transformer_blocks\.\d+\.(norm1\.emb\..*)", k)) else g
+            for k, g in grads.items()}
+
+
+def _zoo(*argv: str) -> tuple[int, str]:
+    from zoo.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = main(list(argv))
+    return code, err.getvalue()
+
+
+def _refusal(code: int, err: str, dst: Path, draw: Draw) -> Outcome:
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("Writing", "Loading"))
+             and "it/s]" not in ln]
+    if code not in (1, 2) or len(lines) != 1 or not lines[0].startswith("zoo: error:") or "Traceback" in err:
+        raise SilentDifference(f"zoo convert --from exited {code} without a one-line error:\n{err}\n{draw.shown()}")
+    if dst.exists():
+        raise SilentDifference(f"zoo convert refused but wrote {dst}\n{draw.shown()}")
+    return Outcome("refused", lines[0].removeprefix("zoo: error: "))
+
+
+def _inputs(draw: Draw, seed: int):
+    g = torch.Generator().manual_seed(seed + 1)
+    if draw.kind == "dit":
+        c = draw.config
+        x = torch.randn(draw.batch, c["in_channels"], c["sample_size"], c["sample_size"], generator=g)
+        t = torch.randint(0, 1000, (draw.batch,), generator=g).float()
+        y = torch.randint(0, c["num_embeds_ada_norm"] + 1, (draw.batch,), generator=g)  # (the last: the null class)
+        return x, t, y
+    v = draw.config.vocab_size
+    tokens = torch.randint(0, v, (draw.batch, draw.seq), generator=g)
+    labels = torch.randint(0, v, (draw.batch, draw.seq), generator=g)
+    return tokens, labels
+
+
+def _theirs_out(model: torch.nn.Module, draw: Draw, inputs) -> torch.Tensor:
+    if draw.kind == "dit":
+        x, t, y = inputs
+        return model(x, timestep=t, class_labels=y).sample
+    return model(input_ids=inputs[0], use_cache=False).logits
+
+
+def _ours_out(model: torch.nn.Module, draw: Draw, inputs) -> torch.Tensor:
+    if draw.kind == "dit":
+        from zoo_dit.model import patchify, unpatchify
+
+        x, t, y = inputs
+        cfg = model.cfg
+        toks, pos = patchify(x[:, :, None], 1, cfg.patch_size, cfg.patch_size)
+        out = model(toks, positions=pos.expand(len(x), -1, -1), noise_level=t[:, None], labels=y[:, None])
+        g = x.shape[-1] // cfg.patch_size
+        return unpatchify(out, (1, g, g), 1, cfg.patch_size, cfg.patch_size)[:, :, 0]
+    return model(inputs[0])
+
+
+def _loss(out: torch.Tensor, draw: Draw, inputs, target: torch.Tensor | None) -> torch.Tensor:
+    if draw.kind == "dit":
+        return torch.nn.functional.mse_loss(out, target)
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), inputs[1].flatten())
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
+    """The difference of ``a`` from the reference ``b`` by norm, relative to ``b``'s norm or ``floor``."""
+    return ((a.double() - b.double()).norm() / max(b.double().norm().item(), floor, 1e-30)).item()
+
+
+def run(draw: Draw, seed: int, tmp: Path) -> Outcome:
+    from zoo.checkpoint.external import _formats
+    from zoo.checkpoint.mapping import to_external
+
+    import zoo
+
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = draw.build(draw.config).float().eval()
+    _randomise(theirs, seed)
+    if draw.kind == "dit":
+        _equal_dit_embedders(theirs)
+    src, dst, back = tmp / "theirs", tmp / "zoo", tmp / "back"
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        theirs.save_pretrained(src, safe_serialization=True)
+    fmt_name = "diffusers" if draw.library == "diffusers" else "hf"
+    code, err = _zoo("convert", "--from", fmt_name, str(src), str(dst))
+    if code != 0:
+        return _refusal(code, err, dst, draw)
+
+    ours = zoo.load_model(str(dst)).eval()
+    inputs = _inputs(draw, seed)
+    want = _theirs_out(theirs, draw, inputs)
+    got = _ours_out(ours, draw, inputs)
+    scale = max(1.0, want.abs().max().item())
+    worst = (got - want).abs().max().item()
+    if not worst <= LOGITS_TOL * scale:
+        raise SilentDifference(f"outputs differ by {worst:.3g} (scale {scale:.3g})\n{draw.shown()}")
+
+    target = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed + 2)) if draw.kind == "dit" else None
+    loss_theirs = _loss(want, draw, inputs, target)
+    loss_ours = _loss(got, draw, inputs, target)
+    rel = abs(loss_ours.item() - loss_theirs.item()) / max(abs(loss_theirs.item()), 1e-12)
+    if not rel <= GRAD_TOL:
+        raise SilentDifference(f"losses differ: {loss_ours.item()} vs {loss_theirs.item()}\n{draw.shown()}")
+    loss_theirs.backward()
+    loss_ours.backward()
+    fmt = next(f for _, f in _formats(fmt_name) if draw.architecture in f.architectures)
+    grads_theirs = {k: p.grad for k, p in theirs.named_parameters(remove_duplicate=False) if p.grad is not None}
+    if draw.kind == "dit":
+        grads_theirs = _summed_copies(grads_theirs)
+    table = fmt.table_for(ours.cfg, list(grads_theirs))
+    state = {k: torch.zeros_like(v) for k, v in ours.state_dict().items()}  # (buffers: no gradient)
+    state.update({k: p.grad if p.grad is not None else torch.zeros_like(p)
+                  for k, p in ours.named_parameters(remove_duplicate=False)})
+    grads_ours = to_external(table, state, ours.cfg)
+    # A gradient that is zero in exact arithmetic (a key bias under softmax, a top-1 renormalised
+    # gate) is rounding noise on both sides: differences are judged against the model's largest
+    # gradient too.
+    floor = 1e-3 * max(g.double().norm().item() for g in grads_theirs.values())
+    seen: set[int] = set()
+    params = dict(theirs.named_parameters(remove_duplicate=False))
+    for key, ref in grads_theirs.items():
+        if id(params[key]) in seen:  # (a tied weight: compared under its first name)
+            continue
+        seen.add(id(params[key]))
+        mine = grads_ours.get(key)
+        for ours_prefix, theirs_prefix in table.import_prefixes:  # (transformers' in-memory names)
+            if mine is None and key.startswith(theirs_prefix):
+                mine = grads_ours.get(ours_prefix + key[len(theirs_prefix):])
+        if mine is None:
+            if ref.abs().max() == 0:
+                continue
+            raise SilentDifference(f"no gradient of zoo's maps to {key}\n{draw.shown()}")
+        rel = _close(mine.reshape(ref.shape), ref, floor)
+        if not rel <= GRAD_TOL:
+            raise SilentDifference(f"gradient of {key} differs by {rel:.3g} relative\n{draw.shown()}")
+
+    code, err = _zoo("convert", "--to", fmt_name, str(dst), str(back))
+    if code != 0:
+        raise SilentDifference(f"zoo convert --to failed on a model it imported:\n{err}\n{draw.shown()}")
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        again, info = type(theirs).from_pretrained(back, output_loading_info=True)
+    problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if problems:
+        raise SilentDifference(f"from_pretrained of the export: {problems}\n{draw.shown()}")
+    sd_theirs, sd_again = theirs.state_dict(), again.state_dict()
+    if sd_theirs.keys() != sd_again.keys():
+        raise SilentDifference(f"the export's keys differ: {sorted(sd_theirs.keys() ^ sd_again.keys())}\n{draw.shown()}")
+    for k, v in sd_theirs.items():
+        if not torch.equal(v, sd_again[k]):
+            raise SilentDifference(f"the export's {k} is not bitwise the original\n{draw.shown()}")
+    return Outcome("equal")
