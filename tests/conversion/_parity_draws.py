@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from random import Random
 from typing import Any
 
@@ -28,7 +29,6 @@ class Draw:
     kind: str = "lm"  # lm | dit
     seq: int = 8
     batch: int = 2
-    notes: dict[str, Any] = field(default_factory=dict)
 
     def shown(self) -> str:
         cfg = self.config.to_dict() if hasattr(self.config, "to_dict") else dict(self.config)
@@ -153,14 +153,6 @@ def _gemma(rng: Random, kind: str) -> tuple[str, dict[str, Any]]:
     return kind, cfg
 
 
-def gemma2(rng: Random) -> tuple[str, dict[str, Any]]:
-    return _gemma(rng, "gemma2")
-
-
-def gemma3(rng: Random) -> tuple[str, dict[str, Any]]:
-    return _gemma(rng, "gemma3_text")
-
-
 def gpt2(rng: Random) -> tuple[str, dict[str, Any]]:
     heads = rng.choice([1, 2, 3, 4])
     d = heads * rng.choice([2, 4, 8])
@@ -202,14 +194,6 @@ def _qwen_moe(rng: Random, kind: str) -> tuple[str, dict[str, Any]]:
         if rng.random() < 0.3:
             cfg.update(use_sliding_window=True, sliding_window=rng.randint(1, 10))
     return kind, cfg
-
-
-def qwen2_moe(rng: Random) -> tuple[str, dict[str, Any]]:
-    return _qwen_moe(rng, "qwen2_moe")
-
-
-def qwen3_moe(rng: Random) -> tuple[str, dict[str, Any]]:
-    return _qwen_moe(rng, "qwen3_moe")
 
 
 def mamba(rng: Random) -> tuple[str, dict[str, Any]]:
@@ -271,9 +255,11 @@ def dit(rng: Random) -> dict[str, Any]:
 
 TRANSFORMERS: dict[str, Callable[[Random], tuple[str, dict[str, Any]]]] = {
     "LlamaForCausalLM": llama, "MistralForCausalLM": mistral, "Qwen2ForCausalLM": qwen2, "Qwen3ForCausalLM": qwen3,
-    "Gemma2ForCausalLM": gemma2, "Gemma3ForCausalLM": gemma3, "GPT2LMHeadModel": gpt2, "MixtralForCausalLM": mixtral,
-    "Qwen2MoeForCausalLM": qwen2_moe, "Qwen3MoeForCausalLM": qwen3_moe, "MambaForCausalLM": mamba,
-    "Mamba2ForCausalLM": mamba2, "NemotronHForCausalLM": nemotron_h,
+    "Gemma2ForCausalLM": partial(_gemma, kind="gemma2"), "Gemma3ForCausalLM": partial(_gemma, kind="gemma3_text"),
+    "GPT2LMHeadModel": gpt2, "MixtralForCausalLM": mixtral,
+    "Qwen2MoeForCausalLM": partial(_qwen_moe, kind="qwen2_moe"),
+    "Qwen3MoeForCausalLM": partial(_qwen_moe, kind="qwen3_moe"),
+    "MambaForCausalLM": mamba, "Mamba2ForCausalLM": mamba2, "NemotronHForCausalLM": nemotron_h,
 }
 ARCHITECTURES = (*TRANSFORMERS, "DiTTransformer2DModel")
 

@@ -137,10 +137,9 @@ def _close(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
 
 
 def run(draw: Draw, seed: int, tmp: Path) -> Outcome:
+    import zoo
     from zoo.checkpoint.external import _formats
     from zoo.checkpoint.mapping import to_external
-
-    import zoo
 
     torch.manual_seed(seed)
     with warnings.catch_warnings():

@@ -12,7 +12,6 @@ sibling directory and rename it into place, and refuse to overwrite anything.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -285,7 +284,6 @@ def import_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.Pa
 
 def export_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
                     max_shard_bytes: int = 5 * 2**30, dtype: str | None = None, weights: str = "auto") -> Path:
-    from zoo.io import atomic_write_text
 
     src, dst = Path(src), Path(dst)
     if dst.exists():

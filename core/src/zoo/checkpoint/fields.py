@@ -48,10 +48,6 @@ class FieldTable:
         """The installed class's fields this table does not name."""
         return sorted(set(class_fields(cls)) - self.names)
 
-    def stale(self, cls: type) -> list[str]:
-        """Names in this table that the installed class no longer has."""
-        return sorted(self.names - set(class_fields(cls)))
-
     def check(self, values: Mapping[str, Any], *, where: str = "") -> None:
         """Refuse the first fixed field whose value zoo cannot compute (``where``: the key of a
         nested config, named before the field)."""

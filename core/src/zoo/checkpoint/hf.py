@@ -14,7 +14,7 @@ from zoo.errors import UsageError
 def library_config(config: Any) -> Any:
     """transformers' config object for ``config``: returned as it is when it already is one; a
     document (``config.json``'s dict) is handed to ``AutoConfig.for_model`` by its ``model_type``."""
-    from transformers import AutoConfig, PretrainedConfig
+    from transformers import PretrainedConfig
 
     if isinstance(config, PretrainedConfig):
         return config
@@ -61,14 +61,18 @@ _ROPE_KEYS = {"default": set(), "linear": {"factor"},
 
 
 def rope_of(config: Any, *, what: str) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) of a transformers config in either release's form; a RoPE type zoo does not
-    compute, or a key its type does not read (an attention factor, a partial rotary fraction), is
-    refused naming it."""
-    params = getattr(config, "rope_parameters", None)
-    if params is None:  # (4.x)
-        params = {**(getattr(config, "rope_scaling", None) or {}), "rope_theta": getattr(config, "rope_theta", 10000.0)}
+    """(theta, scaling) of a transformers config in either release's form, or of one RoPE table
+    (a mapping: Gemma 3's per-layer-kind ``rope_parameters``); a RoPE type zoo does not compute, or
+    a key its type does not read (an attention factor, a partial rotary fraction), is refused
+    naming it."""
+    if isinstance(config, Mapping):
+        params = config
+    else:
+        params = getattr(config, "rope_parameters", None)
+        if params is None:  # (4.x)
+            params = {**(getattr(config, "rope_scaling", None) or {}), "rope_theta": getattr(config, "rope_theta", 10000.0)}
     params = dict(params)
-    theta = float(params.pop("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    theta = float(params.pop("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in _ROPE_KEYS:
         raise UsageError(f"{what}: rope_parameters.rope_type={kind!r} is not computed by zoo (supported: "

@@ -140,9 +140,11 @@ def diffusers_config(cfg: DiTConfig) -> dict[str, Any]:
 def config_from_diffusers(d: Mapping[str, Any]) -> DiTConfig:
     """zoo's config for diffusers' ``DiTTransformer2DModel`` config (its ``config``, every default
     filled in, or a document diffusers fills in); the fixed fields were checked against `FIELDS`."""
+    from diffusers.configuration_utils import FrozenDict
+
     from zoo.checkpoint.external import diffusers_config_of
 
-    if not all(k in d for k in ("num_attention_heads", "attention_head_dim", "in_channels", "num_layers")):
+    if not isinstance(d, FrozenDict):  # (a document: diffusers fills in its defaults)
         d = diffusers_config_of("DiTTransformer2DModel", {"_class_name": "DiTTransformer2DModel", **d})
     out_ch = d["out_channels"] or d["in_channels"]
     if out_ch != d["in_channels"]:

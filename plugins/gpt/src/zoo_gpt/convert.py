@@ -150,8 +150,8 @@ def _gemma_from_hf(config: Any, *, gemma2: bool, tied: bool) -> Any:
                                       for i in range(n)]
     params = getattr(config, "rope_parameters", None)
     if not gemma2 and params is not None and "full_attention" in params:  # (transformers 5: one table per kind)
-        theta, scaling = rope_of(_Rope(params["full_attention"]), what=what)
-        local, _ = rope_of(_Rope(params.get("sliding_attention") or {"rope_theta": theta}), what=f"{what} (local)")
+        theta, scaling = rope_of(params["full_attention"], what=what)
+        local, _ = rope_of(params.get("sliding_attention") or {"rope_theta": theta}, what=f"{what} (local)")
     else:
         theta, scaling = rope_of(config, what=what)
         local = theta if gemma2 else float(hf.get("rope_local_base_freq", 10000.0))
@@ -166,13 +166,6 @@ def _gemma_from_hf(config: Any, *, gemma2: bool, tied: bool) -> Any:
                        attn_logit_softcapping=_cap(hf.get("attn_logit_softcapping")),
                        final_logit_softcapping=_cap(hf.get("final_logit_softcapping")),
                        pad_token_id=hf.get("pad_token_id"), **windows)
-
-
-class _Rope:
-    """One of Gemma 3's per-kind RoPE tables, read as a config's ``rope_parameters``."""
-
-    def __init__(self, params: Any) -> None:
-        self.rope_parameters = dict(params)
 
 
 def _cap(value: Any) -> float | None:
