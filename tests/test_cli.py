@@ -229,7 +229,8 @@ SURFACE = {
                  # image-text models (CLIP, LLaVA)
                  "--image", "--labels",
                  # diffusion models (DFM's snake_case spellings are the aliases listed last)
-                 "--class", "--num_steps", "--guidance", "--guidance-form", "--solver", "--height", "--width",
+                 "--class", "--num_steps", "--guidance", "--guidance-form", "--solver", "--guidance-channels",
+                 "--height", "--width",
                  "--num_video_frames", "--num-samples", "--nrow", "--output", "--video_save_path", "--text-encoder"],
 }
 

@@ -247,7 +247,7 @@ def dit(rng: Random) -> dict[str, Any]:
     c = rng.randint(1, 4)
     sample = rng.choice([4, 6, 8])
     return dict(num_attention_heads=rng.choice([1, 2, 3]), attention_head_dim=rng.choice([4, 8, 16]), in_channels=c,
-                out_channels=rng.choice([None, c, c, 2 * c]), num_layers=rng.randint(1, 3), sample_size=sample,
+                out_channels=c + 1 if _rare(rng) else rng.choice([None, c, 2 * c, 2 * c]), num_layers=rng.randint(1, 3), sample_size=sample,
                 patch_size=rng.choice([p for p in (1, 2) if sample % p == 0]),
                 num_embeds_ada_norm=rng.randint(1, 10), norm_eps=rng.choice([1e-5, 1e-6]),
                 activation_fn="gelu" if _rare(rng) else "gelu-approximate")

@@ -22,6 +22,10 @@ from _parity_draws import Draw
 
 LOGITS_TOL = 1e-5
 GRAD_TOL = 1e-4
+# In float64 what is left is the float32 the libraries keep on purpose (transformers' RoPE tables
+# are float32 in any dtype: ~1e-7); a different computation stays far above these.
+LOGITS_TOL_64 = 1e-6
+GRAD_TOL_64 = 1e-6
 
 
 @dataclass
@@ -128,7 +132,9 @@ def _ours_out(model: torch.nn.Module, draw: Draw, inputs) -> torch.Tensor:
 def _loss(out: torch.Tensor, draw: Draw, inputs, target: torch.Tensor | None) -> torch.Tensor:
     if draw.kind == "dit":
         return torch.nn.functional.mse_loss(out, target)
-    return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), inputs[1].flatten())
+    logits = out.flatten(0, 1)
+    return torch.nn.functional.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)),
+                                             inputs[1].flatten())
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
@@ -136,45 +142,29 @@ def _close(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
     return ((a.double() - b.double()).norm() / max(b.double().norm().item(), floor, 1e-30)).item()
 
 
-def run(draw: Draw, seed: int, tmp: Path) -> Outcome:
-    import zoo
-    from zoo.checkpoint.external import _formats
+def _judge(theirs: torch.nn.Module, ours: torch.nn.Module, draw: Draw, seed: int, fmt, logits_tol: float,
+           grad_tol: float) -> str | None:
+    """What differs between the library's model and zoo's (outputs, loss, one step's gradients), or None."""
     from zoo.checkpoint.mapping import to_external
 
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        theirs = draw.build(draw.config).float().eval()
-    _randomise(theirs, seed)
-    if draw.kind == "dit":
-        _equal_dit_embedders(theirs)
-    src, dst, back = tmp / "theirs", tmp / "zoo", tmp / "back"
-    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-        warnings.simplefilter("ignore")
-        theirs.save_pretrained(src, safe_serialization=True)
-    fmt_name = "diffusers" if draw.library == "diffusers" else "hf"
-    code, err = _zoo("convert", "--from", fmt_name, str(src), str(dst))
-    if code != 0:
-        return _refusal(code, err, dst, draw)
-
-    ours = zoo.load_model(str(dst)).eval()
+    dtype = next(theirs.parameters()).dtype
     inputs = _inputs(draw, seed)
+    inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
     want = _theirs_out(theirs, draw, inputs)
     got = _ours_out(ours, draw, inputs)
     scale = max(1.0, want.abs().max().item())
     worst = (got - want).abs().max().item()
-    if not worst <= LOGITS_TOL * scale:
-        raise SilentDifference(f"outputs differ by {worst:.3g} (scale {scale:.3g})\n{draw.shown()}")
+    if not worst <= logits_tol * scale:
+        return f"outputs differ by {worst:.3g} (scale {scale:.3g})"
 
-    target = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed + 2)) if draw.kind == "dit" else None
+    target = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed + 2)).to(dtype) if draw.kind == "dit" else None
     loss_theirs = _loss(want, draw, inputs, target)
     loss_ours = _loss(got, draw, inputs, target)
     rel = abs(loss_ours.item() - loss_theirs.item()) / max(abs(loss_theirs.item()), 1e-12)
-    if not rel <= GRAD_TOL:
-        raise SilentDifference(f"losses differ: {loss_ours.item()} vs {loss_theirs.item()}\n{draw.shown()}")
+    if not rel <= grad_tol:
+        return f"losses differ: {loss_ours.item()} vs {loss_theirs.item()}"
     loss_theirs.backward()
     loss_ours.backward()
-    fmt = next(f for _, f in _formats(fmt_name) if draw.architecture in f.architectures)
     grads_theirs = {k: p.grad for k, p in theirs.named_parameters(remove_duplicate=False) if p.grad is not None}
     if draw.kind == "dit":
         grads_theirs = _summed_copies(grads_theirs)
@@ -200,10 +190,49 @@ def run(draw: Draw, seed: int, tmp: Path) -> Outcome:
         if mine is None:
             if ref.abs().max() == 0:
                 continue
-            raise SilentDifference(f"no gradient of zoo's maps to {key}\n{draw.shown()}")
+            return f"no gradient of zoo's maps to {key}"
         rel = _close(mine.reshape(ref.shape), ref, floor)
-        if not rel <= GRAD_TOL:
-            raise SilentDifference(f"gradient of {key} differs by {rel:.3g} relative\n{draw.shown()}")
+        if not rel <= grad_tol:
+            return f"gradient of {key} differs by {rel:.3g} relative"
+
+    return None
+
+
+def run(draw: Draw, seed: int, tmp: Path) -> Outcome:
+    import zoo
+    from zoo.checkpoint.external import _formats
+
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = draw.build(draw.config).float().eval()
+    _randomise(theirs, seed)
+    if draw.kind == "dit":
+        _equal_dit_embedders(theirs)
+    src, dst, back = tmp / "theirs", tmp / "zoo", tmp / "back"
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        theirs.save_pretrained(src, safe_serialization=True)
+    fmt_name = "diffusers" if draw.library == "diffusers" else "hf"
+    code, err = _zoo("convert", "--from", fmt_name, str(src), str(dst))
+    if code != 0:
+        return _refusal(code, err, dst, draw)
+
+    ours = zoo.load_model(str(dst)).eval()
+    fmt = next(f for _, f in _formats(fmt_name) if draw.architecture in f.architectures)
+    problem = _judge(theirs, ours, draw, seed, fmt, LOGITS_TOL, GRAD_TOL)
+    if problem is not None:
+        # A float32 difference is either a different computation or rounding in an ill-conditioned
+        # draw (a gradient that is zero in exact arithmetic, a LayerNorm over two features): in
+        # float64 the same computation agrees far closer, a different one keeps its difference.
+        import copy
+
+        theirs64, ours64 = copy.deepcopy(theirs).double(), zoo.load_model(str(dst)).eval().double()
+        for p in (*theirs64.parameters(), *ours64.parameters()):
+            p.grad = None
+        again64 = _judge(theirs64, ours64, draw, seed, fmt, LOGITS_TOL_64, GRAD_TOL_64)
+        if again64 is not None:
+            raise SilentDifference(f"{problem}; in float64: {again64}\n{draw.shown()}")
 
     code, err = _zoo("convert", "--to", fmt_name, str(dst), str(back))
     if code != 0:

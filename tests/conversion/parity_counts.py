@@ -4,7 +4,8 @@ refused), for docs/conversion.md:
     python tests/conversion/parity_counts.py --first 0 --draws 3     # the default suite's draws
     python tests/conversion/parity_counts.py --first 3 --draws 50    # the slow suite's
 
-A silent difference stops the count with the draw that reproduces it."""
+A silent difference is counted, and the draw that reproduces it printed to stderr; the exit status
+is then 1."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _parity_draws import ARCHITECTURES, draw  # noqa: E402
-from _parity_harness import run  # noqa: E402
+from _parity_harness import SilentDifference, run  # noqa: E402
 
 
 def main() -> None:
@@ -25,19 +26,28 @@ def main() -> None:
     ap.add_argument("--first", type=int, default=0)
     ap.add_argument("--draws", type=int, default=3)
     args = ap.parse_args()
-    print("| architecture | drawn | equal | refused | refusals (first words) |\n|---|---|---|---|---|")
+    print("| architecture | drawn | equal | refused | silent | refusals (first words) |\n|---|---|---|---|---|---|")
+    silent_total = 0
     for arch in ARCHITECTURES:
         counts: collections.Counter[str] = collections.Counter()
         why: collections.Counter[str] = collections.Counter()
         for seed in range(args.first, args.first + args.draws):
             with tempfile.TemporaryDirectory() as tmp:
-                outcome = run(draw(arch, seed), seed, Path(tmp))
+                try:
+                    outcome = run(draw(arch, seed), seed, Path(tmp))
+                except SilentDifference as e:
+                    counts["silent"] += 1
+                    print(f"{arch} seed {seed}: {e}", file=sys.stderr, flush=True)
+                    continue
             counts[outcome.status] += 1
             if outcome.status == "refused":
                 text = outcome.detail.split(": ", 1)[-1]
                 why[" ".join(text.split()[:6])] += 1
         reasons = "; ".join(f"{n}x {w}" for w, n in why.most_common(4))
-        print(f"| {arch} | {sum(counts.values())} | {counts['equal']} | {counts['refused']} | {reasons} |", flush=True)
+        silent_total += counts["silent"]
+        print(f"| {arch} | {sum(counts.values())} | {counts['equal']} | {counts['refused']} | {counts['silent']} "
+              f"| {reasons} |", flush=True)
+    sys.exit(1 if silent_total else 0)
 
 
 if __name__ == "__main__":

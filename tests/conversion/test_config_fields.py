@@ -86,6 +86,25 @@ def test_top1_mixtral_converts_to_transformers_logits(tmp_path):
             assert (ours(tokens) - hf(tokens).logits).abs().max() <= 1e-5
 
 
+def test_gemma2_sliding_layers_rotate_with_the_scaled_table(tmp_path):
+    """Gemma 2 has one RoPE table for every layer, linear scaling included; zoo rotated its sliding
+    layers with an unscaled table of the same base (Gemma 3's rule), 0.19 off (a slow parity draw)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    hf = Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, sliding_window=3, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2)
+    ours = zoo.load_model(str(_save(hf, tmp_path / "hf"))).eval()
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ours(tokens) - hf(tokens).logits).abs().max() <= 1e-5
+
+
 def test_mamba2_saved_by_transformers_5_with_an_infinite_time_step_limit_reads(tmp_path):
     """transformers 5 writes infinity as {"__float__": "Infinity"}; the hand parser failed on it."""
     from transformers import Mamba2Config, Mamba2ForCausalLM

@@ -95,7 +95,8 @@ def _generate_samples(args: argparse.Namespace, generate: Any, loaded: Any) -> i
     if output is None:
         raise UsageError("--output FILE (.png for images, .gif or .mp4 for a clip) is required for a diffusion model")
     request = {"labels": args.classes, "num_steps": args.num_steps, "guidance": args.guidance,
-               "guidance_form": args.guidance_form, "solver": args.solver, "seed": args.seed, "height": args.height,
+               "guidance_form": args.guidance_form, "guidance_channels": args.guidance_channels,
+               "sampler": args.sampler, "seed": args.seed, "height": args.height,
                "width": args.width, "frames": args.num_video_frames, "num_samples": args.num_samples,
                "prompt": args.prompt, "text_encoder": args.text_encoder}
     try:
@@ -137,11 +138,17 @@ def add_generate_parser(sub: Any) -> None:
     v.add_argument("--labels", help="CLIP zero-shot: comma-separated label texts, e.g. 'a 0,a 1,a 2'")
     d = p.add_argument_group("diffusion models (DiT); DFM's argument names are accepted")
     d.add_argument("--class", dest="classes", type=int, nargs="+", help="class(es) to draw, one sample each")
-    d.add_argument("--num-steps", "--num_steps", type=at_least_one, default=18, help="sampler steps (Heun: 2 evaluations each)")
+    d.add_argument("--num-steps", "--num_steps", type=at_least_one,
+                   help="sampler steps (default: EDM's Heun 18, 2 evaluations each; DDPM 250; DDIM 50)")
     d.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale (1: none)")
     d.add_argument("--guidance-form", choices=["standard", "dfm"], default="standard",
                    help="standard: uncond + g (cond - uncond); dfm: cond + g (cond - uncond)")
-    d.add_argument("--solver", choices=["heun", "euler"], default="heun")
+    d.add_argument("--sampler", "--solver", choices=["heun", "euler", "ddpm", "ddim"],
+                   help="EDM models: heun (default) or euler; the original DiT's VP models (model.objective=vp): "
+                        "ddpm (default, the learned variance) or ddim")
+    d.add_argument("--guidance-channels", type=at_least_one,
+                   help="VP models: guide only the first N epsilon channels (facebookresearch's sample.py: 3; "
+                        "default: all, as diffusers' DiTPipeline)")
     d.add_argument("--height", type=at_least_one, help="latent height (default: the model's sample size)")
     d.add_argument("--width", type=at_least_one, help="latent width")
     d.add_argument("--num-video-frames", "--num_video_frames", type=at_least_one, help="latent frames of a clip")

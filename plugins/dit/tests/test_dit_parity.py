@@ -100,6 +100,28 @@ def test_reference_layout_round_trips_and_keeps_the_function():
         from_reference(bad, cfg)
 
 
+def test_reference_learn_sigma_layout_keeps_the_variance_channels():
+    """facebookresearch's released DiTs predict epsilon and the variance: final_layer.linear has
+    2 x patch^2 x C outputs, per cell epsilon's C channels first; with learn_sigma zoo keeps all
+    of them (and says what to set when a file has them and the config does not)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(dit_tiny(), objective="vp", learn_sigma=True)
+    torch.manual_seed(2)
+    ours = DiT(cfg, DIT).eval()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    ref = to_reference(ours.state_dict(), cfg)
+    assert ref["final_layer.linear.weight"].shape[0] == 2 * cfg.patch_size**2 * cfg.in_channels
+    back = from_reference(ref, cfg)
+    assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
+    with pytest.raises(MappingError, match="model.objective=vp model.learn_sigma=true"):
+        from_reference(ref, dit_tiny())
+    with pytest.raises(ValueError, match="set objective=vp"):
+        dataclasses.replace(dit_tiny(), learn_sigma=True)
+
+
 # ------------------------------------------------------------------------------------ EDM
 
 

@@ -252,7 +252,7 @@ def test_hf_import_keeps_only_the_tensors_a_stage_needs(tmp_path):
     hf = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2))
     hf.save_pretrained(tmp_path / "hf")
-    entry, fmt, config, _ = _hf_source(tmp_path / "hf")
+    entry, fmt, config, _, _ = _hf_source(tmp_path / "hf")
     lazy = LazyTensors(tmp_path / "hf")
     keep = {"layers.2.attn.qkv.weight", "layers.3.mlp.fc.weight", "head.weight"}
     got = from_external(fmt.table(config), lazy, config, keep=keep)
@@ -403,7 +403,7 @@ def test_hf_import_under_tp_reads_only_the_rows_of_each_shard(tmp_path, family):
     else:
         hf = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16))
     hf.save_pretrained(tmp_path / "hf")
-    _, fmt, config, _ = _hf_source(tmp_path / "hf")
+    _, fmt, config, _, _ = _hf_source(tmp_path / "hf")
     full = from_external(fmt.table(config), LazyTensors(tmp_path / "hf"), config)
     plan = get_registry().get(family).family.tp_plan
     tp = 2

@@ -50,6 +50,8 @@ class ExternalFormat:
     or diffusers' ``_class_name``) to the zoo family that reads them; ``table(config)`` gives the
     key mapping; ``to_config`` and ``from_config`` translate the config document; ``stem`` names
     the weight files (``model.safetensors``; diffusers: ``diffusion_pytorch_model.safetensors``).
+    A diffusers *pipeline* directory (``model_index.json``) is read through the component whose
+    class is one of ``architectures``, then ``from_pipeline``.
     ``import_table(config, keys)``, when given, picks the table to import with from the keys
     present (a format with several on-disk layouts, e.g. Mixtral's per-expert and fused experts)
     and refuses a mix; export always writes ``table(config)``.
@@ -69,6 +71,10 @@ class ExternalFormat:
     stem: str = "model"
     import_table: Callable[[Any, Collection[str]], MappingTable] | None = None
     fields: Mapping[str, FieldTable] = dataclass_field(default_factory=dict)
+    # A diffusers pipeline directory (model_index.json and one folder per component): the zoo
+    # config read from the model's component, completed from the others (``(config, root)``:
+    # its scheduler's noise schedule, its VAE).
+    from_pipeline: Callable[[Any, Path], Any] | None = None
 
     def table_for(self, config: Any, keys: Collection[str]) -> MappingTable:
         """The mapping to import a state dict with these keys."""
@@ -123,8 +129,12 @@ def load(path: str | os.PathLike[str], *, device: str = "cpu", weights: str = "a
     ``dtype``: a torch floating dtype to hold the parameters in (None: float32, as trained)."""
     p = resolve_checkpoint(path)  # a run directory or checkpoint root: its newest complete checkpoint
     if p.is_dir() and not (p / META).exists() and (p / "config.json").is_file():
-        entry, fmt, config, _ = _hf_source(p, "diffusers" if "_class_name" in read_json(p / "config.json") else "hf")
-        state = _import_tensors(p, entry, fmt, config)
+        entry, fmt, config, _, where = _hf_source(p, "diffusers" if "_class_name" in read_json(p / "config.json")
+                                                  else "hf")
+        state = _import_tensors(where, entry, fmt, config)
+    elif p.is_dir() and not (p / META).exists() and (p / "model_index.json").is_file():
+        entry, fmt, config, _, where = _hf_source(p, "diffusers")
+        state = _import_tensors(where, entry, fmt, config)
     else:
         md = read_meta(p)
         entry = _registry().get(md.family)
@@ -153,18 +163,38 @@ def _formats(fmt_name: str) -> list[tuple[Any, ExternalFormat]]:
     return out
 
 
-def _hf_source(src: Path, fmt_name: str = "hf") -> tuple[Any, ExternalFormat, Any, Any]:
-    """The family, format and zoo config of the model directory ``src``, and the library's config
-    object it was read from."""
-    cfg_path = src / "config.json"
-    if not cfg_path.is_file():
-        raise CheckpointError(f"{src}: no config.json (not a Hugging Face model directory)")
+def _pipeline_component(root: Path, known: Mapping[str, Any], supported: str) -> Path:
+    """The folder of the diffusers pipeline ``root`` that holds a model class zoo reads."""
+    index = read_json(root / "model_index.json")
+    found = [name for name, value in index.items() if not name.startswith("_") and isinstance(value, list)
+             and len(value) == 2 and value[1] in known and (root / name / "config.json").is_file()]
+    if not found:
+        classes = sorted(str(v[1]) for k, v in index.items() if isinstance(v, list) and len(v) == 2 and v[1])
+        raise UsageError(f"{root / 'model_index.json'}: no component zoo reads (it has {', '.join(classes) or 'none'}; "
+                         f"supported: {supported})")
+    if len(found) > 1:
+        raise UsageError(f"{root / 'model_index.json'}: several components zoo could read ({', '.join(found)}): "
+                         "pass the one to convert (its folder)")
+    return root / found[0]
+
+
+def _hf_source(src: Path, fmt_name: str = "hf") -> tuple[Any, ExternalFormat, Any, Any, Path]:
+    """The family, format and zoo config of the model directory ``src``, the library's config
+    object it was read from, and the directory holding the weights (``src``, or the model's
+    component of a diffusers pipeline)."""
     known: dict[str, tuple[Any, ExternalFormat]] = {}
     for _, fmt in _formats(fmt_name):
         for arch, family in fmt.architectures.items():
             known.setdefault(arch, (_registry().get(family), fmt))
     supported = ", ".join(f"{a} ({e.family.name})" for a, (e, _) in sorted(known.items())) or \
         f"none (no plugin declares a {fmt_name} format)"
+    root = None
+    if fmt_name == "diffusers" and not (src / "config.json").is_file() and (src / "model_index.json").is_file():
+        root, src = src, _pipeline_component(src, known, supported)
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{src}: no config.json (not a Hugging Face model directory"
+                              + (" nor a diffusers pipeline's model_index.json)" if fmt_name == "diffusers" else ")"))
     archs, library_config = (_read_diffusers if fmt_name == "diffusers" else _read_transformers)(src, known, supported)
     for arch in archs:
         if arch in known:
@@ -177,6 +207,8 @@ def _hf_source(src: Path, fmt_name: str = "hf") -> tuple[Any, ExternalFormat, An
                 elif fmt.fields:
                     check_config(fmt.fields, library_config)
                 config = fmt.from_config(library_config)
+                if root is not None and fmt.from_pipeline is not None:
+                    config = fmt.from_pipeline(config, root)
                 # Building the model it describes (on the meta device: no memory) checks every
                 # size, so a damaged config.json is named here rather than by the weights' shapes.
                 build_empty(entry, config, device="meta")
@@ -184,7 +216,7 @@ def _hf_source(src: Path, fmt_name: str = "hf") -> tuple[Any, ExternalFormat, An
                 raise CheckpointError(f"{cfg_path}: {e}") from None
             except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RuntimeError, AssertionError) as e:
                 raise CheckpointError(f"{cfg_path}: cannot read the {arch} config ({type(e).__name__}: {e})") from None
-            return entry, fmt, config, library_config
+            return entry, fmt, config, library_config, src
     raise UsageError(f"{cfg_path}: unsupported architecture {archs or '(none given)'}; supported: {supported}")
 
 
@@ -222,9 +254,9 @@ def _read_diffusers(src: Path, known: Mapping[str, Any], supported: str) -> tupl
     return [name], diffusers_config_of(name, src)
 
 
-def diffusers_config_of(class_name: str, src: Path | Mapping[str, Any]) -> Any:
+def diffusers_config_of(class_name: str, src: Path | Mapping[str, Any], *, what: str | None = None) -> Any:
     """The ``config`` (a FrozenDict) diffusers' ``class_name`` makes of the directory or document
-    ``src``; raises CheckpointError naming the file when diffusers refuses it."""
+    ``src``; raises CheckpointError naming the file (``what``) when diffusers refuses it."""
     import warnings
 
     import torch
@@ -234,7 +266,7 @@ def diffusers_config_of(class_name: str, src: Path | Mapping[str, Any]) -> Any:
     except ImportError:
         raise UsageError("reading a diffusers directory needs diffusers (pip install diffusers)") from None
     cls = getattr(diffusers, class_name)
-    what = str(Path(src) / "config.json") if isinstance(src, (str, Path)) else class_name
+    what = what or (str(Path(src) / "config.json") if isinstance(src, (str, Path)) else class_name)
     try:
         doc = cls.load_config(str(src)) if isinstance(src, (str, Path)) else dict(src)
         with warnings.catch_warnings(), torch.device("meta"):
@@ -276,8 +308,8 @@ def import_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.Pa
         raise UsageError(f"{dst} already exists; nothing was overwritten")
     if not src.is_dir():
         raise CheckpointError(f"{src}: not a directory")
-    entry, fmt, config, _ = _hf_source(src, fmt_name)
-    state = _import_tensors(src, entry, fmt, config)
+    entry, fmt, config, _, where = _hf_source(src, fmt_name)
+    state = _import_tensors(where, entry, fmt, config)
     return write_model_dir(dst, family=entry.family.name, flavor="custom", config=config, state=state,
                            extra_meta={"source": {"format": fmt_name, "path": str(src)}}, tokenizer_from=src)
 

@@ -112,10 +112,14 @@ def _from_hf(path: Path, *, model: nn.Module, placements: Placements, family: st
     from zoo.checkpoint.slicing import read_sliced
     from zoo.checkpoint.tensorio import LazyTensors
 
-    entry, fmt, config, _ = _hf_source(path)
+    from zoo.checkpoint.tensorio import read_json
+
+    diffusers = (path / "model_index.json").is_file() or (
+        (path / "config.json").is_file() and "_class_name" in read_json(path / "config.json"))
+    entry, fmt, config, _, where = _hf_source(path, "diffusers" if diffusers else "hf")
     if entry.family.name != family:
         raise CheckpointError(f"{path}: a {entry.family.name!r} model, not {family!r}")
-    lazy = LazyTensors(path)
+    lazy = LazyTensors(where)
     state, aliases = _local_state(model)
     try:
         if any(placements.split(n) is not None for n in state):  # read only the boxes this rank's pieces come from

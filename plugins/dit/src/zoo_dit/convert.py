@@ -16,6 +16,7 @@ conversion fails naming the keys. Only the layout changes: values are copied exa
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -93,9 +94,11 @@ def diffusers_table(cfg: DiTConfig) -> MappingTable:
 
 def from_reference(theirs: Mapping[str, torch.Tensor], cfg: DiTConfig) -> State:
     out = theirs.get("final_layer.linear.weight")
-    if out is not None and out.shape[0] != cfg.token_features:
+    if out is not None and out.shape[0] != cfg.out_features:
+        hint = ("a learn_sigma checkpoint predicts a variance too: model.objective=vp model.learn_sigma=true"
+                if out.shape[0] == 2 * cfg.token_features else "the config's in_channels and patch_size decide it")
         raise MappingError(f"reference DiT: final_layer.linear has {out.shape[0]} outputs, the model "
-                           f"{cfg.token_features} (a learn_sigma checkpoint predicts a variance too; EDM does not)")
+                           f"{cfg.out_features} ({hint})")
     if "pos_embed" in theirs:  # a fixed buffer: it must be the sin-cos table the model computes
         pe = theirs["pos_embed"]
         want = _pos_table(cfg).to(pe.dtype)
@@ -132,7 +135,7 @@ def diffusers_config(cfg: DiTConfig) -> dict[str, Any]:
                            f"{cfg.time_freq_shift}, norm_eps={cfg.norm_eps}, mlp_ratio={cfg.mlp_ratio} and would "
                            "compute something else there (train with model.time_freq_shift=1 to export)")
     return {"num_attention_heads": cfg.num_heads, "attention_head_dim": cfg.head_dim, "in_channels": cfg.in_channels,
-            "out_channels": cfg.in_channels, "num_layers": cfg.num_layers, "sample_size": cfg.sample_size,
+            "out_channels": cfg.in_channels * (2 if cfg.learn_sigma else 1), "num_layers": cfg.num_layers, "sample_size": cfg.sample_size,
             "patch_size": cfg.patch_size, "num_embeds_ada_norm": cfg.num_classes,
             "norm_eps": cfg.mlp_norm_eps or cfg.norm_eps, "activation_fn": "gelu-approximate", "attention_bias": True}
 
@@ -147,13 +150,52 @@ def config_from_diffusers(d: Mapping[str, Any]) -> DiTConfig:
     if not isinstance(d, FrozenDict):  # (a document: diffusers fills in its defaults)
         d = diffusers_config_of("DiTTransformer2DModel", {"_class_name": "DiTTransformer2DModel", **d})
     out_ch = d["out_channels"] or d["in_channels"]
-    if out_ch != d["in_channels"]:
-        raise MappingError(f"diffusers DiT with out_channels={out_ch} != in_channels={d['in_channels']} "
-                           "(a learn_sigma model): EDM predicts the sample only")
+    if out_ch not in (d["in_channels"], 2 * d["in_channels"]):
+        raise MappingError(f"diffusers DiT with out_channels={out_ch}: the DiT predicts epsilon "
+                           f"(in_channels={d['in_channels']}) and with learn_sigma its variance too "
+                           f"({2 * d['in_channels']})")
     heads, hd = d["num_attention_heads"], d["attention_head_dim"]
+    # diffusers' DiT is the original's, sampled by DiTPipeline with its discrete VP schedulers:
+    # imported with that objective (and the variance channels, where it has them).
     return DiTConfig(in_channels=d["in_channels"], patch_size=d["patch_size"], hidden_size=heads * hd,
                      num_layers=d["num_layers"], num_heads=heads, sample_size=d["sample_size"],
-                     num_classes=d["num_embeds_ada_norm"], time_freq_shift=1.0, mlp_norm_eps=d["norm_eps"])
+                     num_classes=d["num_embeds_ada_norm"], time_freq_shift=1.0, mlp_norm_eps=d["norm_eps"],
+                     objective="vp", learn_sigma=out_ch == 2 * d["in_channels"])
+
+
+# The scheduler fields zoo's VP diffusion reads, and the values it computes with for the rest (a
+# scheduler that trained or samples otherwise is refused, naming the field).
+_SCHEDULER_FIXED = {"beta_schedule": ("linear",), "prediction_type": ("epsilon",), "trained_betas": (None,),
+                    "rescale_betas_zero_snr": (False,), "thresholding": (False,)}
+
+
+def config_from_pipeline(cfg: DiTConfig, root: Path) -> DiTConfig:
+    """A diffusers DiT pipeline's model, completed from its other components: the scheduler's
+    training noise schedule (``scheduler/scheduler_config.json``, read by its own class) and the
+    VAE its latents decode through (``vae/``, kept where it is: ``model.vae``)."""
+    import dataclasses
+
+    from zoo.checkpoint.external import diffusers_config_of
+    from zoo.checkpoint.tensorio import read_json
+
+    changes: dict[str, Any] = {}
+    sched_file = root / "scheduler" / "scheduler_config.json"
+    if sched_file.is_file():
+        name = read_json(sched_file).get("_class_name")
+        import diffusers
+
+        if not isinstance(name, str) or not hasattr(diffusers, name):
+            raise MappingError(f"{sched_file}: _class_name={name!r} is not a diffusers scheduler")
+        sched = diffusers_config_of(name, read_json(sched_file), what=str(sched_file))
+        for key, allowed in _SCHEDULER_FIXED.items():
+            if key in sched and sched[key] not in allowed:
+                raise MappingError(f"{sched_file}: {key}={sched[key]!r}: zoo's VP diffusion computes with "
+                                   f"{' or '.join(map(repr, allowed))}")
+        changes.update(num_timesteps=int(sched["num_train_timesteps"]), beta_start=float(sched["beta_start"]),
+                       beta_end=float(sched["beta_end"]))
+    if (root / "vae" / "config.json").is_file():
+        changes["vae"] = str((root / "vae").resolve())
+    return dataclasses.replace(cfg, **changes)
 
 
 def _config_object(cfg: DiTConfig) -> Any:
@@ -181,7 +223,7 @@ FIELDS = {"DiTTransformer2DModel": FieldTable(
 # `DiTTransformer2DModel.from_pretrained` reads (config.json + diffusion_pytorch_model.safetensors).
 DIFFUSERS = ExternalFormat(name="diffusers", architectures={"DiTTransformer2DModel": "dit"}, table=diffusers_table,
                            to_config=_config_object, from_config=config_from_diffusers,
-                           stem="diffusion_pytorch_model", fields=FIELDS)
+                           stem="diffusion_pytorch_model", fields=FIELDS, from_pipeline=config_from_pipeline)
 
 __all__ = ["DIFFUSERS", "FIELDS", "config_from_diffusers", "diffusers_config", "diffusers_table", "from_diffusers",
            "from_reference", "reference_table", "to_diffusers", "to_reference"]

@@ -2,7 +2,8 @@
 
 The task encoder (`DiTTaskEncoder`) turns a sample (an image, a latent, a video clip; a class
 or text embeddings) into tokens (`zoo_dit.model.patchify`) and draws, per sample and seeded by
-the run seed and the sample's key, its EDM noise level, its noise and its condition dropout. So
+the run seed and the sample's key, its noise level (EDM's sigma, or the VP diffusion's timestep),
+its noise and its condition dropout. So
 every sample of a pack has its own sigma (DFM shares one per pack), a restored run redraws
 exactly what it drew before, and a sample seen again in a later epoch draws afresh.
 
@@ -64,6 +65,16 @@ def to_latent(sample: Any, cfg: DiTConfig, where: str) -> torch.Tensor:
 TEXT_PARTS = ("text", "t5.npy", "pickle", "pickle.npy", "pickle.pth")
 
 
+def noise_draw(cfg: DiTConfig, shape: torch.Size, generator: torch.Generator | None = None) -> dict[str, Any]:
+    """A sample's noise level and noise: EDM's ``sigma`` (ln sigma ~ N(p_mean, p_std^2)), or the VP
+    diffusion's ``timestep``, uniform over the schedule's."""
+    if cfg.objective == "vp":
+        level: dict[str, Any] = {"timestep": int(torch.randint(0, cfg.num_timesteps, (), generator=generator))}
+    else:
+        level = {"sigma": float(edm.sample_sigma(torch.randn((), generator=generator), cfg.p_mean, cfg.p_std))}
+    return {**level, "noise": torch.randn(shape, generator=generator)}
+
+
 class DiTTaskEncoder(TaskEncoder):
     # Crude datasets (DFM's: .pth latent, .pickle text, .json) arrive as dicts of decoded parts,
     # which encode_sample reads directly (a stateless cooker draws nothing: the pipeline runs it
@@ -83,10 +94,9 @@ class DiTTaskEncoder(TaskEncoder):
         if self.packing and len(tokens) > self.seq_length:
             raise SkipSample()  # longer than a whole row (train.seq_length)
         # Seeded per sample (run seed, key and epoch): sigma, noise and dropout are the sample's own.
-        sigma = float(edm.sample_sigma(torch.randn(()), cfg.p_mean, cfg.p_std))
-        noise = torch.randn(tokens.shape)
-        grid = (latent.shape[1] // cfg.patch_t, latent.shape[2] // cfg.patch_size, latent.shape[3] // cfg.patch_size)
-        out: dict[str, Any] = {"latents": tokens, "positions": positions, "noise": noise, "sigma": sigma, "grid": grid}
+        out: dict[str, Any] = {"latents": tokens, "positions": positions, **noise_draw(cfg, tokens.shape),
+                               "grid": (latent.shape[1] // cfg.patch_t, latent.shape[2] // cfg.patch_size,
+                                        latent.shape[3] // cfg.patch_size)}
         if cfg.num_classes:
             label = getattr(sample, "label", None) if not isinstance(sample, dict) else sample.get("cls")
             if label is None:
@@ -151,6 +161,8 @@ def collate(rows: list[list[dict[str, Any]]], cfg: DiTConfig, *, multiple_of: in
         "segment_ids": torch.full((b, s), -1, dtype=torch.long), "loss_weight": torch.zeros(b, s),
         "sigma": torch.ones(b, n), "sample_mask": torch.zeros(b, n),
     }
+    if cfg.objective == "vp":  # (padding slots: timestep 0)
+        out["timestep"] = torch.zeros(b, n, dtype=torch.long)
     if cfg.num_classes:
         out["labels"] = torch.full((b, n), cfg.num_classes, dtype=torch.long)
     if cfg.text_dim:
@@ -167,7 +179,10 @@ def collate(rows: list[list[dict[str, Any]]], cfg: DiTConfig, *, multiple_of: in
             out["positions"][i, at:at + k] = m["positions"]
             out["segment_ids"][i, at:at + k] = j
             out["loss_weight"][i, at:at + k] = 1.0 if cfg.loss_average == "token" else 1.0 / k
-            out["sigma"][i, j] = m["sigma"]
+            if cfg.objective == "vp":
+                out["timestep"][i, j] = m["timestep"]
+            else:
+                out["sigma"][i, j] = m["sigma"]
             out["sample_mask"][i, j] = 1
             if cfg.num_classes:
                 out["labels"][i, j] = m["label"]

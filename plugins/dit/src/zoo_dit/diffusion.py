@@ -1,8 +1,9 @@
-"""The EDM objective and sampler around the DiT network: the family's ``loss``, ``generate``,
-``preview``, ``example_batch`` and throughput hooks.
+"""The objectives and samplers around the DiT network (EDM, or with ``model.objective=vp`` the
+original DiT's discrete VP diffusion): the family's ``loss``, ``generate``, ``preview``,
+``example_batch`` and throughput hooks.
 
 The batch (`zoo_dit.data.collate`) carries clean tokens ``latents`` (B, S, F), their ``noise``,
-per-sample ``sigma`` (B, N) drawn by the task encoder, ``positions``, optional ``segment_ids``,
+per-sample ``sigma`` (B, N) drawn by the task encoder (vp: ``timestep``), ``positions``, optional ``segment_ids``,
 ``labels`` or ``context``, and ``loss_weight``. The loss is EDM's ``lambda(sigma) |D(x + sigma n) - x|^2``
 per token (mean over features), averaged per sample and then over the samples of the micro-batch
 (``loss_average=sample``), or over all tokens (``token``, DFM's weighting: big samples dominate).
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zoo_dit import edm
+from zoo_dit import edm, vp
 from zoo_dit.model import DiT, patchify, per_token, unpatchify
 from zoo_dit.plugin import DiTConfig
 
@@ -28,8 +29,59 @@ def _cfg(model: nn.Module) -> DiTConfig:
     return model.cfg  # type: ignore[return-value]
 
 
+def schedule(cfg: DiTConfig) -> vp.Schedule:
+    return vp.Schedule(cfg.num_timesteps, cfg.beta_start, cfg.beta_end)
+
+
+def split_output(out: torch.Tensor, cfg: DiTConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The network's tokens (..., out_features) -> the prediction (..., token_features) and, with
+    learn_sigma, the variance interpolation ``v`` (each cell's channels: the prediction's first)."""
+    if not cfg.learn_sigma:
+        return out, None
+    cells = out.unflatten(-1, (-1, 2 * cfg.in_channels))
+    return cells[..., :cfg.in_channels].flatten(-2), cells[..., cfg.in_channels:].flatten(-2)
+
+
+def _weighted(per_tok: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+    # Per-token weights from `zoo_dit.data.collate` (each sample's tokens share 1/N of the weight,
+    # or every token the same), made before context parallelism splits the row: each rank's
+    # weighted mean, weighted by its share of the weight (the core's CP rule), is the exact total.
+    w = batch["loss_weight"]
+    return (per_tok * w).sum() / w.sum().clamp(min=torch.finfo(w.dtype).tiny)
+
+
+def _vp_loss(model: nn.Module, batch: dict[str, Any], cfg: DiTConfig) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Peebles & Xie's objective: ``|eps_theta(x_t, t) - eps|^2`` per token (mean over features),
+    plus with learn_sigma the variational bound's term at ``t`` (`vp.variational_bound`, bits per
+    element) through the variance only, the mean's prediction detached; ``t`` uniform per sample."""
+    seg = batch.get("segment_ids")
+    sched = schedule(cfg)
+    t = batch["timestep"]  # (B, N)
+    t_tok = per_token(t[..., None], seg)  # (B, S or 1, 1)
+    x0, noise = batch["latents"], batch["noise"]
+    xt = vp.q_sample(sched, x0, t_tok, noise)
+    kw = dict(positions=batch["positions"], labels=batch.get("labels"), segment_ids=seg,
+              context=batch.get("context"), context_segment_ids=batch.get("context_segment_ids"))
+    if "hidden" in batch:  # a later pipeline stage
+        out = model(batch["hidden"], cond=batch["cond"], **kw)
+    else:
+        out = model(xt, noise_level=t.to(torch.float32), **kw)
+    if isinstance(out, dict):
+        return out, {}
+    eps, v = split_output(out.float(), cfg)
+    per_tok = (eps - noise).pow(2).mean(-1)  # (B, S)
+    if v is not None:
+        per_tok = per_tok + vp.variational_bound(sched, x0, xt, t_tok, eps.detach(), v).mean(-1).to(per_tok.dtype)
+    sample_mask = batch["sample_mask"]
+    sigma = vp.equivalent_sigma(sched, t).float()
+    sigma_mean = (sigma * sample_mask).sum() / sample_mask.sum().clamp(min=1)
+    return _weighted(per_tok, batch), {"sigma_mean": sigma_mean.detach()}
+
+
 def loss(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
     cfg = _cfg(model)
+    if cfg.objective == "vp":
+        return _vp_loss(model, batch, cfg)
     seg = batch.get("segment_ids")
     sigma = batch["sigma"]  # (B, N)
     sig_tok = per_token(sigma[..., None], seg)  # (B, S or 1, 1)
@@ -46,21 +98,16 @@ def loss(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[st
         return out, {}
     denoised = c_skip * noisy + c_out * out.float()
     per_tok = edm.loss_weight(sig_tok, cfg.sigma_data)[..., 0] * (denoised - x0).pow(2).mean(-1)  # (B, S)
-    # Per-token weights from `zoo_dit.data.collate` (each sample's tokens share 1/N of the weight,
-    # or every token the same), made before context parallelism splits the row: each rank's
-    # weighted mean, weighted by its share of the weight (the core's CP rule), is the exact total.
-    w = batch["loss_weight"]
-    value = (per_tok * w).sum() / w.sum().clamp(min=torch.finfo(w.dtype).tiny)
     sample_mask = batch["sample_mask"]
     sigma_mean = (sigma * sample_mask).sum() / sample_mask.sum().clamp(min=1)
-    return value, {"sigma_mean": sigma_mean.detach()}
+    return _weighted(per_tok, batch), {"sigma_mean": sigma_mean.detach()}
 
 
 def example_batch(cfg: DiTConfig, *, batch_size: int, seq_length: int, generator: torch.Generator) -> dict[str, Any]:
     """Rows of ``seq_length`` tokens, each packed with random-size samples (2-4 patches a side;
     1-2 patch frames for video, with 2-5 text tokens) and padded at the end: the packing, the
     per-sample conditioning and the padding are what every parallel layout must get right."""
-    from zoo_dit.data import collate
+    from zoo_dit.data import collate, noise_draw
 
     def randint(lo: int, hi: int) -> int:
         return int(torch.randint(lo, hi + 1, (), generator=generator))
@@ -80,10 +127,7 @@ def example_batch(cfg: DiTConfig, *, batch_size: int, seq_length: int, generator
                                  generator=generator)
             tokens, positions = patchify(latent, cfg.patch_t, cfg.patch_size, cfg.patch_size)
             m: dict[str, Any] = {"latents": tokens, "positions": positions,
-                                 "noise": torch.randn(tokens.shape, generator=generator),
-                                 "sigma": float(edm.sample_sigma(torch.randn((), generator=generator), cfg.p_mean,
-                                                                 cfg.p_std)),
-                                 "grid": (gt, gh, gw)}
+                                 **noise_draw(cfg, tokens.shape, generator), "grid": (gt, gh, gw)}
             if cfg.num_classes:
                 m["label"] = randint(0, cfg.num_classes)  # (num_classes: the null class)
             if cfg.text_dim:
@@ -189,18 +233,34 @@ def generate(model: DiT, cfg: DiTConfig, *, output: str | None = None, nrow: int
     return media.write_png(path, media.grid(imgs, nrow=nrow, value_range=(0.0, 1.0)))
 
 
+SAMPLERS = {"edm": ("heun", "euler"), "vp": ("ddpm", "ddim")}
+
+
 @torch.no_grad()
 def sample(model: DiT, cfg: DiTConfig, *, labels: list[int] | None = None, context: torch.Tensor | None = None,
-             num_samples: int | None = None, height: int | None = None, width: int | None = None,
-             frames: int | None = None, num_steps: int = 18, guidance: float = 1.0, guidance_form: str = "standard",
-             solver: str = "heun", churn: float = 0.0, sigma_min: float = 0.002, sigma_max: float = 80.0,
-             rho: float = 7.0, seed: int = 0, generator: torch.Generator | None = None) -> torch.Tensor:
+           num_samples: int | None = None, height: int | None = None, width: int | None = None,
+           frames: int | None = None, num_steps: int | None = None, guidance: float = 1.0,
+           guidance_form: str = "standard", guidance_channels: int | None = None, sampler: str | None = None,
+           churn: float = 0.0, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0,
+           eta: float = 0.0, spacing: vp.Spacing | None = None, seed: int = 0,
+           generator: torch.Generator | None = None) -> torch.Tensor:
     """Samples (N, C, T, H, W) in the model's value range (latent units; pixels in [-1, 1]).
 
     ``labels``: one class per sample (class-conditional), ``context`` (N, L, Dt) text embeddings
     (text-conditional). With ``guidance`` != 1 the conditional and unconditional (null class, or
     zeroed text) predictions come from one batched forward and are combined by ``guidance_form``.
+
+    The sampler follows the model's objective: EDM's ``heun`` (default, 18 steps) or ``euler``;
+    the VP diffusion's ancestral ``ddpm`` (default, 250 steps, the learned variance) or ``ddim``
+    (50 steps; ``eta`` 0: deterministic). VP guidance combines the epsilon channels
+    (``guidance_channels``: the first k of them, as facebookresearch's sample.py guides 3; default
+    all, as diffusers' DiTPipeline) and keeps the conditional variance; its timesteps are spaced
+    ``even`` for DDPM and ``leading`` for DDIM, as the original's respacing (`vp.timesteps`).
     """
+    sampler = sampler or SAMPLERS[cfg.objective][0]
+    if sampler not in SAMPLERS[cfg.objective]:
+        raise ValueError(f"--sampler {sampler}: a model trained with objective={cfg.objective} samples with "
+                         f"{' or '.join(SAMPLERS[cfg.objective])}")
     h, w = height or cfg.sample_size, width or cfg.sample_size
     t = frames or (cfg.num_frames if cfg.text_dim else 1)
     p = cfg.patch_size
@@ -216,6 +276,8 @@ def sample(model: DiT, cfg: DiTConfig, *, labels: list[int] | None = None, conte
         raise ValueError(f"class {outside[0]}: this DiT draws classes 0-{cfg.num_classes - 1}")
     if cfg.text_dim and context is None:
         raise ValueError("this DiT is text-conditional: give text embeddings (context)")
+    if guidance_channels is not None and not 1 <= guidance_channels <= cfg.in_channels:
+        raise ValueError(f"guidance_channels={guidance_channels}: between 1 and the model's {cfg.in_channels}")
     gen = generator or torch.Generator().manual_seed(seed)
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -233,26 +295,73 @@ def sample(model: DiT, cfg: DiTConfig, *, labels: list[int] | None = None, conte
         ctx = context.to(dev, dtype)
         ctx = torch.cat([ctx, torch.zeros_like(ctx)]) if guided else ctx
 
-    def denoise(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    def forward(x: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
         xin = torch.cat([x, x]) if guided else x
-        s = sigma.reshape(1, 1).expand(len(xin), 1).to(dev, torch.float32)
-        c_skip, c_out, c_in, c_noise = edm.precondition(s, cfg.sigma_data)
-        out = model((c_in[..., None] * xin).to(dtype), positions=pos, noise_level=c_noise, labels=lab, context=ctx)
-        d = c_skip[..., None] * xin + c_out[..., None] * out.float()
-        if not guided:
-            return d
-        cond, uncond = d.chunk(2)
-        return edm.guide(cond, uncond, guidance, guidance_form)  # type: ignore[arg-type]
+        return model(xin.to(dtype), positions=pos, noise_level=level.reshape(1, 1).expand(len(xin), 1).to(dev),
+                     labels=lab, context=ctx).float()
 
-    noise = torch.randn(n, len(positions), cfg.token_features, generator=gen).to(dev)
-    sigmas = edm.karras_sigmas(num_steps, sigma_min=sigma_min, sigma_max=sigma_max, rho=rho).to(dev)
     was = model.training
     model.eval()
     try:
-        tokens = edm.sample(denoise, noise, sigmas, solver=solver, churn=churn, generator=gen)  # type: ignore[arg-type]
+        if cfg.objective == "vp":
+            # drawn in the image layout (N, C, T, H, W), as diffusers' pipelines draw their latents
+            noise = torch.randn(n, cfg.in_channels, t, h, w, generator=gen)
+            x = patchify(noise, cfg.patch_t, p, p)[0].to(dev, torch.float64)
+            kept = vp.timesteps(schedule(cfg), num_steps or (250 if sampler == "ddpm" else 50),
+                                spacing or ("even" if sampler == "ddpm" else "leading"))
+
+            def predict(x_: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                eps, v = split_output(forward(x_, torch.tensor(float(step))), cfg)
+                if not guided:
+                    return eps.double(), None if v is None else v.double()
+                cond, uncond = eps.chunk(2)
+                k = guidance_channels or cfg.in_channels
+                mixed = edm.guide(cond, uncond, guidance, guidance_form)  # type: ignore[arg-type]
+                cells = cond.unflatten(-1, (-1, cfg.in_channels)).clone()
+                cells[..., :k] = mixed.unflatten(-1, (-1, cfg.in_channels))[..., :k]
+                return cells.flatten(-2).double(), None if v is None else v.chunk(2)[0].double()
+
+            x = _vp_chain(x, kept, schedule(cfg), predict, sampler, eta, gen)
+            tokens = x.float()
+        else:
+            def denoise(x_: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+                xin = torch.cat([x_, x_]) if guided else x_
+                s = sigma.reshape(1, 1).expand(len(xin), 1).to(dev, torch.float32)
+                c_skip, c_out, c_in, c_noise = edm.precondition(s, cfg.sigma_data)
+                out = model((c_in[..., None] * xin).to(dtype), positions=pos, noise_level=c_noise, labels=lab,
+                            context=ctx)
+                d = c_skip[..., None] * xin + c_out[..., None] * out.float()
+                if not guided:
+                    return d
+                cond, uncond = d.chunk(2)
+                return edm.guide(cond, uncond, guidance, guidance_form)  # type: ignore[arg-type]
+
+            noise = torch.randn(n, len(positions), cfg.token_features, generator=gen).to(dev)
+            sigmas = edm.karras_sigmas(num_steps or 18, sigma_min=sigma_min, sigma_max=sigma_max, rho=rho).to(dev)
+            tokens = edm.sample(denoise, noise, sigmas, solver=sampler, churn=churn, generator=gen)  # type: ignore[arg-type]
     finally:
         model.train(was)
     return unpatchify(tokens.cpu(), grid, cfg.patch_t, p, p)
+
+
+def _vp_chain(x: torch.Tensor, kept: list[int], sched: vp.Schedule,
+              predict: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]], sampler: str,
+              eta: float, gen: torch.Generator) -> torch.Tensor:
+    """From ``x`` at ``kept[0]`` down the kept timesteps to ``x_0`` (float64 state)."""
+    for i, step in enumerate(kept):
+        prev = kept[i + 1] if i + 1 < len(kept) else -1
+        abar_t, abar_s = (sched.abar(torch.tensor(s_)).to(x.device) for s_ in (step, prev))
+        eps, v = predict(x, step)
+        last = prev < 0
+        stochastic = sampler == "ddpm" or eta > 0
+        # Drawn where the generator lives (a CPU generator drives a GPU sampling run too).
+        noise = None if last or not stochastic else torch.randn(
+            x.shape, generator=gen, dtype=torch.float64, device=gen.device).to(x.device)
+        if sampler == "ddpm":
+            x = vp.ddpm_step(x, eps, v, abar_t, abar_s, noise)
+        else:
+            x = vp.ddim_step(x, eps, abar_t, abar_s, eta=eta, noise=noise)
+    return x
 
 
 def _vae(cfg: DiTConfig) -> Any:
@@ -290,11 +399,13 @@ def preview(model: DiT, cfg: DiTConfig, batch: dict[str, Any], *, generator: tor
     if cfg.num_classes:
         k = min(cfg.num_classes, 10)
         out = sample(model, cfg, labels=[i % k for i in range(2 * k)], num_steps=18, guidance=1.5,
+                     sampler="ddim" if cfg.objective == "vp" else None,
                        generator=torch.Generator().manual_seed(int(torch.randint(0, 2**31, (), generator=generator,
                                                                                  device=generator.device))))
     else:
         ctx = batch["context"][:4] if batch["context"].dim() == 3 else None
-        out = sample(model, cfg, context=ctx, num_steps=18, guidance=1.5)
+        out = sample(model, cfg, context=ctx, num_steps=18, guidance=1.5,
+                     sampler="ddim" if cfg.objective == "vp" else None)
     imgs = to_pixels(decoded(out, cfg)[:, :, 0].float())  # first frame
     if imgs.shape[1] == 1:
         imgs = imgs.expand(-1, 3, -1, -1)

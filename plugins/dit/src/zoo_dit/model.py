@@ -159,7 +159,7 @@ class FinalLayer(nn.Module):
         assert spec.final_norm is not None and spec.final_norm.kind == "layernorm" and not spec.final_norm.affine
         d = cfg.hidden_size
         self.ada = nn.Sequential(nn.SiLU(), nn.Linear(d, 2 * d))
-        self.proj = nn.Linear(d, cfg.token_features, bias=True)
+        self.proj = nn.Linear(d, cfg.out_features, bias=True)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
         shift, scale = per_token(self.ada(c), segment_ids).chunk(2, dim=-1)

@@ -1,5 +1,6 @@
-"""Declarations of the DiT families (light: no torch). The network is in `model.py`, the EDM
-objective and sampler in `diffusion.py` and `edm.py`, the data in `data.py`.
+"""Declarations of the DiT families (light: no torch). The network is in `model.py`, the
+objectives and samplers in `diffusion.py`, `edm.py` (EDM) and `vp.py` (the original DiT's
+discrete VP diffusion), the data in `data.py`.
 
 ``dit``: class-conditional DiT of Peebles & Xie (patch 2-D, adaLN-Zero with 6 chunks); its tiny
 flavor trains on scikit-learn's digits (8x8 pixels, no VAE) in minutes on a CPU. ``dit-video``:
@@ -35,6 +36,16 @@ class DiTConfig:
     norm_eps: float = 1e-6
     mlp_norm_eps: float | None = None  # diffusers' DiT uses its norm_eps (1e-5) before the MLP only
     time_freq_shift: float = 0.0  # 0: Peebles & Xie's timestep frequencies; 1: diffusers'
+    # The diffusion the model is trained and sampled with: "edm" (Karras et al. 2022; from scratch)
+    # or "vp", the original DiT's discrete variance-preserving one (its released checkpoints).
+    objective: Literal["edm", "vp"] = "edm"
+    # vp: the network also predicts the variance (Nichol & Dhariwal's learned range): its output
+    # has twice the input's channels, epsilon's first.
+    learn_sigma: bool = False
+    # vp: the linear beta schedule (DiT's: 1000 steps from 1e-4 to 0.02)
+    num_timesteps: int = 1000
+    beta_start: float = 1e-4
+    beta_end: float = 0.02
     # EDM (Karras et al. 2022): data std, ln(sigma) ~ N(p_mean, p_std^2) in training
     sigma_data: float = 0.5
     p_mean: float = -1.2
@@ -59,6 +70,15 @@ class DiTConfig:
                              f"multiple of {quantum}")
         if self.loss_average not in ("sample", "token"):
             raise ValueError(f"loss_average={self.loss_average!r}: 'sample' or 'token'")
+        if self.objective not in ("edm", "vp"):
+            raise ValueError(f"objective={self.objective!r}: 'edm' (Karras et al.) or 'vp' (the original DiT's)")
+        if self.learn_sigma and self.objective != "vp":
+            raise ValueError("learn_sigma=true predicts the variance of the discrete VP diffusion: set objective=vp "
+                             "(EDM's denoiser predicts the sample only)")
+        if self.num_timesteps < 1:
+            raise ValueError(f"num_timesteps={self.num_timesteps}: at least 1")
+        if not 0 < self.beta_start <= self.beta_end < 1:
+            raise ValueError(f"beta_start={self.beta_start}, beta_end={self.beta_end}: need 0 < start <= end < 1")
 
     @property
     def head_dim(self) -> int:
@@ -71,6 +91,12 @@ class DiTConfig:
     @property
     def token_features(self) -> int:
         return self.patch_t * self.patch_size**2 * self.in_channels
+
+    @property
+    def out_features(self) -> int:
+        """Per token: the prediction's features, and with learn_sigma the variance's after them
+        (per cell ``(pt, ph, pw)``: epsilon's C channels, then the variance's C)."""
+        return self.token_features * (2 if self.learn_sigma else 1)
 
     @property
     def block(self) -> str:

@@ -112,9 +112,14 @@ def _gemma_to_hf(cfg: Any) -> Any:
         raise UsageError("Gemma3ForCausalLM computes its attention without a cap: model.attn_logit_softcapping="
                          f"{cfg.attn_logit_softcapping} has no place in its config (Gemma 2's layers have one)")
     layers = [i for i in range(cfg.num_layers) if cfg.window(i) is not None]
-    if gemma2 and cfg.rope_local_theta != cfg.rope_theta:
-        raise UsageError(f"Gemma2ForCausalLM has one RoPE base: model.rope_local_theta={cfg.rope_local_theta} "
-                         f"differs from model.rope_theta={cfg.rope_theta}")
+    one_table = cfg.rope_local_theta is None or (cfg.rope_local_theta == cfg.rope_theta and not cfg.rope_scaling)
+    if gemma2 and not one_table:
+        raise UsageError(f"Gemma2ForCausalLM rotates every layer with one RoPE table: model.rope_local_theta="
+                         f"{cfg.rope_local_theta} (unscaled, for the sliding layers) has no place in its config; "
+                         "set it to null")
+    if not gemma2 and cfg.rope_local_theta is None:
+        raise UsageError("Gemma3ForCausalLM's sliding layers have their own RoPE base: model.rope_local_theta=null "
+                         "(Gemma 2's one table) has no place in its config")
     kind = "gemma2" if gemma2 else "gemma3_text"
     rope = rope_fields(kind, cfg.rope_theta, cfg.rope_scaling)
     if not gemma2 and "rope_parameters" in rope:
@@ -154,14 +159,15 @@ def _gemma_from_hf(config: Any, *, gemma2: bool, tied: bool) -> Any:
         local, _ = rope_of(params.get("sliding_attention") or {"rope_theta": theta}, what=f"{what} (local)")
     else:
         theta, scaling = rope_of(config, what=what)
-        local = theta if gemma2 else float(hf.get("rope_local_base_freq", 10000.0))
+        local = None if gemma2 else float(hf.get("rope_local_base_freq", 10000.0))
     windows = windows_from_hf({**hf, "layer_types": types}, "layer_types", flag=False)
     heads = hf["num_attention_heads"]
     return GemmaConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=n, num_heads=heads,
                        num_kv_heads=hf["num_key_value_heads"] or heads, head_dim=hf["head_dim"],
                        ffn_hidden_size=hf["intermediate_size"], max_seq_length=hf["max_position_embeddings"],
                        norm_eps=hf["rms_norm_eps"], tie_embeddings=True, rope_theta=theta,
-                       rope_scaling=scaling, init_std=hf["initializer_range"], rope_local_theta=float(local),
+                       rope_scaling=scaling, init_std=hf["initializer_range"],
+                       rope_local_theta=None if local is None else float(local),
                        query_pre_attn_scalar=int(hf["query_pre_attn_scalar"]), layer_spec="gemma2" if gemma2 else "gemma3",
                        attn_logit_softcapping=_cap(hf.get("attn_logit_softcapping")),
                        final_logit_softcapping=_cap(hf.get("final_logit_softcapping")),

@@ -151,11 +151,11 @@ class GemmaBlock(TransformerLayer):
 class Gemma(GPT):
     """Gemma 2's and 3's decoder: GPT's with the embeddings scaled by sqrt(hidden) (rounded to their
     dtype, as Gemma does), two rotary tables, the global layers' and the sliding-window layers' (Gemma
-    2 has one base: its one table serves both), and Gemma 2's soft-capped logits."""
+    2 has one table, its scaling included: it serves both), and Gemma 2's soft-capped logits."""
 
     def __init__(self, cfg: GemmaConfig, spec: ModelSpec) -> None:
         super().__init__(cfg, spec)
-        same = cfg.rope_local_theta == cfg.rope_theta and not cfg.rope_scaling
+        same = cfg.rope_local_theta is None or (cfg.rope_local_theta == cfg.rope_theta and not cfg.rope_scaling)
         self.rotary_local = None if same else Rotary(cfg.head_dim, cfg.rope_local_theta, None)
         self.logit_softcap = cfg.final_logit_softcapping
 

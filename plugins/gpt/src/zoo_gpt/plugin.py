@@ -211,7 +211,7 @@ class GemmaConfig(GPTConfig):
     layers'), the sliding-window layers' own RoPE base, the softmax scale 1/sqrt(query_pre_attn_scalar)
     and the soft caps (``cap * tanh(x / cap)``) of the attention scores and of the output logits."""
 
-    rope_local_theta: float = 10000.0
+    rope_local_theta: float | None = 10000.0  # None: the sliding layers rotate as the global ones (Gemma 2)
     query_pre_attn_scalar: int | None = None  # None: head_dim (the usual scale)
     attn_logit_softcapping: float | None = None  # Gemma 2: 50
     final_logit_softcapping: float | None = None  # Gemma 2: 30
@@ -267,7 +267,7 @@ def _gemma2(layers: int, hidden: int, heads: int, kv: int, ffn: int, *, head_dim
     # every other layer (the even ones) slides over 4,096 positions; one RoPE base for all layers
     return GemmaConfig(vocab_size=256000, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv,
                        head_dim=head_dim, ffn_hidden_size=ffn, max_seq_length=8192, norm_eps=1e-6, tie_embeddings=True,
-                       rope_theta=10000.0, rope_local_theta=10000.0, sliding_window=4096,
+                       rope_theta=10000.0, rope_local_theta=None, sliding_window=4096,
                        window_layers=list(range(0, layers, 2)), query_pre_attn_scalar=qpas,
                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, layer_spec="gemma2",
                        pad_token_id=0)  # (the releases' <pad>: no input gradient)
@@ -276,7 +276,8 @@ def _gemma2(layers: int, hidden: int, heads: int, kv: int, ffn: int, *, head_dim
 def gemma2_tiny() -> GemmaConfig:  # Gemma 2's caps on the tiny shape: a window of 64 on layer 0
     return GemmaConfig(vocab_size=2048, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                        ffn_hidden_size=384, max_seq_length=256, norm_eps=1e-6, tie_embeddings=True,
-                       rope_theta=10000.0, sliding_window=64, window_layers=[0], attn_logit_softcapping=50.0,
+                       rope_theta=10000.0, rope_local_theta=None, sliding_window=64, window_layers=[0],
+                       attn_logit_softcapping=50.0,
                        final_logit_softcapping=30.0, layer_spec="gemma2")
 
 

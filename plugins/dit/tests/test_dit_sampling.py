@@ -1,0 +1,169 @@
+"""A learn_sigma DiT as the released checkpoints are (a diffusers DiT pipeline: transformer, VAE,
+scheduler), through `zoo convert --from diffusers` and `zoo generate`, against diffusers'
+`DiTPipeline` with the same scheduler, steps and seed; and fine-tuned with its own objective."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+
+def run_zoo(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``zoo ARGV`` in this process (module-scoped fixtures have no capsys)."""
+    from zoo.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())
+
+
+def _randomised(model: torch.nn.Module, seed: int, std: float = 0.1) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(std * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _dit(*, in_channels: int, learn_sigma: bool, classes: int, sample: int, seed: int):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = diffusers.DiTTransformer2DModel(
+            num_attention_heads=2, attention_head_dim=8, in_channels=in_channels,
+            out_channels=2 * in_channels if learn_sigma else in_channels, num_layers=2, sample_size=sample,
+            patch_size=2, num_embeds_ada_norm=classes)
+    _randomised(model, seed)
+    blocks = model.transformer_blocks  # (a released checkpoint's per-block embedder copies are equal)
+    with torch.no_grad():
+        for blk in blocks[1:]:
+            blk.norm1.emb.load_state_dict(blocks[0].norm1.emb.state_dict())
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory) -> Path:
+    """A tiny DiT-XL/2-256-shaped pipeline: 4 latent channels, 1,000 classes (DiTPipeline's null
+    class is 1,000), learned sigma, a DDIM scheduler as the releases ship, a 2x VAE."""
+    root = tmp_path_factory.mktemp("dit-pipeline")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        vae = diffusers.AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
+                                      down_block_types=("DownEncoderBlock2D",) * 2,
+                                      up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=8, sample_size=16)
+        pipe = diffusers.DiTPipeline(transformer=_dit(in_channels=4, learn_sigma=True, classes=1000, sample=8, seed=1),
+                                     vae=_randomised(vae, 2, 0.05).eval(),
+                                     scheduler=diffusers.DDIMScheduler(num_train_timesteps=1000, clip_sample=False))
+        pipe.save_pretrained(root / "pipe")
+    return root / "pipe"
+
+
+def _theirs(pipe_dir: Path, scheduler: str, **call) -> np.ndarray:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = diffusers.DiTPipeline.from_pretrained(str(pipe_dir))
+        if scheduler == "ddpm":
+            pipe.scheduler = diffusers.DDPMScheduler.from_config(pipe.scheduler.config)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe(output_type="np", **call).images
+
+
+@pytest.fixture(scope="module")
+def converted(pipeline, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dit-zoo") / "zoo"
+    r = run_zoo("convert", "--from", "diffusers", str(pipeline), str(out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_a_pipeline_imports_with_its_variance_channels_schedule_and_vae(pipeline, converted):
+    from zoo.checkpoint.external import load
+
+    cfg = load(converted).config
+    assert (cfg.objective, cfg.learn_sigma, cfg.in_channels, cfg.num_classes) == ("vp", True, 4, 1000)
+    assert (cfg.num_timesteps, cfg.beta_start, cfg.beta_end) == (1000, 1e-4, 0.02)
+    assert Path(cfg.vae) == (pipeline / "vae").resolve()
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.0])
+def test_ddim_samples_are_dit_pipelines(pipeline, converted, guidance):
+    """`zoo generate --class 3 --sampler ddim --num-steps 25 --seed 1` against DiTPipeline's images
+    (its DDIM scheduler, 25 steps, a generator seeded 1): the floats within 1e-4, and the PNG the
+    CLI writes within one level of the pipeline's own rounding to 8 bits."""
+    from zoo_dit.diffusion import decoded, sample, to_pixels
+
+    from zoo.checkpoint.external import load
+
+    want = _theirs(pipeline, "ddim", class_labels=[3, 7], num_inference_steps=25, guidance_scale=guidance,
+                   generator=torch.Generator().manual_seed(1))
+    loaded = load(converted)
+    tokens = sample(loaded.model, loaded.config, labels=[3, 7], sampler="ddim", num_steps=25, guidance=guidance, seed=1)
+    got = to_pixels(decoded(tokens, loaded.config))[:, :, 0].permute(0, 2, 3, 1).numpy()
+    assert np.abs(got - want).max() <= 1e-4
+    assert want.std() > 0.01  # (a picture, not a constant)
+
+    png = converted.parent / f"ddim-{guidance}.png"
+    r = run_zoo("generate", "--checkpoint", str(converted), "--class", "3", "--sampler", "ddim", "--num-steps", "25",
+                "--seed", "1", "--guidance", str(guidance), "--output", str(png))
+    assert r.returncode == 0, r.stderr
+    from PIL import Image
+
+    image = np.asarray(Image.open(png).convert("RGB")).astype(int)
+    scale = (image.shape[0] - 4) // want.shape[1]  # (the grid's 2-pixel border; small images enlarged)
+    ours = image[2:-2:scale, 2:-2:scale][: want.shape[1], : want.shape[2]]
+    alone = _theirs(pipeline, "ddim", class_labels=[3], num_inference_steps=25, guidance_scale=guidance,
+                    generator=torch.Generator().manual_seed(1))[0]
+    assert np.abs(ours - (alone * 255).round().astype(int)).max() <= 1
+
+
+def test_ddpm_samples_with_the_learned_variance_from_the_first_step(pipeline, converted):
+    """DiTPipeline hands its scheduler epsilon only (the fixed variance) and no generator: zoo's DDPM
+    chain follows the original's learned range instead, so the two are compared step by step in
+    test_dit_vp; here the whole chain must give an image of the VAE's range, and its first DDPM
+    step's spread must follow the predicted variance channels."""
+    from zoo_dit.diffusion import sample
+
+    from zoo.checkpoint.external import load
+
+    loaded = load(converted)
+    a = sample(loaded.model, loaded.config, labels=[3], sampler="ddpm", num_steps=10, seed=4)
+    b = sample(loaded.model, loaded.config, labels=[3], sampler="ddpm", num_steps=10, seed=4)
+    c = sample(loaded.model, loaded.config, labels=[3], sampler="ddpm", num_steps=10, seed=5)
+    assert torch.equal(a, b) and not torch.equal(a, c) and torch.isfinite(a).all()
+
+
+def test_a_cli_sampler_that_is_not_the_models_objectives_is_one_line(converted, tmp_path):
+    r = run_zoo("generate", "--checkpoint", str(converted), "--class", "3", "--sampler", "heun",
+                "--output", str(tmp_path / "x.png"))
+    assert r.returncode == 2 and "objective=vp samples with ddpm or ddim" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.png").exists()
+
+
+def test_a_learn_sigma_dit_fine_tunes_with_its_own_objective(tmp_path):
+    """A pixel-space learn_sigma DiT (digits' shape) from diffusers, fine-tuned on the digits with
+    model.objective=vp: its loss (epsilon MSE + the variational bound) falls."""
+    src = tmp_path / "diffusers"
+    _dit(in_channels=1, learn_sigma=True, classes=10, sample=8, seed=3).save_pretrained(src)
+    r = run_zoo("convert", "--from", "diffusers", str(src), str(tmp_path / "zoo"))
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / "run"
+    r = run_zoo("train", "--model", "dit", "--run-dir", str(run), f"checkpoint.load={tmp_path / 'zoo'}",
+                "model.objective=vp", "model.learn_sigma=true", "model.hidden_size=16", "model.num_heads=2",
+                "model.num_layers=2", "model.time_freq_shift=1", "model.mlp_norm_eps=1e-5", "train.steps=100",
+                "train.eval_interval=0", "logging.interval=10", "optimizer.lr=1e-3", "train.ema=0",
+                f"data.cache_dir={tmp_path / 'cache'}", "logging.progress=false", "logging.tensorboard=false")
+    assert r.returncode == 0, r.stderr
+    curve = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert len(curve) >= 5
+    assert np.mean(curve[-2:]) < 0.75 * curve[0], curve
