@@ -160,7 +160,8 @@ def gpt2(rng: Random) -> tuple[str, dict[str, Any]]:
                         n_head=heads, n_inner=rng.choice([None, rng.randint(5, 40)]),
                         layer_norm_epsilon=rng.choice([1e-5, 1e-6]),
                         activation_function="relu" if _rare(rng) else rng.choice(["gelu_new", "gelu_pytorch_tanh"]),
-                        scale_attn_by_inverse_layer_idx=_rare(rng), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        scale_attn_by_inverse_layer_idx=_rare(rng), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        tie_word_embeddings=rng.random() < 0.7)
 
 
 def _experts(rng: Random) -> tuple[int, int]:

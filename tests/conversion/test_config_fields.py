@@ -105,6 +105,42 @@ def test_gemma2_sliding_layers_rotate_with_the_scaled_table(tmp_path):
         assert (ours(tokens) - hf(tokens).logits).abs().max() <= 1e-5
 
 
+def test_a_tied_config_whose_file_stores_another_head_computes_with_that_head(tmp_path):
+    """transformers' rule (and what 5.0 wrote for Mamba): a config that ties the head while the file
+    stores a different one is not tied; zoo read the embedding as the head, silently (Gemma,
+    whose releases always tie, likewise)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                      num_attention_heads=2, tie_word_embeddings=False)).eval()
+    src = _save(hf, tmp_path / "hf")
+    doc = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**doc, "tie_word_embeddings": True}))
+    theirs = AutoModelForCausalLM.from_pretrained(src).eval()
+    assert theirs.lm_head.weight.data_ptr() != theirs.model.embed_tokens.weight.data_ptr()
+    ours = zoo.load_model(str(src)).eval()
+    assert not ours.cfg.tie_embeddings
+    tokens = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ours(tokens) - theirs(tokens).logits).abs().max() <= 1e-5
+
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    g = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    gsrc = _save(g, tmp_path / "gemma")
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(gsrc / "model.safetensors")
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"] + 1
+    save_file(sd, gsrc / "model.safetensors", metadata={"format": "pt"})
+    theirs = AutoModelForCausalLM.from_pretrained(gsrc).eval()
+    ours = zoo.load_model(str(gsrc)).eval()
+    with torch.no_grad():
+        assert (ours(tokens) - theirs(tokens).logits).abs().max() <= 1e-5
+
+
 def test_mamba2_saved_by_transformers_5_with_an_infinite_time_step_limit_reads(tmp_path):
     """transformers 5 writes infinity as {"__float__": "Infinity"}; the hand parser failed on it."""
     from transformers import Mamba2Config, Mamba2ForCausalLM

@@ -131,10 +131,10 @@ def load(path: str | os.PathLike[str], *, device: str = "cpu", weights: str = "a
     if p.is_dir() and not (p / META).exists() and (p / "config.json").is_file():
         entry, fmt, config, _, where = _hf_source(p, "diffusers" if "_class_name" in read_json(p / "config.json")
                                                   else "hf")
-        state = _import_tensors(where, entry, fmt, config)
+        state, config = _import_tensors(where, entry, fmt, config)
     elif p.is_dir() and not (p / META).exists() and (p / "model_index.json").is_file():
         entry, fmt, config, _, where = _hf_source(p, "diffusers")
-        state = _import_tensors(where, entry, fmt, config)
+        state, config = _import_tensors(where, entry, fmt, config)
     else:
         md = read_meta(p)
         entry = _registry().get(md.family)
@@ -290,14 +290,56 @@ def _save_library_config(config: Any, directory: Path, *, dtype: Any) -> None:
                         "(transformers) nor save_config (diffusers)")
 
 
-def _import_tensors(src: Path, entry: FamilyEntry, fmt: ExternalFormat, config: Any) -> dict[str, Any]:
+def _stored_head(fmt: ExternalFormat, config: Any, tensors: Mapping[str, Any]) -> Any:
+    """transformers' rule for a config that ties the head to the embedding while the file stores
+    both, different: the model is not tied (it computes with the stored head). ``config`` with
+    ``tie_embeddings`` off in that case, else as it is."""
+    import dataclasses
+
+    import torch
+
+    if not getattr(config, "tie_embeddings", False) or not dataclasses.is_dataclass(config):
+        return config
+    try:
+        untied = dataclasses.replace(config, tie_embeddings=False)
+        table = fmt.table_for(untied, list(tensors))
+    except (ValueError, TypeError, ZooError):
+        return config
+    from zoo.checkpoint.rules import Rename
+
+    names = {r.ours: r.theirs for r in table.rules if isinstance(r, Rename)}
+    head, embed = names.get("head.weight"), names.get("embed.weight")
+    if head is None or embed is None:
+        return config
+    stored = {k: k for k in tensors}
+    for ours_prefix, theirs_prefix in table.import_prefixes:  # (names under another release's prefix)
+        stored.update({ours_prefix + k[len(theirs_prefix):]: k for k in tensors if k.startswith(theirs_prefix)})
+    if head not in stored or embed not in stored:
+        return config
+    a, b = tensors[stored[head]], tensors[stored[embed]]
+    if a.shape == b.shape and torch.equal(a, b):
+        return config
+    return untied
+
+
+def _import_tensors(src: Path, entry: FamilyEntry, fmt: ExternalFormat, config: Any) -> tuple[dict[str, Any], Any]:
+    """The zoo state of the weights in ``src``, and the config they are (`_stored_head`)."""
     tensors = read_dir(src, stem=fmt.stem)
+    untied = _stored_head(fmt, config, tensors)
+    if untied is not config:
+        try:
+            build_empty(entry, untied, device="meta")
+        except (ValueError, ZooError) as e:
+            raise CheckpointError(f"{src}: the config ties the head to the embedding and the file stores a different "
+                                  f"head, which transformers computes with; zoo's {entry.family.name} cannot hold an "
+                                  f"untied head ({e})") from None
+        config = untied
     try:
         state = from_external(fmt.table_for(config, list(tensors)), tensors, config)
         check_shapes(build_empty(entry, config, device="meta").state_dict(), state, what=str(src))
     except MappingError as e:
         raise CheckpointError(f"{src}: {e} (do config.json and the weights belong together?)") from None
-    return state
+    return state, config
 
 
 def import_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
@@ -309,7 +351,7 @@ def import_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.Pa
     if not src.is_dir():
         raise CheckpointError(f"{src}: not a directory")
     entry, fmt, config, _, where = _hf_source(src, fmt_name)
-    state = _import_tensors(where, entry, fmt, config)
+    state, config = _import_tensors(where, entry, fmt, config)
     return write_model_dir(dst, family=entry.family.name, flavor="custom", config=config, state=state,
                            extra_meta={"source": {"format": fmt_name, "path": str(src)}}, tokenizer_from=src)
 

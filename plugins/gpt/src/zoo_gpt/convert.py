@@ -64,8 +64,7 @@ def _gpt2_table(cfg: GPTConfig) -> MappingTable:
         Rename("layers.{i}.mlp.proj.bias", H + "mlp.c_proj.bias"),
         Rename("norm.weight", "transformer.ln_f.weight"),
         Rename("norm.bias", "transformer.ln_f.bias"),
-        Tie("head.weight", to="embed.weight"),
-        Ignore(r"lm_head\.weight"),  # tied to wte; older files store it anyway
+        *_head(cfg),
         Ignore(r"transformer\.h\.\d+\.attn\.(masked_)?bias"),  # legacy causal-mask buffers
     )
     return MappingTable(rules=rules, import_prefixes=(("transformer.", ""),))
@@ -88,13 +87,20 @@ def _gemma_table(cfg: GPTConfig) -> MappingTable:
         Rename("layers.{i}.mlp.proj.weight", L + "mlp.down_proj.weight"),
         Rename("layers.{i}.post_mlp_norm.weight", L + "post_feedforward_layernorm.weight"),
         Rename("norm.weight", "model.norm.weight"),
-        Tie("head.weight", to="embed.weight"),
-        Ignore(r"lm_head\.weight"),  # (the tied copy some exports store)
+        *_head(cfg),
         # Gemma3ForConditionalGeneration (the 4B-27B releases): its language model is this model;
         # the vision tower and projector are not (zoo's gemma3 family is the text decoder)
         Ignore(r"(vision_tower|multi_modal_projector)\..*"),
-        Ignore(r"language_model\.lm_head\.weight"),
-    ), import_prefixes=(("model.", "language_model.model."),))
+        *((Ignore(r"language_model\.lm_head\.weight"),) if cfg.tie_embeddings else ()),
+    ), import_prefixes=(("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")))
+
+
+def _head(cfg: GPTConfig) -> tuple[Any, ...]:
+    """The head: the embedding (a stored copy ignored), or its own ``lm_head`` (a file whose config
+    ties it but which stores a different head: transformers computes with that head)."""
+    if cfg.tie_embeddings:
+        return (Tie("head.weight", to="embed.weight"), Ignore(r"lm_head\.weight"))  # (the copy some exports store)
+    return (Rename("head.weight", "lm_head.weight"),)
 
 
 def table(cfg: GPTConfig) -> MappingTable:
@@ -191,7 +197,7 @@ def to_hf_config(cfg: GPTConfig) -> Any:
             "gpt2", architectures=["GPT2LMHeadModel"], vocab_size=cfg.vocab_size,
             n_positions=cfg.max_seq_length, n_embd=cfg.hidden_size, n_layer=cfg.num_layers,
             n_head=cfg.num_heads, n_inner=cfg.ffn_hidden_size, activation_function="gelu_new",
-            layer_norm_epsilon=cfg.norm_eps, initializer_range=cfg.init_std, tie_word_embeddings=True,
+            layer_norm_epsilon=cfg.norm_eps, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
     spec = cfg.layer_spec
     if spec == "llama" and cfg.sliding_window is not None:
@@ -291,7 +297,8 @@ def from_hf_config(config: Any) -> GPTConfig:
         return GPTConfig(vocab_size=hf["vocab_size"], hidden_size=d, num_layers=hf["n_layer"], num_heads=heads,
                          num_kv_heads=heads, head_dim=d // heads, ffn_hidden_size=hf["n_inner"] or 4 * d,
                          max_seq_length=hf["n_positions"], norm_eps=hf["layer_norm_epsilon"],
-                         tie_embeddings=True, init_std=hf["initializer_range"], layer_spec="gpt2")
+                         tie_embeddings=bool(hf["tie_word_embeddings"]), init_std=hf["initializer_range"],
+                         layer_spec="gpt2")
     if kind == "gemma3":
         return _gemma_from_hf(config.text_config, gemma2=False, tied=bool(config.tie_word_embeddings))
     if kind in ("gemma3_text", "gemma2"):
@@ -335,14 +342,13 @@ _GEMMA_FIXED = {"hidden_activation": ("gelu_pytorch_tanh", "gelu_tanh"),
 FIELDS = {t.config_class: t for t in (
     FieldTable(config_class="GPT2Config",
                mapped=("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "layer_norm_epsilon",
-                       "initializer_range"),
+                       "initializer_range", "tie_word_embeddings"),
                inert=(*_IDS, "pad_token_id", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout", "n_ctx",
                       # (the sequence-classification head's, which a causal LM does not build)
                       "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels",
                       "reorder_and_upcast_attn"),  # (an fp16 upcast of the same product)
                fixed={"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
-                      "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,),
-                      "tie_word_embeddings": (True,)}),
+                      "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,)}),
     FieldTable(config_class="LlamaConfig", mapped=(*_DECODER, "attention_bias"),
                inert=(*_IDS, "attention_dropout", "pretraining_tp"),  # (tp: the same product in slices)
                fixed={"hidden_act": ("silu",), "mlp_bias": (False,)}),
