@@ -26,9 +26,19 @@ class Draw:
     library: str  # "transformers" | "diffusers"
     config: Any  # the library's config object (diffusers: the model's init kwargs)
     build: Callable[[Any], torch.nn.Module]
-    kind: str = "lm"  # lm | dit
+    kind: str = "lm"  # lm | dit | clip
     seq: int = 8
     batch: int = 2
+    # An image-text checkpoint zoo reads the language model of: transformers' in-memory name of a
+    # parameter -> the name zoo's table gives it (None: not part of zoo's model), and the class its
+    # export loads with, with the in-memory name each kept tensor has there.
+    file_name: Callable[[str], str | None] | None = None
+    export_class: str | None = None
+    export_name: Callable[[str], str | None] | None = None
+
+    @property
+    def vocab_size(self) -> int:  # (a text config's, under an image-text config)
+        return getattr(self.config, "vocab_size", None) or self.config.text_config.vocab_size
 
     def shown(self) -> str:
         cfg = self.config.to_dict() if hasattr(self.config, "to_dict") else dict(self.config)
@@ -103,6 +113,14 @@ def _lm(model_type: str) -> Callable[[Any], torch.nn.Module]:
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "nemotron_h")
 
 
+def _image_text(architecture: str) -> Callable[[Any], torch.nn.Module]:
+    def build(config: Any) -> torch.nn.Module:
+        import transformers
+
+        return getattr(transformers, architecture)(config)
+    return build
+
+
 def _tf(model_type: str, fields: dict[str, Any]) -> Any:
     from transformers import AutoConfig
 
@@ -151,6 +169,50 @@ def _gemma(rng: Random, kind: str) -> tuple[str, dict[str, Any]]:
                    rope_parameters={"full_attention": rope, "sliding_attention": {
                        "rope_type": "default", "rope_theta": rng.choice([10000.0, 500.0])}})
     return kind, cfg
+
+
+def gemma3_image_text(rng: Random) -> tuple[str, dict[str, Any]]:
+    """Gemma3ForConditionalGeneration (the 4B-27B releases): a Gemma 3 text config under a tiny
+    SigLIP tower; the top-level flag ties the head."""
+    _, text = _gemma(rng, "gemma3_text")
+    tied = text.pop("tie_word_embeddings")
+    vision = dict(hidden_size=8, intermediate_size=12, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    return "gemma3", dict(text_config=text, vision_config=vision, mm_tokens_per_image=4, tie_word_embeddings=tied)
+
+
+def _language_model(name: str) -> str | None:
+    """Gemma3ForConditionalGeneration's in-memory names -> the language model's, as its files hold it."""
+    if name.startswith("model.language_model."):
+        return "language_model.model." + name.removeprefix("model.language_model.")
+    if name.startswith("lm_head."):
+        return "language_model." + name
+    return None
+
+
+def _as_causal_lm(name: str) -> str | None:
+    if name.startswith("model.language_model."):
+        return "model." + name.removeprefix("model.language_model.")
+    return name if name.startswith("lm_head.") else None
+
+
+def clip(rng: Random) -> tuple[str, dict[str, Any]]:
+    """CLIPModel: both towers and the projections; ``eos_token_id`` 2 is the legacy rule (pool at the
+    highest id, OpenAI's end token), any other id pools at its first occurrence."""
+    def tower(**more: Any) -> dict[str, Any]:
+        heads = rng.choice([1, 2, 4])
+        return dict(hidden_size=heads * rng.choice([2, 4, 8]), intermediate_size=rng.randint(4, 24),
+                    num_hidden_layers=rng.randint(1, 2), num_attention_heads=heads,
+                    layer_norm_eps=rng.choice([1e-5, 1e-6]), hidden_act="gelu" if _rare(rng) else "quick_gelu",
+                    attention_dropout=0.0, **more)
+    vocab = rng.randint(17, 60)
+    size = rng.choice([4, 8, 12])
+    text = tower(vocab_size=vocab, max_position_embeddings=rng.choice([16, 20]),
+                 eos_token_id=rng.choice([2, 2, rng.randint(3, vocab - 1)]))
+    vision = tower(image_size=size, patch_size=rng.choice([p for p in (2, 4, 6) if size % p == 0]),
+                   num_channels=rng.choice([3, 3, 1]))
+    return "clip", dict(text_config=text, vision_config=vision, projection_dim=rng.choice([4, 8, 16]),
+                        logit_scale_init_value=rng.choice([2.6592, 1.0, 5.0]))
 
 
 def gpt2(rng: Random) -> tuple[str, dict[str, Any]]:
@@ -261,7 +323,11 @@ TRANSFORMERS: dict[str, Callable[[Random], tuple[str, dict[str, Any]]]] = {
     "Qwen2MoeForCausalLM": partial(_qwen_moe, kind="qwen2_moe"),
     "Qwen3MoeForCausalLM": partial(_qwen_moe, kind="qwen3_moe"),
     "MambaForCausalLM": mamba, "Mamba2ForCausalLM": mamba2, "NemotronHForCausalLM": nemotron_h,
+    "Gemma3ForConditionalGeneration": gemma3_image_text, "CLIPModel": clip,
 }
+_IMAGE_TEXT = {"Gemma3ForConditionalGeneration": dict(file_name=_language_model, export_class="Gemma3ForCausalLM",
+                                                      export_name=_as_causal_lm),
+               "CLIPModel": dict(kind="clip")}
 ARCHITECTURES = (*TRANSFORMERS, "DiTTransformer2DModel")
 
 
@@ -284,8 +350,13 @@ def draw(architecture: str, seed: int) -> Draw:
             except Exception as e:  # (transformers' validators: ValueError and huggingface_hub's own errors)
                 last = e
                 continue
-            candidate = Draw(architecture, "transformers", config, _lm(model_type), seq=rng.randint(3, 17),
-                             batch=rng.randint(1, 3))
+            build = _image_text(architecture) if architecture in _IMAGE_TEXT else _lm(model_type)
+            if architecture == "CLIPModel":
+                rng_seq = min(config.text_config.max_position_embeddings, rng.randint(3, 16))
+            candidate = Draw(architecture, "transformers", config, build,
+                             seq=rng_seq if architecture == "CLIPModel" else rng.randint(3, 17),
+                             batch=rng.randint(2, 3) if architecture == "CLIPModel" else rng.randint(1, 3),
+                             **_IMAGE_TEXT.get(architecture, {}))
         try:  # the library must build it (on the meta device: no memory) for it to be a checkpoint
             with torch.device("meta"):
                 candidate.build(candidate.config)

@@ -103,13 +103,30 @@ def _inputs(draw: Draw, seed: int):
         t = torch.randint(0, 1000, (draw.batch,), generator=g).float()
         y = torch.randint(0, c["num_embeds_ada_norm"] + 1, (draw.batch,), generator=g)  # (the last: the null class)
         return x, t, y
-    v = draw.config.vocab_size
+    if draw.kind == "clip":
+        t, vcfg = draw.config.text_config, draw.config.vision_config
+        eot = t.vocab_size - 1 if t.eos_token_id == 2 else t.eos_token_id  # (legacy: the highest id ends a text)
+        tokens = torch.randint(0, t.vocab_size - 1, (draw.batch, draw.seq), generator=g)
+        tokens[tokens == eot] = (eot + 1) % (t.vocab_size - 1)
+        for row in range(draw.batch):
+            end = int(torch.randint(1, draw.seq, (), generator=g)) if row else draw.seq - 1
+            tokens[row, end:] = eot  # (padded with it after, as OpenAI's tokenizer does)
+        pixels = torch.randn(draw.batch, vcfg.num_channels, vcfg.image_size, vcfg.image_size, generator=g)
+        return tokens, pixels
+    v = draw.vocab_size
     tokens = torch.randint(0, v, (draw.batch, draw.seq), generator=g)
     labels = torch.randint(0, v, (draw.batch, draw.seq), generator=g)
     return tokens, labels
 
 
+_CLIP_LOSS: dict[int, torch.Tensor] = {}  # the model's own loss of its last forward (CLIP's contrastive one)
+
+
 def _theirs_out(model: torch.nn.Module, draw: Draw, inputs) -> torch.Tensor:
+    if draw.kind == "clip":
+        out = model(input_ids=inputs[0], pixel_values=inputs[1], return_loss=True)
+        _CLIP_LOSS[id(model)] = out.loss  # (the contrastive loss of the same forward)
+        return torch.cat([out.text_embeds, out.image_embeds])
     if draw.kind == "dit":
         x, t, y = inputs
         return model(x, timestep=t, class_labels=y).sample
@@ -117,6 +134,9 @@ def _theirs_out(model: torch.nn.Module, draw: Draw, inputs) -> torch.Tensor:
 
 
 def _ours_out(model: torch.nn.Module, draw: Draw, inputs) -> torch.Tensor:
+    if draw.kind == "clip":
+        _CLIP_LOSS[id(model)] = model(inputs[1], inputs[0])
+        return torch.cat([model.embed_texts(inputs[0]), model.embed_images(inputs[1])])
     if draw.kind == "dit":
         from zoo_dit.model import patchify, unpatchify
 
@@ -158,14 +178,20 @@ def _judge(theirs: torch.nn.Module, ours: torch.nn.Module, draw: Draw, seed: int
         return f"outputs differ by {worst:.3g} (scale {scale:.3g})"
 
     target = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed + 2)).to(dtype) if draw.kind == "dit" else None
-    loss_theirs = _loss(want, draw, inputs, target)
-    loss_ours = _loss(got, draw, inputs, target)
+    if draw.kind == "clip":
+        loss_theirs, loss_ours = _CLIP_LOSS.pop(id(theirs)), _CLIP_LOSS.pop(id(ours))
+    else:
+        loss_theirs, loss_ours = _loss(want, draw, inputs, target), _loss(got, draw, inputs, target)
     rel = abs(loss_ours.item() - loss_theirs.item()) / max(abs(loss_theirs.item()), 1e-12)
     if not rel <= grad_tol:
         return f"losses differ: {loss_ours.item()} vs {loss_theirs.item()}"
     loss_theirs.backward()
     loss_ours.backward()
     grads_theirs = {k: p.grad for k, p in theirs.named_parameters(remove_duplicate=False) if p.grad is not None}
+    params = dict(theirs.named_parameters(remove_duplicate=False))
+    if draw.file_name is not None:  # (an image-text model: its language model's, under its files' names)
+        params = {draw.file_name(k): p for k, p in params.items() if draw.file_name(k) is not None}
+        grads_theirs = {draw.file_name(k): g for k, g in grads_theirs.items() if draw.file_name(k) is not None}
     if draw.kind == "dit":
         grads_theirs = _summed_copies(grads_theirs)
     table = fmt.table_for(ours.cfg, list(grads_theirs))
@@ -178,7 +204,6 @@ def _judge(theirs: torch.nn.Module, ours: torch.nn.Module, draw: Draw, seed: int
     # gradient too.
     floor = 1e-3 * max(g.double().norm().item() for g in grads_theirs.values())
     seen: set[int] = set()
-    params = dict(theirs.named_parameters(remove_duplicate=False))
     for key, ref in grads_theirs.items():
         if id(params[key]) in seen:  # (a tied weight: compared under its first name)
             continue
@@ -239,11 +264,16 @@ def run(draw: Draw, seed: int, tmp: Path) -> Outcome:
         raise SilentDifference(f"zoo convert --to failed on a model it imported:\n{err}\n{draw.shown()}")
     with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
-        again, info = type(theirs).from_pretrained(back, output_loading_info=True)
+        import transformers
+
+        cls = getattr(transformers, draw.export_class) if draw.export_class else type(theirs)
+        again, info = cls.from_pretrained(back, output_loading_info=True)
     problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if problems:
         raise SilentDifference(f"from_pretrained of the export: {problems}\n{draw.shown()}")
     sd_theirs, sd_again = theirs.state_dict(), again.state_dict()
+    if draw.export_name is not None:  # (an image-text model's language model, exported alone)
+        sd_theirs = {draw.export_name(k): v for k, v in sd_theirs.items() if draw.export_name(k) is not None}
     if sd_theirs.keys() != sd_again.keys():
         raise SilentDifference(f"the export's keys differ: {sorted(sd_theirs.keys() ^ sd_again.keys())}\n{draw.shown()}")
     for k, v in sd_theirs.items():

@@ -25,10 +25,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--first", type=int, default=0)
     ap.add_argument("--draws", type=int, default=3)
+    ap.add_argument("--arch", nargs="+", choices=ARCHITECTURES, help="only these architectures")
     args = ap.parse_args()
     print("| architecture | drawn | equal | refused | silent | refusals (first words) |\n|---|---|---|---|---|---|")
     silent_total = 0
-    for arch in ARCHITECTURES:
+    for arch in args.arch or ARCHITECTURES:
         counts: collections.Counter[str] = collections.Counter()
         why: collections.Counter[str] = collections.Counter()
         for seed in range(args.first, args.first + args.draws):

@@ -141,6 +141,27 @@ def test_a_tied_config_whose_file_stores_another_head_computes_with_that_head(tm
         assert (ours(tokens) - theirs(tokens).logits).abs().max() <= 1e-5
 
 
+def test_gemma3_image_text_logits_are_not_capped_whatever_its_text_config_says(tmp_path):
+    """Gemma3ForConditionalGeneration's head applies no final_logit_softcapping (transformers caps in
+    Gemma3ForCausalLM only); zoo capped its language model's logits (a parity draw: 0.25 off)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=8, final_logit_softcapping=0.5)
+    vision = dict(hidden_size=8, intermediate_size=12, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    hf = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision,
+                                                     mm_tokens_per_image=4)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2)
+    ours = zoo.load_model(str(_save(hf, tmp_path / "hf"))).eval()
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ours(tokens) - hf(input_ids=tokens).logits).abs().max() <= 1e-5
+
+
 def test_mamba2_saved_by_transformers_5_with_an_infinite_time_step_limit_reads(tmp_path):
     """transformers 5 writes infinity as {"__float__": "Infinity"}; the hand parser failed on it."""
     from transformers import Mamba2Config, Mamba2ForCausalLM
@@ -196,3 +217,18 @@ def test_bad_configs_are_one_line_and_write_nothing(tmp_path):
             import_external("hf", src, tmp_path / f"out{i}")
         assert "\n" not in str(info.value)
         assert not (tmp_path / f"out{i}").exists()
+
+
+def test_docs_show_every_table_as_declared():
+    """docs/conversion.md's field table is the declared one (a table changed without its docs fails)."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "conversion.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`"): line.split("|")[2:5] for line in doc.splitlines()
+            if line.startswith("| `")}
+    for name, (_, table) in _tables().items():
+        assert name in rows, f"docs/conversion.md has no row for {name}"
+        mapped, inert, fixed = (cell.strip() for cell in rows[name])
+        assert mapped == ", ".join(f"`{f}`" for f in table.mapped), name
+        assert inert == ", ".join(f"`{f}`" for f in table.inert), name
+        assert fixed == "; ".join(f"`{k}` = " + " or ".join(repr(v) for v in vals) for k, vals in table.fixed.items()), name

@@ -112,8 +112,6 @@ def table(cfg: GPTConfig) -> MappingTable:
 def _gemma_to_hf(cfg: Any) -> Any:
     gemma2 = cfg.layer_spec == "gemma2"
     architecture = "Gemma2ForCausalLM" if gemma2 else "Gemma3ForCausalLM"
-    if not cfg.tie_embeddings:
-        raise UsageError(f"{architecture} ties its embeddings (model.tie_embeddings=true)")
     if not gemma2 and cfg.attn_logit_softcapping is not None:
         raise UsageError("Gemma3ForCausalLM computes its attention without a cap: model.attn_logit_softcapping="
                          f"{cfg.attn_logit_softcapping} has no place in its config (Gemma 2's layers have one)")
@@ -138,7 +136,7 @@ def _gemma_to_hf(cfg: Any) -> Any:
         hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
         hidden_activation="gelu_pytorch_tanh", max_position_embeddings=cfg.max_seq_length,
-        rms_norm_eps=cfg.norm_eps, initializer_range=cfg.init_std, tie_word_embeddings=True,
+        rms_norm_eps=cfg.norm_eps, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
         query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
         sliding_window=cfg.sliding_window if layers else None,
         layer_types=["sliding_attention" if i in layers else "full_attention" for i in range(cfg.num_layers)],
@@ -146,13 +144,12 @@ def _gemma_to_hf(cfg: Any) -> Any:
         attention_bias=False, attention_dropout=0.0, pad_token_id=cfg.pad_token_id, **rope)
 
 
-def _gemma_from_hf(config: Any, *, gemma2: bool, tied: bool) -> Any:
-    """``tied``: the head is the embedding (the top-level flag of an image-text config decides)."""
+def _gemma_from_hf(config: Any, *, gemma2: bool, tied: bool, final_cap: bool = True) -> Any:
+    """``tied``: the head is the embedding (the top-level flag of an image-text config decides);
+    ``final_cap``: the head's logits are soft-capped as ``final_logit_softcapping`` says."""
     from zoo_gpt.plugin import GemmaConfig
 
     what = "Gemma 2" if gemma2 else "Gemma 3"
-    if not tied:
-        raise UsageError(f"{what} with tie_word_embeddings=false: zoo's Gemma ties its head to the embedding")
     hf = config.to_dict()
     n = hf["num_hidden_layers"]
     # (configs from before layer_types: Gemma 2 slides its even layers, Gemma 3 five of every six)
@@ -171,12 +168,12 @@ def _gemma_from_hf(config: Any, *, gemma2: bool, tied: bool) -> Any:
     return GemmaConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=n, num_heads=heads,
                        num_kv_heads=hf["num_key_value_heads"] or heads, head_dim=hf["head_dim"],
                        ffn_hidden_size=hf["intermediate_size"], max_seq_length=hf["max_position_embeddings"],
-                       norm_eps=hf["rms_norm_eps"], tie_embeddings=True, rope_theta=theta,
+                       norm_eps=hf["rms_norm_eps"], tie_embeddings=tied, rope_theta=theta,
                        rope_scaling=scaling, init_std=hf["initializer_range"],
                        rope_local_theta=None if local is None else float(local),
                        query_pre_attn_scalar=int(hf["query_pre_attn_scalar"]), layer_spec="gemma2" if gemma2 else "gemma3",
                        attn_logit_softcapping=_cap(hf.get("attn_logit_softcapping")),
-                       final_logit_softcapping=_cap(hf.get("final_logit_softcapping")),
+                       final_logit_softcapping=_cap(hf.get("final_logit_softcapping")) if final_cap else None,
                        pad_token_id=hf.get("pad_token_id"), **windows)
 
 
@@ -300,7 +297,10 @@ def from_hf_config(config: Any) -> GPTConfig:
                          tie_embeddings=bool(hf["tie_word_embeddings"]), init_std=hf["initializer_range"],
                          layer_spec="gpt2")
     if kind == "gemma3":
-        return _gemma_from_hf(config.text_config, gemma2=False, tied=bool(config.tie_word_embeddings))
+        # (Gemma3ForConditionalGeneration's head caps nothing, whatever its text_config's
+        # final_logit_softcapping says: transformers applies it in Gemma3ForCausalLM only)
+        return _gemma_from_hf(config.text_config, gemma2=False, tied=bool(config.tie_word_embeddings),
+                              final_cap=False)
     if kind in ("gemma3_text", "gemma2"):
         return _gemma_from_hf(config, gemma2=kind == "gemma2", tied=bool(config.tie_word_embeddings))
     if kind in _SPEC_OF:
@@ -333,7 +333,7 @@ _DECODER = ("pad_token_id", "vocab_size", "hidden_size", "intermediate_size", "n
 _QWEN_WINDOWS = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
 _GEMMA = ("pad_token_id", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "num_key_value_heads", "head_dim", "max_position_embeddings", "initializer_range", "rms_norm_eps",
-          "tie_word_embeddings",  # (untied refused; an image-text config's own flag decides for its text_config)
+          "tie_word_embeddings",  # (an image-text config's own flag decides for its text_config)
           "rope_parameters", "rope_theta", "rope_scaling", "query_pre_attn_scalar", "sliding_window", "layer_types",
           "final_logit_softcapping")
 _GEMMA_FIXED = {"hidden_activation": ("gelu_pytorch_tanh", "gelu_tanh"),

@@ -168,7 +168,8 @@ class CLIP(nn.Module):
         target = torch.arange(img.shape[0], device=img.device) + rank * img.shape[0]
         per_text = scale * txt @ all_img.t()  # (B, B * ranks): each text against every image
         per_image = scale * img @ all_txt.t()
-        return (F.cross_entropy(per_text.float(), target) + F.cross_entropy(per_image.float(), target)) / 2
+        wide = torch.promote_types(per_text.dtype, torch.float32)  # (at least float32: a bf16 softmax loses the loss)
+        return (F.cross_entropy(per_text.to(wide), target) + F.cross_entropy(per_image.to(wide), target)) / 2
 
 
 def build_clip(cfg: CLIPConfig, spec: ModelSpec) -> CLIP:
