@@ -26,7 +26,7 @@ class Draw:
     library: str  # "transformers" | "diffusers"
     config: Any  # the library's config object (diffusers: the model's init kwargs)
     build: Callable[[Any], torch.nn.Module]
-    kind: str = "lm"  # lm | dit | clip
+    kind: str = "lm"  # lm | dit | clip | llava
     seq: int = 8
     batch: int = 2
     # An image-text checkpoint zoo reads the language model of: transformers' in-memory name of a
@@ -215,6 +215,27 @@ def clip(rng: Random) -> tuple[str, dict[str, Any]]:
                         logit_scale_init_value=rng.choice([2.6592, 1.0, 5.0]))
 
 
+def llava(rng: Random) -> tuple[str, dict[str, Any]]:
+    """LlavaForConditionalGeneration: a LLaMA under a CLIP vision tower, the feature layer(s) and
+    strategy, the projector's bias; the image token is the vocabulary's last id."""
+    _, text = llama(rng)
+    text["vocab_size"] = max(text["vocab_size"], 20)
+    heads = rng.choice([1, 2, 4])
+    size = rng.choice([4, 8])
+    layers = rng.randint(1, 3)
+    vision = dict(hidden_size=heads * rng.choice([2, 4, 8]), intermediate_size=rng.randint(4, 24),
+                  num_hidden_layers=layers, num_attention_heads=heads, image_size=size,
+                  patch_size=rng.choice([p for p in (2, 4) if size % p == 0]), projection_dim=8,
+                  hidden_act="gelu" if _rare(rng) else "quick_gelu", layer_norm_eps=rng.choice([1e-5, 1e-6]))
+    layer = rng.choice([-1, -2, [-2, -1], -layers]) if layers > 1 else -1
+    return "llava", dict(text_config={"model_type": "llama", **text}, vision_config={"model_type": "clip_vision_model",
+                         **vision}, image_token_index=text["vocab_size"] - 1,
+                         vision_feature_select_strategy=rng.choice(["default", "full"]), vision_feature_layer=layer,
+                         multimodal_projector_bias=rng.random() < 0.7,
+                         projector_hidden_act="relu" if _rare(rng) else "gelu",
+                         tie_word_embeddings=rng.random() < 0.3)
+
+
 def gpt2(rng: Random) -> tuple[str, dict[str, Any]]:
     heads = rng.choice([1, 2, 3, 4])
     d = heads * rng.choice([2, 4, 8])
@@ -323,11 +344,11 @@ TRANSFORMERS: dict[str, Callable[[Random], tuple[str, dict[str, Any]]]] = {
     "Qwen2MoeForCausalLM": partial(_qwen_moe, kind="qwen2_moe"),
     "Qwen3MoeForCausalLM": partial(_qwen_moe, kind="qwen3_moe"),
     "MambaForCausalLM": mamba, "Mamba2ForCausalLM": mamba2, "NemotronHForCausalLM": nemotron_h,
-    "Gemma3ForConditionalGeneration": gemma3_image_text, "CLIPModel": clip,
+    "Gemma3ForConditionalGeneration": gemma3_image_text, "CLIPModel": clip, "LlavaForConditionalGeneration": llava,
 }
 _IMAGE_TEXT = {"Gemma3ForConditionalGeneration": dict(file_name=_language_model, export_class="Gemma3ForCausalLM",
                                                       export_name=_as_causal_lm),
-               "CLIPModel": dict(kind="clip")}
+               "CLIPModel": dict(kind="clip"), "LlavaForConditionalGeneration": dict(kind="llava")}
 ARCHITECTURES = (*TRANSFORMERS, "DiTTransformer2DModel")
 
 

@@ -113,6 +113,16 @@ def _inputs(draw: Draw, seed: int):
             tokens[row, end:] = eot  # (padded with it after, as OpenAI's tokenizer does)
         pixels = torch.randn(draw.batch, vcfg.num_channels, vcfg.image_size, vcfg.image_size, generator=g)
         return tokens, pixels
+    if draw.kind == "llava":
+        c, v = draw.config, draw.vocab_size
+        grid = (c.vision_config.image_size // c.vision_config.patch_size) ** 2
+        n_image = grid + (c.vision_feature_select_strategy == "full")  # (full keeps the class token)
+        tokens = torch.randint(0, v - 1, (draw.batch, draw.seq + n_image), generator=g)
+        at = int(torch.randint(0, draw.seq, (), generator=g))
+        tokens[:, at:at + n_image] = c.image_token_index  # (widened, as HF's processor does)
+        labels = torch.randint(0, v, tokens.shape, generator=g)
+        pixels = torch.randn(draw.batch, 3, c.vision_config.image_size, c.vision_config.image_size, generator=g)
+        return tokens, labels, pixels
     v = draw.vocab_size
     tokens = torch.randint(0, v, (draw.batch, draw.seq), generator=g)
     labels = torch.randint(0, v, (draw.batch, draw.seq), generator=g)
@@ -130,6 +140,8 @@ def _theirs_out(model: torch.nn.Module, draw: Draw, inputs) -> torch.Tensor:
     if draw.kind == "dit":
         x, t, y = inputs
         return model(x, timestep=t, class_labels=y).sample
+    if draw.kind == "llava":
+        return model(input_ids=inputs[0], pixel_values=inputs[2], use_cache=False).logits
     return model(input_ids=inputs[0], use_cache=False).logits
 
 
@@ -146,6 +158,8 @@ def _ours_out(model: torch.nn.Module, draw: Draw, inputs) -> torch.Tensor:
         out = model(toks, positions=pos.expand(len(x), -1, -1), noise_level=t[:, None], labels=y[:, None])
         g = x.shape[-1] // cfg.patch_size
         return unpatchify(out, (1, g, g), 1, cfg.patch_size, cfg.patch_size)[:, :, 0]
+    if draw.kind == "llava":
+        return model(inputs[0], images=inputs[2])
     return model(inputs[0])
 
 

@@ -214,9 +214,11 @@ class DiT(nn.Module):
                 noise_level: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None, context: torch.Tensor | None = None,
                 context_segment_ids: torch.Tensor | None = None, cond: torch.Tensor | None = None) -> Any:
-        """x (B, S, F) input tokens -> (B, S, F) network output ``F`` of EDM.
+        """x (B, S, F) input tokens -> the network's output (B, S, out_features): EDM's ``F``, or
+        the VP diffusion's epsilon (with learn_sigma, each cell's variance channels after it).
 
-        ``positions`` (B, S, 3) grid positions; ``noise_level`` (B, N) EDM's ``c_noise``; ``labels``
+        ``positions`` (B, S, 3) grid positions; ``noise_level`` (B, N) EDM's ``c_noise`` or the VP
+        timestep; ``labels``
         (B, N) classes (``num_classes`` = the null class); ``context`` (B, L, Dt) text embeddings
         with ``context_segment_ids`` (B, L). A pipeline stage after the first receives the hidden
         state as ``x`` and the conditioning ``cond`` (B, N, D); one before the last returns both.

@@ -201,6 +201,9 @@ def llava_from_hf(config: Any) -> LlavaConfig:
         raise UsageError(f"LLaVA with a {text.get('model_type')!r} language model: zoo converts LLaMA ones")
     # (the image-text model's own flag ties its head, as transformers builds it)
     lm = gpt_convert.from_hf_config({**text, "tie_word_embeddings": hf["tie_word_embeddings"]})
+    if lm.layer_spec != "llama":  # (llama_attn_bias: q/k/v/o biases)
+        raise UsageError("LLaVA's text_config: LlamaConfig.attention_bias=True changes the computation and zoo's LLaVA "
+                         "language model has no attention biases")
     fields = {k: v for k, v in vars(lm).items() if k != "layer_spec"}
     return LlavaConfig(**fields, **_vision_from_hf(hf["vision_config"]),
                        vision_feature_layer=hf["vision_feature_layer"],
