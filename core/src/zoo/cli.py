@@ -337,7 +337,8 @@ def build_parser(registry: Any | None) -> _Parser:
     p.add_argument("--world-size", type=at_least_one, help="plan the layout for this many processes (dry runs)")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("convert", help="convert checkpoints to and from other formats (hf, diffusers)")
+    p = sub.add_parser("convert", help="convert checkpoints to and from other formats (hf, diffusers, and those "
+                                       "installed families declare: zoo info FAMILY)")
     p.add_argument("--from", dest="from_format", metavar="FORMAT", help="import SRC in FORMAT into a zoo directory DST")
     p.add_argument("--to", dest="to_format", metavar="FORMAT", help="export the zoo checkpoint SRC to FORMAT in DST")
     p.add_argument("src")

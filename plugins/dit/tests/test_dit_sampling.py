@@ -167,3 +167,49 @@ def test_a_learn_sigma_dit_fine_tunes_with_its_own_objective(tmp_path):
     curve = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert len(curve) >= 5
     assert np.mean(curve[-2:]) < 0.75 * curve[0], curve
+
+
+def test_a_facebookresearch_file_imports_with_its_variance_channels_and_exports_back(tmp_path):
+    """`zoo convert --from facebook-dit FILE.pt DIR`: the sizes from the tensors (DiT-S/2's heads
+    from the paper's table), learn_sigma and the VP diffusion; the model computes what the state dict's
+    weights compute in zoo's own layout; `--to facebook-dit` writes the same tensors back. A file
+    that is not a state dict, or of no known size, is one line and writes nothing."""
+    import dataclasses
+
+    from zoo_dit.convert import to_reference
+    from zoo_dit.model import DiT, patchify
+    from zoo_dit.plugin import DIT, _image
+
+    from zoo.checkpoint.external import load
+
+    cfg = dataclasses.replace(_image("S", 2), sample_size=8, num_classes=10, objective="vp", learn_sigma=True)
+    torch.manual_seed(0)
+    ref_model = _randomised(DiT(cfg, DIT), 5, 0.02).eval()
+    original = to_reference(ref_model.state_dict(), cfg)
+    torch.save(original, tmp_path / "DiT-S-2.pt")
+    r = run_zoo("convert", "--from", "facebook-dit", str(tmp_path / "DiT-S-2.pt"), str(tmp_path / "zoo"))
+    assert r.returncode == 0, r.stderr
+    loaded = load(tmp_path / "zoo")
+    got = loaded.config
+    assert (got.num_heads, got.num_layers, got.hidden_size, got.patch_size, got.in_channels, got.sample_size,
+            got.num_classes, got.learn_sigma, got.objective, got.time_freq_shift) == (6, 12, 384, 2, 4, 8, 10, True,
+                                                                                       "vp", 0.0)
+    x = torch.randn(2, 4, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+    toks, pos = patchify(x, 1, 2, 2)
+    kw = dict(positions=pos.expand(2, -1, -1), noise_level=torch.tensor([[10.0], [900.0]]),
+              labels=torch.tensor([[3], [10]]))
+    with torch.no_grad():
+        out = loaded.model.eval()(toks, **kw)
+        assert out.shape[-1] == 2 * 2 * 2 * 4 and torch.equal(out, ref_model(toks, **kw))
+    r = run_zoo("convert", "--to", "facebook-dit", str(tmp_path / "zoo"), str(tmp_path / "back.pt"))
+    assert r.returncode == 0, r.stderr
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
+
+    (tmp_path / "bad.pt").write_bytes(b"not a pickle")
+    small = {k: v for k, v in original.items() if not k.startswith("blocks.11.")}
+    torch.save(small, tmp_path / "small.pt")
+    for name, words in (("bad.pt", "torch.load(weights_only=True)"), ("small.pt", "11 layers of width 384")):
+        r = run_zoo("convert", "--from", "facebook-dit", str(tmp_path / name), str(tmp_path / f"out-{name}"))
+        assert r.returncode == 1 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not (tmp_path / f"out-{name}").exists()

@@ -3,7 +3,7 @@ to any layout (`sharded`, `state`), reading either format (`reader`), a model's 
 starting weights (`weights`), conversion to and from external formats with declarative mapping
 tables (`external`, `mapping`, `slicing`), safetensors I/O (`tensorio`) and RNG states (`rng`)."""
 
-from zoo.checkpoint.external import ExternalFormat, Loaded, export_external, import_external, load, load_model
+from zoo.checkpoint.external import ExternalFormat, FileFormat, Loaded, export_external, import_external, load, load_model
 from zoo.checkpoint.mapping import (
     Fuse,
     Ignore,
@@ -30,7 +30,7 @@ from zoo.checkpoint.state import (
 )
 from zoo.checkpoint.tensorio import CheckpointError
 
-__all__ = ["Checkpoint", "CheckpointError", "ExternalFormat", "Fuse", "Ignore", "Loaded", "MappingError", "MappingTable",
+__all__ = ["Checkpoint", "CheckpointError", "ExternalFormat", "FileFormat", "Fuse", "Ignore", "Loaded", "MappingError", "MappingTable",
            "ModelDir", "Rename", "ShardedCheckpoint", "Split", "StackExperts", "Stateful", "Tie", "TrainState",
            "Transpose", "complete_checkpoints", "export_external", "from_external", "import_external", "latest", "load",
            "load_model", "read_meta", "resolve_checkpoint", "save", "to_external", "write_model_dir"]

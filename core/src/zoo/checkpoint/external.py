@@ -85,6 +85,60 @@ class ExternalFormat:
 FORMATS = ("hf", "diffusers")
 
 
+@dataclass(frozen=True, kw_only=True)
+class FileFormat:
+    """A checkpoint that is one file of tensors with no config beside it (facebookresearch's DiT
+    ``.pt``), declared by a family under its own name in ``checkpoint_formats`` (`zoo convert
+    --from NAME FILE DIR`, ``--to NAME RUN FILE``).
+
+    ``read(tensors)`` gives the zoo config the tensors describe and the zoo state; ``write(config,
+    state)`` the tensors of the file. The core reads the file (safetensors, or a ``.pt``/``.pth``
+    through ``torch.load(weights_only=True)``: no code in it runs) and writes it atomically."""
+
+    read: Callable[[Mapping[str, Any]], tuple[Any, Mapping[str, Any]]]
+    write: Callable[[Any, Mapping[str, Any]], Mapping[str, Any]]
+
+
+def _file_formats() -> dict[str, tuple[Any, FileFormat]]:
+    from zoo.family import resolve
+
+    out: dict[str, tuple[Any, FileFormat]] = {}
+    for entry in _registry().families.values():
+        for name, ref in entry.family.checkpoint_formats.items():
+            if name not in FORMATS:
+                fmt = resolve(ref, owner=str(entry.plugin))
+                if isinstance(fmt, FileFormat):
+                    out[name] = (entry, fmt)
+    return out
+
+
+def read_tensor_file(path: Path) -> Mapping[str, Any]:
+    """The tensors of a safetensors file or of a plain ``torch.save``d state dict (a training
+    checkpoint's ``ema`` or ``model`` entry when it holds those)."""
+    import torch
+
+    from zoo.checkpoint.tensorio import load_file
+
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not a file")
+    if path.suffix == ".safetensors":
+        return load_file(path)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # (torch raises UnpicklingError, RuntimeError, EOFError... on a file it refuses)
+        reason = " ".join(str(e).split())[:200]
+        raise CheckpointError(f"{path}: not a state dict torch.load(weights_only=True) reads ({type(e).__name__}: "
+                              f"{reason}); only tensors are read from such files, never code") from None
+    if isinstance(obj, dict):
+        for key in ("ema", "model", "state_dict"):
+            if isinstance(obj.get(key), dict):
+                obj = obj[key]
+                break
+    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise CheckpointError(f"{path}: not a state dict of tensors")
+    return obj
+
+
 def _registry() -> Any:
     from zoo.registry import get_registry
 
@@ -343,11 +397,21 @@ def _import_tensors(src: Path, entry: FamilyEntry, fmt: ExternalFormat, config: 
 
 
 def import_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
-    if fmt_name not in FORMATS:
-        raise UsageError(f"unknown format {fmt_name!r}; supported: {', '.join(FORMATS)}")
+    files = _file_formats() if fmt_name not in FORMATS else {}
+    if fmt_name not in FORMATS and fmt_name not in files:
+        raise UsageError(f"unknown format {fmt_name!r}; supported: {', '.join([*FORMATS, *sorted(files)])}")
     src, dst = Path(src), Path(dst)
     if dst.exists():
         raise UsageError(f"{dst} already exists; nothing was overwritten")
+    if fmt_name in files:
+        entry, ff = files[fmt_name]
+        try:
+            config, state = ff.read(read_tensor_file(src))
+            check_shapes(build_empty(entry, config, device="meta").state_dict(), state, what=str(src))
+        except (MappingError, ValueError) as e:
+            raise CheckpointError(f"{src}: {e}") from None
+        return write_model_dir(dst, family=entry.family.name, flavor="custom", config=config, state=dict(state),
+                               extra_meta={"source": {"format": fmt_name, "path": str(src)}})
     if not src.is_dir():
         raise CheckpointError(f"{src}: not a directory")
     entry, fmt, config, _, where = _hf_source(src, fmt_name)
@@ -372,6 +436,8 @@ def export_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.Pa
 
     fmt: ExternalFormat = resolve(ref, owner=str(entry.plugin))
     config = config_for(entry, md.meta["model_config"], source=str(src / META))
+    if isinstance(fmt, FileFormat):
+        return _export_file(fmt, md, config, dst, dtype=dtype, weights=weights)
     # Tensor by tensor: each is read when its mapping rule needs it and written out at once.
     state = lazy_model_state(md, weights=weights)
     try:
@@ -392,6 +458,33 @@ def export_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.Pa
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return dst
+
+
+def _export_file(fmt: FileFormat, md: Any, config: Any, dst: Path, *, dtype: str | None, weights: str) -> Path:
+    """One file: safetensors for a ``.safetensors`` name, else ``torch.save``'s (tensors only)."""
+    import io
+
+    import torch
+
+    from zoo.checkpoint.tensorio import save_file
+    from zoo.io import atomic_write_bytes
+
+    try:
+        tensors = dict(fmt.write(config, read_model_state(md, weights=weights)))
+    except MappingError as e:
+        raise CheckpointError(str(e)) from None
+    if dtype:
+        target = torch_dtype(dtype)
+        tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if dst.suffix == ".safetensors":
+        save_file(tensors, dst)
+    else:
+        buf = io.BytesIO()
+        torch.save(tensors, buf)
+        atomic_write_bytes(dst, buf.getvalue())
     return dst
 
 

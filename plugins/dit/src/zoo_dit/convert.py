@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from zoo.checkpoint.external import ExternalFormat
+from zoo.checkpoint.external import ExternalFormat, FileFormat
 from zoo.checkpoint.fields import FieldTable
 from zoo.checkpoint.mapping import (
     Fuse,
@@ -198,6 +198,45 @@ def config_from_pipeline(cfg: DiTConfig, root: Path) -> DiTConfig:
     return dataclasses.replace(cfg, **changes)
 
 
+def reference_config(theirs: Mapping[str, torch.Tensor]) -> DiTConfig:
+    """The config a facebookresearch DiT state dict describes: its sizes from the tensors' shapes
+    (the heads from the paper's S/B/L/XL sizes: a file does not hold them), learn_sigma when the
+    final layer predicts twice the channels, and the original's diffusion (VP, 1000 linear steps,
+    Peebles & Xie's timestep frequencies)."""
+    from zoo_dit.plugin import SIZES
+
+    def shape(key: str) -> tuple[int, ...]:
+        if key not in theirs:
+            raise MappingError(f"no {key}: not a facebookresearch DiT state dict")
+        return tuple(theirs[key].shape)
+
+    hidden, channels, patch, _ = shape("x_embedder.proj.weight")
+    layers = sum(1 for k in theirs if k.startswith("blocks.") and k.endswith(".attn.qkv.weight"))
+    heads = {(n, d): h for n, d, h in SIZES.values()}.get((layers, hidden))
+    if heads is None:
+        known = ", ".join(f"{k} ({n} layers of {d})" for k, (n, d, _) in SIZES.items())
+        raise MappingError(f"{layers} layers of width {hidden}: the file does not hold the number of heads, and this "
+                           f"is none of DiT's sizes ({known})")
+    tokens = shape("pos_embed")[-2]
+    grid = round(tokens**0.5)
+    if grid * grid != tokens:
+        raise MappingError(f"pos_embed has {tokens} positions: not a square grid")
+    out = shape("final_layer.linear.weight")[0]
+    cell = patch * patch * channels
+    if out not in (cell, 2 * cell):
+        raise MappingError(f"final_layer.linear has {out} outputs: {cell} (epsilon) or {2 * cell} (with learn_sigma)")
+    rows = shape("y_embedder.embedding_table.weight")[0]  # (the classes and the null class of guidance)
+    return DiTConfig(in_channels=channels, patch_size=patch, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                     sample_size=grid * patch, num_classes=rows - 1,
+                     mlp_ratio=shape("blocks.0.mlp.fc1.weight")[0] / hidden, objective="vp",
+                     learn_sigma=out == 2 * cell)
+
+
+def _reference_read(theirs: Mapping[str, torch.Tensor]) -> tuple[DiTConfig, State]:
+    cfg = reference_config(theirs)
+    return cfg, from_reference(theirs, cfg)
+
+
 def _config_object(cfg: DiTConfig) -> Any:
     """diffusers' own ``DiTTransformer2DModel`` for ``cfg``, built on the meta device (no memory),
     whose ``save_config`` writes the file diffusers writes."""
@@ -225,5 +264,9 @@ DIFFUSERS = ExternalFormat(name="diffusers", architectures={"DiTTransformer2DMod
                            to_config=_config_object, from_config=config_from_diffusers,
                            stem="diffusion_pytorch_model", fields=FIELDS, from_pipeline=config_from_pipeline)
 
-__all__ = ["DIFFUSERS", "FIELDS", "config_from_diffusers", "diffusers_config", "diffusers_table", "from_diffusers",
+# `zoo convert --from facebook-dit DiT-XL-2-256x256.pt DIR` / `--to facebook-dit RUN FILE.pt`: the state
+# dict facebookresearch/DiT's `models.py` holds (its released checkpoints are such files).
+REFERENCE = FileFormat(read=_reference_read, write=lambda cfg, state: to_reference(state, cfg))
+
+__all__ = ["DIFFUSERS", "REFERENCE", "reference_config", "FIELDS", "config_from_diffusers", "diffusers_config", "diffusers_table", "from_diffusers",
            "from_reference", "reference_table", "to_diffusers", "to_reference"]

@@ -187,10 +187,11 @@ def zoo_families() -> list[Family]:
     return [
         Family(
             name="dit",
-            description="DiT (Peebles & Xie) with EDM: class-conditional images, adaLN-Zero, sin-cos positions",
+            description="DiT (Peebles & Xie) with EDM or the original's VP diffusion: class-conditional images, "
+                        "adaLN-Zero, sin-cos positions",
             flavors=IMAGE_FLAVORS,
             default_dataset="digits",
-            checkpoint_formats={"diffusers": "zoo_dit.convert:DIFFUSERS"},
+            checkpoint_formats={"diffusers": "zoo_dit.convert:DIFFUSERS", "facebook-dit": "zoo_dit.convert:REFERENCE"},
             throughput=Throughput(unit="images", count="zoo_dit.diffusion:count_samples",
                                   flops_of_batch="zoo_dit.diffusion:flops_of_batch"),
             # ~2 minutes on 2 cores; samples recognised as their class >= 90% (docs/dit.md). The EMA's
