@@ -12,42 +12,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from random import Random
 from typing import Any
 
 import torch
+from _parity_harness import CLIP, DIT, LLAVA
 
-
-@dataclass
-class Draw:
-    architecture: str
-    library: str  # "transformers" | "diffusers"
-    config: Any  # the library's config object (diffusers: the model's init kwargs)
-    build: Callable[[Any], torch.nn.Module]
-    kind: str = "lm"  # lm | dit | clip | llava
-    seq: int = 8
-    batch: int = 2
-    # An image-text checkpoint zoo reads the language model of: transformers' in-memory name of a
-    # parameter -> the name zoo's table gives it (None: not part of zoo's model), and the class its
-    # export loads with, with the in-memory name each kept tensor has there.
-    file_name: Callable[[str], str | None] | None = None
-    export_class: str | None = None
-    export_name: Callable[[str], str | None] | None = None
-
-    @property
-    def vocab_size(self) -> int:  # (a text config's, under an image-text config)
-        return getattr(self.config, "vocab_size", None) or self.config.text_config.vocab_size
-
-    def shown(self) -> str:
-        cfg = self.config.to_dict() if hasattr(self.config, "to_dict") else dict(self.config)
-        keep = {k: v for k, v in sorted(cfg.items()) if k not in _NOISE}
-        return f"{self.architecture} seq={self.seq} config={keep}"
-
-
-_NOISE = {"transformers_version", "_name_or_path", "id2label", "label2id", "return_dict", "output_hidden_states",
-          "chunk_size_feed_forward", "is_encoder_decoder", "problem_type", "dtype", "architectures"}
+from zoo.testing.conversion import Draw
 
 
 def _rare(rng: Random, p: float = 0.08) -> bool:
@@ -348,7 +320,7 @@ TRANSFORMERS: dict[str, Callable[[Random], tuple[str, dict[str, Any]]]] = {
 }
 _IMAGE_TEXT = {"Gemma3ForConditionalGeneration": dict(file_name=_language_model, export_class="Gemma3ForCausalLM",
                                                       export_name=_as_causal_lm),
-               "CLIPModel": dict(kind="clip"), "LlavaForConditionalGeneration": dict(kind="llava")}
+               "CLIPModel": dict(probe=CLIP), "LlavaForConditionalGeneration": dict(probe=LLAVA)}
 ARCHITECTURES = (*TRANSFORMERS, "DiTTransformer2DModel")
 
 
@@ -362,7 +334,7 @@ def draw(architecture: str, seed: int) -> Draw:
             from diffusers import DiTTransformer2DModel
 
             kwargs = dit(rng)
-            candidate = Draw(architecture, "diffusers", kwargs, lambda kw: DiTTransformer2DModel(**kw), kind="dit",
+            candidate = Draw(architecture, "diffusers", kwargs, lambda kw: DiTTransformer2DModel(**kw), probe=DIT,
                              batch=rng.randint(1, 3))
         else:
             model_type, fields = TRANSFORMERS[architecture](rng)
