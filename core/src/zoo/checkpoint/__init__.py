@@ -3,7 +3,8 @@ to any layout (`sharded`, `state`), reading either format (`reader`), a model's 
 starting weights (`weights`), conversion to and from external formats with declarative mapping
 tables (`external`, `mapping`, `slicing`), safetensors I/O (`tensorio`) and RNG states (`rng`)."""
 
-from zoo.checkpoint.external import ExternalFormat, FileFormat, Loaded, export_external, import_external, load, load_model
+from zoo.checkpoint.external import ExternalFormat, Loaded, export_external, import_external, load, load_model
+from zoo.checkpoint.files import FileFormat
 from zoo.checkpoint.mapping import (
     Fuse,
     Ignore,

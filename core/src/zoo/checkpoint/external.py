@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zoo.checkpoint.fields import FieldTable, check_config
+from zoo.checkpoint.files import FileFormat, read_tensor_file, write_tensor_file
 from zoo.checkpoint.mapping import MappingError, MappingTable, check_shapes, from_external, to_external
 from zoo.checkpoint.model_dir import (
     META,
@@ -85,20 +86,6 @@ class ExternalFormat:
 FORMATS = ("hf", "diffusers")
 
 
-@dataclass(frozen=True, kw_only=True)
-class FileFormat:
-    """A checkpoint that is one file of tensors with no config beside it (facebookresearch's DiT
-    ``.pt``), declared by a family under its own name in ``checkpoint_formats`` (`zoo convert
-    --from NAME FILE DIR`, ``--to NAME RUN FILE``).
-
-    ``read(tensors)`` gives the zoo config the tensors describe and the zoo state; ``write(config,
-    state)`` the tensors of the file. The core reads the file (safetensors, or a ``.pt``/``.pth``
-    through ``torch.load(weights_only=True)``: no code in it runs) and writes it atomically."""
-
-    read: Callable[[Mapping[str, Any]], tuple[Any, Mapping[str, Any]]]
-    write: Callable[[Any, Mapping[str, Any]], Mapping[str, Any]]
-
-
 def _file_formats() -> dict[str, tuple[Any, FileFormat]]:
     from zoo.family import resolve
 
@@ -110,33 +97,6 @@ def _file_formats() -> dict[str, tuple[Any, FileFormat]]:
                 if isinstance(fmt, FileFormat):
                     out[name] = (entry, fmt)
     return out
-
-
-def read_tensor_file(path: Path) -> Mapping[str, Any]:
-    """The tensors of a safetensors file or of a plain ``torch.save``d state dict (a training
-    checkpoint's ``ema`` or ``model`` entry when it holds those)."""
-    import torch
-
-    from zoo.checkpoint.tensorio import load_file
-
-    if not path.is_file():
-        raise CheckpointError(f"{path}: not a file")
-    if path.suffix == ".safetensors":
-        return load_file(path)
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # (torch raises UnpicklingError, RuntimeError, EOFError... on a file it refuses)
-        reason = " ".join(str(e).split())[:200]
-        raise CheckpointError(f"{path}: not a state dict torch.load(weights_only=True) reads ({type(e).__name__}: "
-                              f"{reason}); only tensors are read from such files, never code") from None
-    if isinstance(obj, dict):
-        for key in ("ema", "model", "state_dict"):
-            if isinstance(obj.get(key), dict):
-                obj = obj[key]
-                break
-    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise CheckpointError(f"{path}: not a state dict of tensors")
-    return obj
 
 
 def _registry() -> Any:
@@ -462,14 +422,6 @@ def export_external(fmt_name: str, src: str | os.PathLike[str], dst: str | os.Pa
 
 
 def _export_file(fmt: FileFormat, md: Any, config: Any, dst: Path, *, dtype: str | None, weights: str) -> Path:
-    """One file: safetensors for a ``.safetensors`` name, else ``torch.save``'s (tensors only)."""
-    import io
-
-    import torch
-
-    from zoo.checkpoint.tensorio import save_file
-    from zoo.io import atomic_write_bytes
-
     try:
         tensors = dict(fmt.write(config, read_model_state(md, weights=weights)))
     except MappingError as e:
@@ -477,15 +429,7 @@ def _export_file(fmt: FileFormat, md: Any, config: Any, dst: Path, *, dtype: str
     if dtype:
         target = torch_dtype(dtype)
         tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    if dst.suffix == ".safetensors":
-        save_file(tensors, dst)
-    else:
-        buf = io.BytesIO()
-        torch.save(tensors, buf)
-        atomic_write_bytes(dst, buf.getvalue())
-    return dst
+    return write_tensor_file(tensors, dst)
 
 
 def parse_size(text: str) -> int:
