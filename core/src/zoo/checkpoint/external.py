@@ -142,12 +142,9 @@ def load(path: str | os.PathLike[str], *, device: str = "cpu", weights: str = "a
     has one (``train.ema``), ``ema`` requires it, ``raw`` takes the parameters themselves.
     ``dtype``: a torch floating dtype to hold the parameters in (None: float32, as trained)."""
     p = resolve_checkpoint(path)  # a run directory or checkpoint root: its newest complete checkpoint
-    if p.is_dir() and not (p / META).exists() and (p / "config.json").is_file():
-        entry, fmt, config, _, where = _hf_source(p, "diffusers" if "_class_name" in read_json(p / "config.json")
-                                                  else "hf")
-        state, config = _import_tensors(where, entry, fmt, config)
-    elif p.is_dir() and not (p / META).exists() and (p / "model_index.json").is_file():
-        entry, fmt, config, _, where = _hf_source(p, "diffusers")
+    library = library_format(p)
+    if library is not None:
+        entry, fmt, config, _, where = _hf_source(p, library)
         state, config = _import_tensors(where, entry, fmt, config)
     else:
         md = read_meta(p)
@@ -156,6 +153,18 @@ def load(path: str | os.PathLike[str], *, device: str = "cpu", weights: str = "a
         state = read_model_state(md, weights=weights)
     model = _materialize(entry, config, state, device=device, what=str(p), dtype=dtype)
     return Loaded(model, entry.family.name, config, p if (p / "tokenizer.json").is_file() else None)
+
+
+def library_format(path: Path) -> str | None:
+    """``hf`` or ``diffusers`` for a directory one of those libraries wrote (a diffusers pipeline's
+    ``model_index.json`` included), None for a zoo one or anything else."""
+    if not path.is_dir() or (path / META).exists():
+        return None
+    if (path / "model_index.json").is_file():
+        return "diffusers"
+    if (path / "config.json").is_file():
+        return "diffusers" if "_class_name" in read_json(path / "config.json") else "hf"
+    return None
 
 
 def load_model(path: str | os.PathLike[str], *, device: str = "cpu", weights: str = "auto", dtype: Any = None) -> Any:
@@ -339,15 +348,7 @@ def _stored_head(fmt: ExternalFormat, config: Any, tensors: Mapping[str, Any]) -
 def _import_tensors(src: Path, entry: FamilyEntry, fmt: ExternalFormat, config: Any) -> tuple[dict[str, Any], Any]:
     """The zoo state of the weights in ``src``, and the config they are (`_stored_head`)."""
     tensors = read_dir(src, stem=fmt.stem)
-    untied = _stored_head(fmt, config, tensors)
-    if untied is not config:
-        try:
-            build_empty(entry, untied, device="meta")
-        except (ValueError, ZooError) as e:
-            raise CheckpointError(f"{src}: the config ties the head to the embedding and the file stores a different "
-                                  f"head, which transformers computes with; zoo's {entry.family.name} cannot hold an "
-                                  f"untied head ({e})") from None
-        config = untied
+    config = _stored_head(fmt, config, tensors)
     try:
         state = from_external(fmt.table_for(config, list(tensors)), tensors, config)
         check_shapes(build_empty(entry, config, device="meta").state_dict(), state, what=str(src))

@@ -107,16 +107,12 @@ def load_initial_weights(source: str, *, model: nn.Module, placements: Placement
 
 
 def _from_hf(path: Path, *, model: nn.Module, placements: Placements, family: str) -> dict[str, torch.Tensor]:
-    from zoo.checkpoint.external import _hf_source
+    from zoo.checkpoint.external import _hf_source, library_format
     from zoo.checkpoint.mapping import MappingError, from_external
     from zoo.checkpoint.slicing import read_sliced
     from zoo.checkpoint.tensorio import LazyTensors
 
-    from zoo.checkpoint.tensorio import read_json
-
-    diffusers = (path / "model_index.json").is_file() or (
-        (path / "config.json").is_file() and "_class_name" in read_json(path / "config.json"))
-    entry, fmt, config, _, where = _hf_source(path, "diffusers" if diffusers else "hf")
+    entry, fmt, config, _, where = _hf_source(path, library_format(path) or "hf")
     if entry.family.name != family:
         raise CheckpointError(f"{path}: a {entry.family.name!r} model, not {family!r}")
     lazy = LazyTensors(where)

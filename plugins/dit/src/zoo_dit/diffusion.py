@@ -304,9 +304,13 @@ def sample(model: DiT, cfg: DiTConfig, *, labels: list[int] | None = None, conte
     model.eval()
     try:
         if cfg.objective == "vp":
-            # drawn in the image layout (N, C, T, H, W), as diffusers' pipelines draw their latents
-            noise = torch.randn(n, cfg.in_channels, t, h, w, generator=gen)
-            x = patchify(noise, cfg.patch_t, p, p)[0].to(dev, torch.float64)
+            def image_noise() -> torch.Tensor:
+                # drawn in the image layout (N, C, T, H, W), as diffusers' pipelines and schedulers
+                # draw theirs: a seed gives their latents and their DDPM noise
+                return patchify(torch.randn(n, cfg.in_channels, t, h, w, generator=gen), cfg.patch_t, p, p)[0].to(
+                    dev, torch.float64)
+
+            x = image_noise()
             kept = vp.timesteps(schedule(cfg), num_steps or (250 if sampler == "ddpm" else 50),
                                 spacing or ("even" if sampler == "ddpm" else "leading"))
 
@@ -321,7 +325,7 @@ def sample(model: DiT, cfg: DiTConfig, *, labels: list[int] | None = None, conte
                 cells[..., :k] = mixed.unflatten(-1, (-1, cfg.in_channels))[..., :k]
                 return cells.flatten(-2).double(), None if v is None else v.chunk(2)[0].double()
 
-            x = _vp_chain(x, kept, schedule(cfg), predict, sampler, eta, gen)
+            x = _vp_chain(x, kept, schedule(cfg), predict, sampler, eta, image_noise)
             tokens = x.float()
         else:
             def denoise(x_: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
@@ -346,7 +350,7 @@ def sample(model: DiT, cfg: DiTConfig, *, labels: list[int] | None = None, conte
 
 def _vp_chain(x: torch.Tensor, kept: list[int], sched: vp.Schedule,
               predict: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]], sampler: str,
-              eta: float, gen: torch.Generator) -> torch.Tensor:
+              eta: float, draw_noise: Callable[[], torch.Tensor]) -> torch.Tensor:
     """From ``x`` at ``kept[0]`` down the kept timesteps to ``x_0`` (float64 state)."""
     for i, step in enumerate(kept):
         prev = kept[i + 1] if i + 1 < len(kept) else -1
@@ -354,9 +358,7 @@ def _vp_chain(x: torch.Tensor, kept: list[int], sched: vp.Schedule,
         eps, v = predict(x, step)
         last = prev < 0
         stochastic = sampler == "ddpm" or eta > 0
-        # Drawn where the generator lives (a CPU generator drives a GPU sampling run too).
-        noise = None if last or not stochastic else torch.randn(
-            x.shape, generator=gen, dtype=torch.float64, device=gen.device).to(x.device)
+        noise = None if last or not stochastic else draw_noise()
         if sampler == "ddpm":
             x = vp.ddpm_step(x, eps, v, abar_t, abar_s, noise)
         else:
