@@ -1,4 +1,4 @@
-"""zoo's blocked CPU attention (`zoo.nn.attention_ops`) against torch's CPU kernel
+"""zoo's blocked CPU attention (`zoo_cpu_kernels.attention`) against torch's CPU kernel
 (`scaled_dot_product_attention`, which picks its flash-attention kernel on a CPU): forward and
 backward time, and the error of each against float64, at the shapes of the benchmarks' models.
 
@@ -60,7 +60,7 @@ def timed(fn, base: list[torch.Tensor], grad: torch.Tensor, want: list[torch.Ten
 
 
 def main() -> None:
-    from zoo.nn.attention_ops import blocked_attention
+    from zoo_cpu_kernels.attention import blocked_attention
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -104,7 +104,9 @@ def windows() -> None:
     """Sliding-window attention: torch's kernel with the window as a mask (what it can do: every
     query against every key) against the blocked path, which reads each query block's keys from
     its window's start, and against the blocked path's plain causal attention (the work saved)."""
-    from zoo.nn.attention_ops import blocked_attention, causal_mask
+    from zoo_cpu_kernels.attention import blocked_attention
+
+    from zoo.nn.attention_ops import causal_mask
 
     print(f"\n{'sliding window':<22} {'dtype':<8} {'torch ms':>9} {'zoo ms':>8} {'speed':>6} {'causal ms':>10} "
           f"{'torch err':>10} {'zoo err':>9}")
@@ -142,8 +144,9 @@ def softcapped() -> None:
     from types import SimpleNamespace
 
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+    from zoo_cpu_kernels.attention import blocked_attention
 
-    from zoo.nn.attention_ops import _capped_attention, blocked_attention, causal_mask
+    from zoo.nn.attention_ops import _capped_attention, causal_mask
 
     cap = 50.0
     print(f"\n{'soft-capped (50)':<22} {'dtype':<8} {'HF ms':>9} {'zoo ms':>8} {'speed':>6} {'written ms':>10} "

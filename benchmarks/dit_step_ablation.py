@@ -44,12 +44,10 @@ def main() -> None:
     from zoo_dit.plugin import DIT
 
     import zoo.nn as znn
-    from zoo import gemm
     from zoo.nn import AttentionCore, recompute
 
     torch.manual_seed(0)
     model = DiT(config_from_diffusers(diffusers_config(args)), DIT)
-    gemm.adopt(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     gen = torch.Generator().manual_seed(1)
     b = args.batch

@@ -77,8 +77,6 @@ def build_pair(args: argparse.Namespace, dev: torch.device) -> types.SimpleNames
     from zoo_dit.model import DiT, patchify, unpatchify
     from zoo_dit.plugin import DIT
 
-    from zoo import gemm
-
     dconf = diffusers_config(args)
     torch.manual_seed(0)
     theirs = DiTTransformer2DModel(**dconf)
@@ -88,7 +86,6 @@ def build_pair(args: argparse.Namespace, dev: torch.device) -> types.SimpleNames
     initial = {k: v.clone() for k, v in theirs.state_dict().items()}
     cfg = config_from_diffusers(dconf)
     ours = DiT(cfg, DIT)
-    gemm.adopt(ours)  # as `zoo train` does (diffusers' linears keep torch's product)
     ours.load_state_dict(from_diffusers(theirs.state_dict(), cfg))
     theirs.to(dev)
     ours.to(dev)

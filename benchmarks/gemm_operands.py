@@ -1,6 +1,6 @@
-"""A float32 weight gradient ``g.T @ x`` on a CPU, as `zoo.gemm` computes it (oneDNN's inner product,
+"""A float32 weight gradient ``g.T @ x`` on a CPU, as `zoo_cpu_kernels.gemm` computes it (oneDNN's inner product,
 copying the smaller operand into a dense transpose and reading the other in place as a transposed
-weight: `zoo.gemm._product`), against copying both operands (zoo before 2026-11-27) and against
+weight: `zoo_cpu_kernels.gemm.Gemm._product`), against copying both operands (zoo before 2026-11-27) and against
 torch's own BLAS (`torch.mm(g.t(), x)`, which reads transposed operands in place), at the weight
 gradients of the benchmarks' models. Each variant's median over alternating rounds, every call
 with its operands evicted from the caches first (as inside a training step, where they come from
@@ -38,17 +38,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from zoo import gemm
+    from zoo_cpu_kernels import gemm
 
-    gemm.configure("onednn")
-    if not gemm._ONEDNN:
-        raise SystemExit("this torch build has no working oneDNN matmul: nothing to compare")
+    try:
+        chosen = gemm.configure("onednn", fused_on=True)[0]
+    except RuntimeError:
+        raise SystemExit("this torch build has no working oneDNN matmul: nothing to compare") from None
 
     def two_copies(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return gemm._onednn_linear(gemm._dense(g.t()), gemm._dense(x.t()))
+        return gemm._onednn_linear(chosen._dense(g.t()), chosen._dense(x.t()))
 
     def one_copy(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return gemm._dense(gemm._product(g.t(), x))
+        return chosen._dense(chosen._product(g.t(), x))
 
     def blas(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return torch.mm(g.t(), x)

@@ -56,7 +56,6 @@ def build(impl: str, args: argparse.Namespace):
         # without its internal shift, since the labels here are already shifted).
         return hf, lambda m, x, y: F.cross_entropy(m(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
     # zoo's model from the same config, translated by the plugin's own HF config reader.
-    from zoo import gemm
     from zoo.config import TrainConfig
     from zoo.nn import recompute
     from zoo_gpt.convert import from_hf_config
@@ -76,21 +75,23 @@ def build(impl: str, args: argparse.Namespace):
         mode = args.recompute
     with torch.device(args.device):
         model = zoo_build(cfg, SPECS[cfg.layer_spec])
-    gemm.adopt(model)  # as `zoo train` does: its linears' products through zoo.gemm
     return model, zoo_loss
 
 
 def zoo_process_settings(malloc_mode: str | None = None) -> None:
-    """What `zoo train` sets in a CPU process besides the model (`zoo.training.cpu`): freed memory
-    kept for reuse (`train.cpu_malloc`; a MALLOC_* variable in the environment wins, as it does in
-    the live-memory runs), its float32 products and fused elementwise kernels. ``malloc_mode``: the
-    HF rows with zoo's allocator setting only (they keep torch's kernels)."""
+    """What `zoo train` sets in a process besides the model: the kernels it selects for the device
+    under the default ``train.cpu_*`` settings (`zoo.kernels`; on a CPU with zoo-cpu-kernels freed
+    memory kept for reuse, its float32 products and fused elementwise kernels), active for the rest
+    of this benchmark process. ``malloc_mode``: the HF rows with zoo's allocator setting only (they
+    keep torch's kernels)."""
+    from zoo import kernels
     from zoo.config import TrainConfig
-    from zoo.training import cpu, malloc
 
     if malloc_mode is None:
-        cpu.configure(TrainConfig())
+        kernels.select("cpu", kernels.options(TrainConfig())).use().__enter__()  # (for the process's life)
     else:
+        from zoo_cpu_kernels import malloc
+
         malloc.configure(malloc_mode)
 
 
@@ -212,26 +213,26 @@ def gemm_peak_cuda() -> dict[str, float]:
 
 def gemm_peak(args: argparse.Namespace) -> None:
     import torch
-
-    from zoo import gemm
+    from zoo_cpu_kernels import gemm
 
     if args.device == "cuda":
         print(json.dumps(gemm_peak_cuda()))
         return
 
     torch.set_num_threads(args.threads)
-    with contextlib.suppress(RuntimeError):  # no oneDNN matmul in this build: gemm.mm is torch's own
-        gemm.configure("onednn")
+    onednn = gemm.Gemm()
+    with contextlib.suppress(RuntimeError):  # no oneDNN matmul in this build: torch's own mm
+        onednn = gemm.configure("onednn")[0]
     out = {}
     # fp32: torch's BLAS (what HF computes with) and oneDNN's (what zoo takes where faster); the peak
     # is the better of the two, so MFU is against what this machine can do, not what a library does.
-    for name, dtype, product in (("fp32_blas", torch.float32, torch.mm), ("fp32_onednn", torch.float32, gemm.mm),
+    for name, dtype, product in (("fp32_blas", torch.float32, torch.mm), ("fp32_onednn", torch.float32, onednn.mm_or_torch),
                                  ("bf16", torch.bfloat16, torch.mm)):
         # without bf16 instructions torch's bf16 product is a fallback under 1 GFLOP/s: a 2048^3
         # one would take a minute, a 512^3 one measures its rate as well
         n = 2048 if dtype != torch.bfloat16 or gemm.bf16_is_native() else 512
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        if product is gemm.mm:  # b as a layer's weight lies ((N, K) rows), not a transposition inside the timing
+        if product == onednn.mm_or_torch:  # b as a layer's weight lies ((N, K) rows), not a transposition inside the timing
             b = b.t()
         for _ in range(2):
             product(a, b)

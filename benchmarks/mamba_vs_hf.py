@@ -6,7 +6,7 @@ Both sides get the identical config (2 layers, hidden 256, vocab 1024, batch 1 b
 with 8 heads of 64 and mamba-ssm's and HF's defaults state 128, chunk 256: ``--state 64 --chunk
 64`` is the config of the sessions before 2026-11-26's eighteenth), the same batch, AdamW and thread
 count, fp32. The chunk is an algorithmic choice (any chunk computes the same function): zoo's CPU
-scan uses at most 64 (`zoo.nn.ssm.CPU_CHUNK`), so with a larger one HF also runs at chunk 64, its
+scan uses at most 64 (`zoo_mamba.ssm.CPU_CHUNK`), so with a larger one HF also runs at chunk 64, its
 fastest here, and both ratios are printed. zoo's model is built from HF's config by the plugin's own
 reader. Each measurement runs in a fresh process (its peak RSS is that model's alone) with a time
 limit: a side that runs out of time or memory is reported as such. (The default allocator: a low mmap threshold, which the LLaMA benchmark uses to
@@ -36,8 +36,7 @@ import sys
 import time
 
 from llama_vs_hf import ceiling, measured_gemm_peaks
-
-from zoo.nn.ssm import CPU_CHUNK
+from zoo_mamba.ssm import CPU_CHUNK
 
 
 def hf_model(a: argparse.Namespace):
@@ -66,10 +65,8 @@ def build(a: argparse.Namespace):
     cfg = from_hf_config(hf.config.to_dict())
     cfg.chunk_size = a.chunk if a.kind == "mamba2" else 64  # (Mamba-1's HF config has no chunk)
     del hf
-    from zoo import gemm
 
     model = zoo_build(cfg, SPECS[cfg.layer_spec]).to(a.device)
-    gemm.adopt(model)  # as `zoo train` does (on a GPU a no-op)
     return model, lambda m, x, y: m(x, labels=y)
 
 

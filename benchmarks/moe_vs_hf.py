@@ -55,14 +55,12 @@ def build(a: argparse.Namespace):
     from zoo_moe.model import loss
     from zoo_moe.plugin import SPECS
 
-    from zoo import gemm
     from zoo.config import TrainConfig
     from zoo.nn import recompute
 
     cfg = from_hf_config({"model_type": "mixtral", **hf_config(a), "router_aux_loss_coef": 0.01})
     mode = TrainConfig().recompute
     model = zoo_build(cfg, SPECS[cfg.layer_spec])
-    gemm.adopt(model)  # as `zoo train` does
 
     def zoo_loss(m, x, y):
         with recompute.scope(mode):

@@ -96,10 +96,6 @@ def worker(a: argparse.Namespace) -> None:
 
         zoo_process_settings()
     model, loss_of, batch = build(a)
-    if a.impl != "hf":
-        from zoo import gemm
-
-        gemm.adopt(model)  # as `zoo train` does
     model.train()
     # fused on both sides: `zoo train`'s default (optimizer.implementation) and the HF Trainer's
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0, fused=True)

@@ -28,7 +28,7 @@ def fresh(monkeypatch, tmp_path):
 def test_nothing_installed_means_every_pytorch_path(fresh):
     import importlib.util
 
-    from zoo.nn import ssm
+    from zoo_mamba import ssm
 
     for name, _, status, fallback in backends.report():
         if importlib.util.find_spec(backends.BACKENDS[name].module.split(".")[0]) is None:  # (a GPU box may have some)
@@ -37,7 +37,7 @@ def test_nothing_installed_means_every_pytorch_path(fresh):
     if importlib.util.find_spec("mamba_ssm") is None:
         assert backends.kernel("mamba-ssm", "mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined") is None
         x = torch.zeros(1)
-        assert all(ssm._kernel(k, x) is None for k in ssm._KERNELS)  # zoo.nn.ssm's scans (tested elsewhere)
+        assert all(ssm._kernel(k, x) is None for k in ssm._KERNELS)  # zoo_mamba.ssm's scans (tested elsewhere)
 
 
 def test_an_importable_build_is_used_unless_switched_off(fresh, monkeypatch):
@@ -68,7 +68,7 @@ def test_a_build_for_another_cuda_is_not_available_and_says_why(fresh, capsys):
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("backend causal-conv1d"))
     assert "RuntimeError: causal_conv1d was compiled against CUDA 12.4" in line
-    assert line.endswith("zoo uses zoo.nn.ssm's shifted multiply-adds (CPU), torch.nn.functional.conv1d (other devices)")
+    assert line.endswith("zoo uses zoo_mamba.ssm's shifted multiply-adds (CPU), torch.nn.functional.conv1d (other devices)")
 
 
 # Stand-ins for mamba_ssm and causal_conv1d written from their documented contracts (layouts,
@@ -134,7 +134,8 @@ def test_the_mixers_run_mamba_ssm_and_causal_conv1d_on_cuda_when_they_import(fre
     here: the device test is switched, and the kernels are stand-ins from their documented APIs.)"""
     import importlib
 
-    from zoo.nn import ssm
+    from zoo_mamba import ssm
+
     from zoo.spec import SSMSpec
 
     for path, text in _FAKES.items():

@@ -82,8 +82,9 @@ def test_every_in_repo_plugin_is_packaged_and_installed_by_the_one_command():
         family = pyproject.parent.name
         meta = tomllib.loads(pyproject.read_text())
         assert meta["project"]["name"] == f"zoo-{family}", pyproject
-        eps = meta["project"]["entry-points"]["zoo.plugins"]
-        assert all(v.split(".")[0] == f"zoo_{family}" for v in eps.values()), pyproject
+        groups = meta["project"]["entry-points"]
+        eps = groups.get("zoo.plugins") or groups["zoo.kernels"]  # a family, or a kernel provider
+        assert all(v.split(":")[0].split(".")[0] == f"zoo_{family.replace('-', '_')}" for v in eps.values()), pyproject
         assert re.search(rf"^-e \./plugins/{family}$", reqs, re.M), f"{family} missing from requirements-dev.txt"
     example = tomllib.loads((REPO / "examples/third_party_plugin/pyproject.toml").read_text())
     assert "mixer" in example["project"]["entry-points"]["zoo.plugins"]

@@ -39,9 +39,9 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
             "torch.nn.Linear and zoo.nn's norms under autocast"),
     Backend("apex", "apex", "fused Adam and norms (CUDA)", "torch.optim.AdamW and zoo.nn's norms"),
     Backend("mamba-ssm", "mamba_ssm", "Mamba-1 selective scan and Mamba-2 fused chunk scan (CUDA)",
-            "zoo.nn.ssm's chunked scan in PyTorch (checked against the recurrence)"),
+            "zoo_mamba.ssm's chunked scan in PyTorch (checked against the recurrence)"),
     Backend("causal-conv1d", "causal_conv1d", "fused depthwise causal convolution (CUDA)",
-            "zoo.nn.ssm's shifted multiply-adds (CPU), torch.nn.functional.conv1d (other devices)"),
+            "zoo_mamba.ssm's shifted multiply-adds (CPU), torch.nn.functional.conv1d (other devices)"),
 )}
 
 

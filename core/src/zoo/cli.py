@@ -150,13 +150,13 @@ def cmd_version(args: argparse.Namespace) -> int:
     for name, provides, status, fallback in report():  # optional kernels, and what runs without them
         used = status.startswith("available")
         print(f"backend {name} ({provides}): {status}" + ("" if used else f"; zoo uses {fallback}"))
-    from zoo import gemm
+    from zoo import kernels
+    from zoo.config import TrainConfig
 
-    print(gemm.configure("auto") + " under train.cpu_gemm=auto")  # what `zoo train` computes with here
-    from zoo import fused, native
-
-    print(fused.configure("auto") + " under train.cpu_fused=auto")
-    print(native.configure("auto") + " under train.cpu_fused=auto")
+    for name, p in kernels.providers().items():
+        print(f"kernels {name}: {p.name} for {p.device}")
+    for line in kernels.select("cpu", kernels.options(TrainConfig())).report():  # what `zoo train` takes here
+        print(f"{line} (train.cpu_* defaults)")
     return 0
 
 

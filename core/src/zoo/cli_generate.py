@@ -21,23 +21,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     import torch
 
+    from zoo import kernels
     from zoo.checkpoint.external import load
     from zoo.checkpoint.state import resolve_checkpoint
     from zoo.config import torch_dtype
     from zoo.parallel.distributed import pick_device
-    from zoo.training.cpu import precision_note
 
     path = resolve_checkpoint(args.checkpoint)
     device = pick_device(args.device, what="--device")
     dtype = torch_dtype(args.dtype) if args.dtype != "fp32" else None  # (None: float32, no autocast)
-    if torch.device(device).type == "cpu" and (note := precision_note(args.dtype, asked="--dtype bf16",
-                                                                        fast="--dtype fp32")):
-        print(note, file=sys.stderr, flush=True)  # (stdout is the generated text)
+    # Generation computes with the kernels that need no compiling (a compile costs more than a
+    # short generation): torch's products and elementwise kernels, the providers' attention core.
+    chosen = kernels.select(device, {"cpu_fused": "eager", "cpu_gemm": "blas", "cpu_malloc": "system",
+                                     "precision": args.dtype})
+    for note in chosen.notes():
+        print(note.replace("fp32 is", "--dtype fp32 is"), file=sys.stderr, flush=True)  # (stdout is the output)
     loaded = load(path, device=device, weights=args.weights, dtype=dtype)
     # bf16/fp16 as a training run with train.param_dtype computes: parameters in that type, under
     # autocast (norms, softmax and the losses' reductions in float32; the families' own float32 parts stay)
     compute = torch.autocast(torch.device(device).type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    with compute:
+    with compute, chosen.use():
         return _generate(args, path, loaded)
 
 

@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-
 from zoo_dit import vp
 
 diffusers = pytest.importorskip("diffusers")

@@ -11,9 +11,9 @@ import torch
 from zoo_mamba import convert
 from zoo_mamba.model import build
 from zoo_mamba.plugin import SPECS, MambaConfig
+from zoo_mamba.ssm import causal_conv1d, selective_scan, ssd_scan
 
 from zoo.checkpoint.mapping import MappingError, from_external, to_external
-from zoo.nn.ssm import causal_conv1d, selective_scan, ssd_scan
 
 VOCAB = 64
 
@@ -148,7 +148,7 @@ def test_chunked_scans_equal_the_sequential_recurrence(length):
 
 
 def test_ssd_state_passing_over_many_chunks_equals_the_recurrence():
-    """19 chunks (the last one padded) pass their states on one after another (`zoo.nn.ssd.pass_states`),
+    """19 chunks (the last one padded) pass their states on one after another (`zoo_mamba.ssd.pass_states`),
     forward and in reverse for backward: the recurrence's outputs, last state and gradients."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 75, 4, 3, generator=g, dtype=torch.float64, requires_grad=True)
@@ -219,13 +219,13 @@ def test_causal_conv_equals_torchs_padded_grouped_convolution(with_state, bias, 
 @pytest.mark.parametrize("form", ["factored", "decay matrices", "accelerator"])
 @pytest.mark.parametrize("chunk,groups", [(4, 1), (16, 2), (64, 4)])
 def test_ssd_backward_equals_the_recurrences_gradients(chunk, groups, form, monkeypatch):
-    """The SSD (`zoo.nn.ssd`) in each form of its within-chunk part, factored, by decay matrices
+    """The SSD (`zoo_mamba.ssd`) in each form of its within-chunk part, factored, by decay matrices
     (per-head products) and as on an accelerator (every chunk by decay matrices, chosen without
     reading the spans, heads in one batched product), and its hand-written backward against
     autograd through the step-by-step recurrence in float64: the gradients of x, dt, A, B, C and
     the entering state, from both outputs (y and the last state), over a length no chunk size
     divides (the last chunk padded)."""
-    from zoo.nn import ssd
+    from zoo_mamba import ssd
 
     monkeypatch.setattr(ssd, "MAX_SPAN", float("inf") if form != "decay matrices" else -1.0)
     rows = []
@@ -249,7 +249,7 @@ def test_a_chunk_that_forgets_too_much_takes_the_decay_matrices(monkeypatch):
     leave float32's range (alone, its output is not finite there), so that chunk takes the decay
     matrices while the next, with ordinary decays, stays factored; outputs and gradients still equal
     the recurrence's."""
-    from zoo.nn import ssd
+    from zoo_mamba import ssd
 
     g = torch.Generator().manual_seed(7)
     x = torch.randn(1, 32, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)

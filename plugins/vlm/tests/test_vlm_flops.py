@@ -11,10 +11,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from zoo import gemm
 from zoo.config import RunConfig, TrainConfig
 from zoo.family import resolve
-from zoo.nn import attention_ops
 from zoo.registry import get_registry
 from zoo.training import metrics
 
@@ -40,12 +38,9 @@ def _declared(fam, model, run, batch, monkeypatch, *, attention: bool) -> float:
 
 
 def _counted(fam, model, batch, monkeypatch) -> tuple[float, set[str]]:
-    # torch's kernel for the attention core: the counter has no formula for it on a CPU, and the
-    # declared PaLM term is a convention, not what zoo's blocked CPU path computes (it skips causal
-    # blocks and recomputes scores in backward)
-    monkeypatch.setattr(attention_ops, "blocked_supported", lambda *a, **kw: False)
-    # and torch's float32 products (the counter has formulas for aten's mm, not oneDNN's op)
-    monkeypatch.setattr(gemm, "_ONEDNN", False)
+    # Outside a run the operations are zoo.kernels' references: torch's attention kernel (the
+    # declared PaLM term is a convention, not what a blocked CPU path computes) and aten's products,
+    # which the counter has formulas for.
     with FlopCounterMode(display=False) as counter:
         loss = resolve(fam.loss, owner="test")(model, batch)
         (loss[0] if isinstance(loss, tuple) else loss).backward()

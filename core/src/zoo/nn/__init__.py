@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo import fused, gemm, native
+from zoo import kernels
+from zoo.kernels import broadcast_dims
 from zoo.nn.attention_ops import attend, attend_at
 from zoo.nn.cache import KVCache as KVCache  # (its own module; zoo.nn's API)
 from zoo.nn.loss import linear_cross_entropy as linear_cross_entropy  # (its own module; zoo.nn's API)
@@ -31,43 +32,26 @@ class _RMSNormFn(torch.autograd.Function):
     keeps the normalised copy as well: one activation-sized tensor per norm)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if fused.wanted(x):  # one compiled pass (`zoo.fused`)
-            y, rstd = fused.rms_norm(x, weight, eps)
-            ctx.save_for_backward(x, weight, rstd)
-            return y
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, k: kernels.Kernels) -> torch.Tensor:
+        y, rstd = k.call("rms_norm", x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return _rms_normed(x, weight, rstd)
+        ctx.k = k
+        return y
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         x, weight, rstd = ctx.saved_tensors
-        if fused.wanted(x):
-            return (*fused.rms_norm_backward(grad, x, weight, rstd), None)
-        xhat = x.float() * rstd
-        g = grad.float()
-        grad_w = (g * xhat.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        gx = g * weight.float()
-        # rstd * (gx - xhat * mean(gx * xhat)): a fused row dot and multiply-add, no temporaries
-        dot = torch.linalg.vecdot(gx, xhat, dim=-1).unsqueeze(-1).div_(x.shape[-1])
-        return torch.addcmul(gx, xhat, dot, value=-1).mul_(rstd).to(x.dtype), grad_w, None
-
-
-def _rms_normed(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    return weight * (x.float() * rstd).to(x.dtype)
+        return (*ctx.k.call("rms_norm_backward", grad, x, weight, rstd), None, None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / rms(x))`` in float32, HF's numerics, with a memory-lean backward; under
     `zoo.nn.recompute` a layer that saves the output gets it recomputed from what the norm keeps."""
-    y = _RMSNormFn.apply(x, weight, eps)
+    k = kernels.active()
+    y = _RMSNormFn.apply(x, weight, eps, k)
     if y.grad_fn is not None and recording():  # (only then: see `recording`)
         x_saved, w_saved, rstd = y.grad_fn.saved_tensors
-        if fused.wanted(x_saved):  # the forward's kernel again: the same bits
-            recomputable(y, lambda: fused.rms_norm(x_saved, w_saved, eps)[0])
-        else:
-            recomputable(y, lambda: _rms_normed(x_saved, w_saved, rstd))
+        recomputable(y, lambda: k.call("rms_norm_again", x_saved, w_saved, eps, rstd))
     return y
 
 
@@ -88,93 +72,49 @@ class _SwiGLUFn(torch.autograd.Function):
     """``silu(gate) * up`` from the fused ``[gate | up]`` projection, saving only that input."""
 
     @staticmethod
-    def forward(ctx: Any, gate_up: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, gate_up: torch.Tensor, k: kernels.Kernels) -> torch.Tensor:
         ctx.save_for_backward(gate_up)
-        return _swiglu(gate_up)
+        ctx.k = k
+        return k.call("swiglu", gate_up)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (gate_up,) = ctx.saved_tensors
-        return fused.swiglu_backward(grad, gate_up)
-
-
-def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    if fused.wanted(gate_up):  # (forward and recomputation alike)
-        return fused.swiglu(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+        return ctx.k.call("swiglu_backward", grad, gate_up), None
 
 
 def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """``act(gate) * up`` for a fused ``[gate | up]`` tensor (SwiGLU when ``activation == "silu"``);
     under `zoo.nn.recompute` the output projection's saved input is recomputed from ``gate_up``."""
     if activation == "silu":
-        h = _SwiGLUFn.apply(gate_up)
+        k = kernels.active()
+        h = _SwiGLUFn.apply(gate_up, k)
         if h.grad_fn is not None and recording():
             (saved,) = h.grad_fn.saved_tensors
-            recomputable(h, lambda: _swiglu(saved))
+            recomputable(h, lambda: k.call("swiglu", saved))
         return h
     gate, up = gate_up.chunk(2, dim=-1)
     return ACTIVATIONS[activation](gate) * up
 
 
-def _broadcast_dims(full: torch.Tensor, small: torch.Tensor) -> tuple[int, ...]:
-    """The dimensions ``small`` (same rank as ``full``) broadcasts along."""
-    return tuple(i for i, (a, b) in enumerate(zip(full.shape, small.shape)) if b == 1 and a != 1)
-
-
-def _reduce_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` over the dimensions ``like`` broadcasts along."""
-    dims = _broadcast_dims(t, like)
-    return (t.sum(dims, keepdim=True) if dims else t).to(like.dtype)
-
-
 class _ModulatedLayerNormFn(torch.autograd.Function):
     """``LN(x) * (1 + scale) + shift`` (LayerNorm without affine weights, DiT's adaLN) keeping only
     its inputs and the per-row statistics: autograd's graph would also keep the normalised copy.
-    Normalisation and its backward are torch's fused layer-norm kernels (one pass each instead of
-    the formula's six), the modulation one fused multiply-add. The output is rounded to ``dtype``
-    as it is written; the gradient arriving in that dtype is widened in the backward's own pass."""
+    The output is rounded to ``dtype`` as it is written; the gradient arriving in that dtype is
+    widened in the backward's own pass."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
-                dtype: torch.dtype) -> torch.Tensor:
-        if fused.wanted(x):  # one compiled pass (`zoo.fused`)
-            y, mean, rstd = fused.modulated_ln(x, shift, scale, eps, dtype)
-            ctx.save_for_backward(x, shift, scale, mean, rstd)
-            return y
-        xhat, mean, rstd = torch.native_layer_norm(_up(x), x.shape[-1:], None, None, eps)
+                dtype: torch.dtype, k: kernels.Kernels) -> torch.Tensor:
+        y, mean, rstd = k.call("modulated_ln", x, shift, scale, eps, dtype)
         ctx.save_for_backward(x, shift, scale, mean, rstd)
-        return _modulate(xhat, shift, scale, dtype)
+        ctx.k = k
+        return y
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         x, shift, scale, mean, rstd = ctx.saved_tensors
-        if fused.wanted(x) and shift.shape == scale.shape and shift.dim() == x.dim():
-            gx, gshift, gscale = fused.modulated_ln_backward(grad, x, scale, mean, rstd, _broadcast_dims(x, shift))
-            return gx, gshift.to(shift.dtype), gscale.to(scale.dtype), None, None
-        xf, g = _up(x), _up(grad)
-        gx = torch.ops.aten.native_layer_norm_backward(g * (1 + _up(scale)), xf, x.shape[-1:], mean, rstd, None, None,
-                                                       [True, False, False])[0]
-        return gx.to(x.dtype), _reduce_to(g, shift), _reduce_to(g * ((xf - mean) * rstd), scale), None, None
-
-
-def _modulate(xhat: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.addcmul(_up(shift), xhat, 1 + _up(scale)).to(dtype)
-
-
-def _modulated(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-               eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """The forward's output again from its inputs and statistics: the same kernels' arithmetic, so
-    the same bits."""
-    if fused.wanted(x):
-        return fused.modulate(x, shift, scale, mean, rstd, dtype)
-    return _modulate(torch.native_layer_norm(_up(x), x.shape[-1:], None, None, eps)[0], shift, scale, dtype)
-
-
-def _up(t: torch.Tensor) -> torch.Tensor:
-    """At least float32 (float64 stays float64)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+        return (*ctx.k.call("modulated_ln_backward", grad, x, shift, scale, mean, rstd), None, None, None)
 
 
 def _autocast_output(x: torch.Tensor) -> torch.dtype:
@@ -199,10 +139,11 @@ def modulated_layer_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tens
     ~570 ms bf16 DiT-S step (docs/benchmarks.md, fortieth session). A caller that wants float32
     math on the output disables autocast around the call."""
     dtype = _autocast_output(x)
-    y = _ModulatedLayerNormFn.apply(x, shift, scale, eps, dtype)
+    k = kernels.active()
+    y = _ModulatedLayerNormFn.apply(x, shift, scale, eps, dtype, k)
     if y.grad_fn is not None and recording():
         xs, sh, sc, mean, rstd = y.grad_fn.saved_tensors
-        recomputable(y, lambda: _modulated(xs, sh, sc, mean, rstd, eps, dtype))
+        recomputable(y, lambda: k.call("modulated_ln_again", xs, sh, sc, mean, rstd, eps, dtype))
     return y
 
 
@@ -211,17 +152,17 @@ class _GatedResidualFn(torch.autograd.Function):
     way; keeps gate and y, as autograd's product would."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, k: kernels.Kernels) -> torch.Tensor:
         ctx.save_for_backward(gate, y)
-        ctx.x_dtype = x.dtype
-        return fused.gated_residual(x, gate, y, compiled=fused.wanted(y))
+        ctx.x_dtype, ctx.k = x.dtype, k
+        return k.call("gated_residual", x, gate, y)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         gate, y = ctx.saved_tensors
-        dy, dgate = fused.gated_residual_backward(grad, gate, y, _broadcast_dims(y, gate), compiled=fused.wanted(y))
-        return grad.to(ctx.x_dtype), dgate, dy
+        dy, dgate = ctx.k.call("gated_residual_backward", grad, gate, y, broadcast_dims(y, gate))
+        return grad.to(ctx.x_dtype), dgate, dy, None
 
 
 def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -229,47 +170,51 @@ def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torc
     token), computed in float32 and rounded once to the output's dtype. Eager torch computes a bf16
     ``gate * y`` (rounded, written), widens it for the float32 residual in a second pass, and in
     backward narrows the gradient in a third before two products and a sum; here it is one pass
-    each way (compiled by `zoo.fused` on a CPU; torch's ``addcmul`` elsewhere)."""
+    each way (the run's kernels, `zoo.kernels`; torch's ``addcmul`` by default)."""
     if x.shape != y.shape or gate.dim() != y.dim() or not all(b in (1, a) for a, b in zip(y.shape, gate.shape)):
         return x + gate * y
-    return _GatedResidualFn.apply(x, gate, y)
+    return _GatedResidualFn.apply(x, gate, y, kernels.active())
 
 
 class _ActivationFn(torch.autograd.Function):
     """An elementwise activation that keeps only its input (its output is recomputable)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, name: str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, name: str, k: kernels.Kernels) -> torch.Tensor:
         ctx.save_for_backward(x)
-        ctx.name = name
-        return ACTIVATIONS[name](x)
+        ctx.name, ctx.k = name, k
+        return _activate(k, name, x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (x,) = ctx.saved_tensors
+        if ctx.name == "gelu_tanh":
+            return ctx.k.call("gelu_tanh_backward", grad, x), None, None
         if ctx.name in _DERIVATIVES:  # autograd's own kernel, without recomputing the activation
-            return _DERIVATIVES[ctx.name](grad, x), None
+            return _DERIVATIVES[ctx.name](grad, x), None, None
         with torch.enable_grad():
             xd = x.detach().requires_grad_(True)
             (gx,) = torch.autograd.grad(ACTIVATIONS[ctx.name](xd), xd, grad)
-        return gx, None
+        return gx, None, None
+
+
+def _activate(k: kernels.Kernels, name: str, x: torch.Tensor) -> torch.Tensor:
+    return k.call("gelu_tanh", x) if name == "gelu_tanh" else ACTIVATIONS[name](x)
 
 
 def activation(x: torch.Tensor, name: str) -> torch.Tensor:
     """``ACTIVATIONS[name](x)``; under `zoo.nn.recompute` the next layer's saved copy of the output
     is recomputed from the input (which the activation keeps for its own backward anyway)."""
-    y = _ActivationFn.apply(x, name)
+    k = kernels.active()
+    y = _ActivationFn.apply(x, name, k)
     if y.grad_fn is not None and recording():
         (saved,) = y.grad_fn.saved_tensors
-        recomputable(y, lambda: ACTIVATIONS[name](saved))
+        recomputable(y, lambda: _activate(k, name, saved))
     return y
 
 
 _DERIVATIVES = {
     "gelu": lambda g, x: torch.ops.aten.gelu_backward(g, x),
-    "gelu_tanh": lambda g, x: (native.gelu_tanh_backward(g, x) if gemm.native_gelu(g, x)
-                               else fused.gelu_tanh_backward(g, x) if fused.wanted(x)
-                               else torch.ops.aten.gelu_backward(g, x, approximate="tanh")),
     "silu": torch.ops.aten.silu_backward,
     "relu": lambda g, x: torch.ops.aten.threshold_backward(g, x, 0),
 }
@@ -285,7 +230,7 @@ def make_norm(spec: NormSpec, dim: int, eps: float) -> nn.Module:
 
 ACTIVATIONS = {
     "gelu": F.gelu,
-    "gelu_tanh": gemm.gelu_tanh,  # on a CPU the compiled kernel or oneDNN's, whichever is faster there
+    "gelu_tanh": lambda x: kernels.active().call("gelu_tanh", x),  # (`activation` passes its own kernels)
     # x sigmoid(1.702 x) as silu(1.702 x) / 1.702: CLIP's MLP with one saved tensor, not two
     "quick_gelu": lambda x: F.silu(x * 1.702) * (1 / 1.702),
     "silu": F.silu,

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from zoo.nn import AttentionCore, KVCache, activation, apply_rotary, gated_activation, make_norm
+from zoo.nn.linear import Linear
 from zoo.spec import AttentionSpec, BlockSpec, MLPSpec
 
 
@@ -32,12 +33,12 @@ class SelfAttention(nn.Module):
         # multiplied by the ratio, so every attention path keeps its own 1/sqrt(head_dim).
         self.q_factor = None if scale is None or scale == head_dim ** -0.5 else scale * head_dim ** 0.5
         self.h, self.kv, self.hd = heads, kv_heads, head_dim
-        self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=spec.bias)
+        self.qkv = Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=spec.bias)
         # Per-head norms of q and k before the rotation (Qwen3, OLMo 2); a family's tp_plan marks
         # them per_head: whole on every rank, applied to its heads.
         self.q_norm = make_norm(spec.qk_norm, head_dim, eps) if spec.qk_norm is not None else None
         self.k_norm = make_norm(spec.qk_norm, head_dim, eps) if spec.qk_norm is not None else None
-        self.proj = nn.Linear(heads * head_dim, hidden, bias=spec.bias if spec.out_bias is None else spec.out_bias)
+        self.proj = Linear(heads * head_dim, hidden, bias=spec.bias if spec.out_bias is None else spec.out_bias)
         self.core = AttentionCore()  # softmax(q k^T) v; the core may make it ring attention or recompute it
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: KVCache | None,
@@ -73,8 +74,8 @@ class MLP(nn.Module):
     def __init__(self, spec: MLPSpec, *, hidden: int, ffn_hidden: int) -> None:
         super().__init__()
         self.gated, self.activation = spec.gated, spec.activation
-        self.fc = nn.Linear(hidden, ffn_hidden * (2 if spec.gated else 1), bias=spec.bias)
-        self.proj = nn.Linear(ffn_hidden, hidden, bias=spec.bias)
+        self.fc = Linear(hidden, ffn_hidden * (2 if spec.gated else 1), bias=spec.bias)
+        self.proj = Linear(ffn_hidden, hidden, bias=spec.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:

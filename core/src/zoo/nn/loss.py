@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zoo import fused, gemm
+from zoo import kernels
 
 # Elements of one chunk of logits in `linear_cross_entropy`. On a CPU a chunk's float32 logits
 # stay in cache (16 MB); a GPU wants few, large products (a 32-row chunk of a 128k vocabulary
@@ -57,6 +57,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 mask: torch.Tensor, chunk: int, need: bool, softcap: float | None) -> torch.Tensor:
+        k = kernels.active()  # (the whole gradient is computed here: backward only scales it)
         n = hidden.shape[0]
         # The chunk's float32 logits and their log-softmax are the loss's transient peak (the last
         # layer's activations are all still live then): rows are capped so each is ~16 MB, whatever
@@ -73,7 +74,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                     and _accumulates_in_float32(hidden.device.type, hidden.dtype))
         for s in range(0, n, chunk):
             h = hidden[s:s + chunk]
-            logits = gemm.mm(h, w.t())  # (c, V)
+            logits = k.call("mm", h, w.t())  # (c, V)
             lab = labels[s:s + chunk]
             m = mask[s:s + chunk].float()
             if not need:
@@ -83,15 +84,15 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                 continue
             # the rows' losses, and d loss / d logits in w's dtype (one cast for both GEMMs); with a
             # soft cap, those of the capped logits, the gradient taken back through the cap
-            nll, d = fused.cross_entropy_grad(logits, lab, m if per_token else m / denom, softcap)
+            nll, d = k.call("cross_entropy_grad", logits, lab, m if per_token else m / denom, softcap)
             total += (nll * m).sum()
-            gemm.mm(d, w, grad_h[s:s + chunk])
-            if h.dtype == torch.float32 and not gemm.onednn_for(h):  # no (V, D) temporary
+            k.call("mm", d, w, grad_h[s:s + chunk])
+            if h.dtype == torch.float32 and not k.call("mm_keeps_shapes", h):  # no (V, D) temporary
                 torch.addmm(grad_w, d.t(), h, out=grad_w)  # (addmm_ would be missed by FLOP counters)
             elif in_place:
                 torch.addmm(grad_w, d.t(), h, out_dtype=torch.float32, out=grad_w)
             else:
-                grad_w += gemm.mm(d.t(), h).float()
+                grad_w += k.call("mm", d.t(), h).float()
         inv = (1.0 / denom.float()) if per_token else None
         if need:
             if per_token:

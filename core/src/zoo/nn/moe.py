@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.nn import Float32Buffers
+from zoo.nn.linear import Linear
 from zoo.nn.moe_experts import ExpertMLPs, grouped_mm_works
 from zoo.spec import MoESpec, check_routing
 
@@ -198,7 +199,7 @@ class MoE(nn.Module):
             from zoo.nn.layers import MLP
 
             self.shared = MLP(spec.shared_expert, hidden=hidden, ffn_hidden=shared_ffn_hidden)
-            self.shared_gate = nn.Linear(hidden, 1, bias=False) if spec.shared_gate else None
+            self.shared_gate = Linear(hidden, 1, bias=False) if spec.shared_gate else None
         # Set from outside (zoo.parallel.engine); read only here.
         self.ep_group: Any = None
         self.ep_size, self.ep_rank = 1, 0

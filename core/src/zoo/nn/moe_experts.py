@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from zoo import gemm
+from zoo import kernels
 
 
 class ExpertMLPs(torch.autograd.Function):
@@ -65,7 +65,7 @@ class ExpertMLPs(torch.autograd.Function):
         return gx, g1, g2, None, None, None
 
 
-# oneDNN, which runs bf16/fp16 products on a CPU (and float32 ones where `zoo.gemm` chose it),
+# oneDNN, which runs bf16/fp16 products on a CPU (and float32 ones where the run's kernels chose it),
 # builds and keeps kernels for every new shape, and the experts' row counts change every step: a
 # bf16 Mixtral step grew the process by 20-45 MB a step (2,000 row counts of one product held ~800
 # MB; a float32 one through oneDNN ended 500 MB above HF's). There the rows are cut into
@@ -85,8 +85,8 @@ def _tiles(n: int) -> list[tuple[int, int]]:
 
 
 def _tiled(t: torch.Tensor) -> bool:
-    """oneDNN computes the product: bf16/fp16 on a CPU, and float32 where `zoo.gemm` chose it."""
-    return t.device.type == "cpu" and (t.dtype in (torch.bfloat16, torch.float16) or gemm.onednn_for(t))
+    """The product keeps a kernel per shape (`zoo.kernels.mm_keeps_shapes`: oneDNN's)."""
+    return bool(kernels.active().call("mm_keeps_shapes", t))
 
 
 def _padded(t: torch.Tensor) -> torch.Tensor:
@@ -98,12 +98,12 @@ def _padded(t: torch.Tensor) -> torch.Tensor:
 def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = a @ b``, ``a``'s rows tiled where `_tiled`."""
     if not _tiled(a):
-        return gemm.mm(a, b, out)
+        return kernels.active().call("mm", a, b, out)
     for s, m in _tiles(a.shape[0]):
         if m >= _TILE:
-            gemm.mm(a[s:s + m], b, out[s:s + m])
+            kernels.active().call("mm", a[s:s + m], b, out[s:s + m])
         else:
-            out[s:s + m] = gemm.mm(_padded(a[s:s + m]), b)[:m]
+            out[s:s + m] = kernels.active().call("mm", _padded(a[s:s + m]), b)[:m]
     return out
 
 
@@ -113,7 +113,7 @@ def _mm_t(a: torch.Tensor, c: torch.Tensor, out: torch.Tensor) -> None:
     once, as one product's accumulator would be."""
     if not _tiled(a):
         if out.dtype == a.dtype:
-            gemm.mm(a.t(), c, out)
+            kernels.active().call("mm", a.t(), c, out)
         else:
             out.copy_(a.t() @ c)
         return
@@ -121,7 +121,7 @@ def _mm_t(a: torch.Tensor, c: torch.Tensor, out: torch.Tensor) -> None:
     acc.zero_()
     for s, m in _tiles(a.shape[0]):
         x, y = (a[s:s + m], c[s:s + m]) if m >= _TILE else (_padded(a[s:s + m]), _padded(c[s:s + m]))
-        acc.add_(gemm.mm(x.t(), y))
+        acc.add_(kernels.active().call("mm", x.t(), y))
     if acc is not out:
         out.copy_(acc)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -320,3 +320,10 @@ def session(*, backend: str = "auto", device: str = "auto", timeout_s: float = 6
                        "rerun the same command to resume from the newest complete checkpoint") from None
     finally:
         shutdown()
+
+
+def to_device(batch: Any, device: str) -> Any:
+    """A batch's tensors moved to ``device`` (a mapping; anything else as it is)."""
+    if isinstance(batch, Mapping):
+        return {k: (v.to(device, non_blocking=True) if hasattr(v, "to") else v) for k, v in batch.items()}
+    return batch

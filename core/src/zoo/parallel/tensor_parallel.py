@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from zoo import gemm
+from zoo import kernels
 from zoo.parallel import comm
 from zoo.parallel.data_parallel import grad_of
 from zoo.parallel.sharding import TPShard, local
@@ -69,7 +69,7 @@ class ColumnParallelLinear(nn.Module):
             x = comm.gather_seq(x, self.group, self.seq_dim)
         elif not self.local:
             x = comm.copy_to(x, self.group)
-        y = gemm.linear(x, self.weight, self.bias)
+        y = kernels.active().call("linear", x, self.weight, self.bias)
         return comm.gather_from(y, self.group, -1) if self.gather_output else y
 
 
@@ -100,7 +100,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = comm.scatter_to(x, self.group, -1)
-        y = gemm.linear(x, self.weight)
+        y = kernels.active().call("linear", x, self.weight)
         if self.feeds_split:  # consumers on every rank use the whole output: their gradients are partial
             y = comm.copy_to(comm.reduce_from(y, self.group), self.group)
         elif self.sequence_parallel:

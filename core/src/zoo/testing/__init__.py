@@ -200,19 +200,25 @@ def train_layout(layout: Mapping[str, Any], family: str, layers: int, zero: bool
     ``split_rows``: every micro-batch is cut into data-parallel slices of rows instead (a loss over
     a whole micro-batch, CLIP's global negatives, then equals one process's).
     ``model``: config fields set over the flavor's (checked as the config checks them)."""
+    from zoo import kernels
+
+    # The CPU products `zoo train` picks (train.cpu_gemm=auto), uncompiled elementwise kernels, in
+    # the test process as in the spawned ranks.
+    with kernels.select("cpu", {"cpu_gemm": "auto", "cpu_fused": "eager", "cpu_malloc": "system"}).use():
+        return _train_layout(layout, family, layers, zero, steps=steps, micro=micro, seq_length=seq_length,
+                             rows=rows, split_rows=split_rows, model=model, flavor=flavor)
+
+
+def _train_layout(layout: Mapping[str, Any], family: str, layers: int, zero: bool, *, steps: int, micro: int,
+                  seq_length: int, rows: int, split_rows: bool, model: Any, flavor: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from zoo import gemm
     from zoo.family import resolve
     from zoo.parallel.engine import Parallel
     from zoo.registry import get_registry
     from zoo.training.optim import ParamRules, param_groups
 
-    # The CPU products `zoo train` picks (train.cpu_gemm=auto), in the test process whatever ran there
-    # before (an in-process `zoo train` switches them) as in the spawned ranks: oneDNN's and torch's
-    # default kernels round differently (Gemma's tanh-GELU by 1e-5 of a gradient after three steps).
-    gemm.configure("auto")
     fam = get_registry().get(family).family
     cfg = fam.flavors[flavor]()
     cfg.num_layers = layers

@@ -6,6 +6,7 @@ event files, validation previews, the loss curve; and the throughput arithmetic 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import time
@@ -130,7 +131,9 @@ def measured_peak_flops(device: str, dtype: Any) -> float:
     """GEMM throughput measured on this device (the denominator of MFU), cached per process."""
     import torch
 
-    from zoo import gemm  # the float32 CPU product zoo computes with (oneDNN where it is faster)
+    from zoo import kernels
+
+    mm = functools.partial(kernels.active().call, "mm")  # the product the run computes with
 
     key = (device, str(dtype))
     if key in _PEAK:
@@ -141,9 +144,9 @@ def measured_peak_flops(device: str, dtype: Any) -> float:
         # torch's scalar fallback at well under 1 GFLOP/s, where ten 1024^3 products would take a
         # minute: a 256^3 product that is that slow is measurement enough.
         a = torch.randn(256, 256, dtype=dtype)
-        gemm.mm(a, a)  # a first product also wakes the thread pool
+        mm(a, a)  # a first product also wakes the thread pool
         t = time.perf_counter()
-        gemm.mm(a, a)
+        mm(a, a)
         rate = 2 * 256**3 / (time.perf_counter() - t)
         if 2 * n**3 / rate > 2.0:
             _PEAK[key] = rate
@@ -156,7 +159,7 @@ def measured_peak_flops(device: str, dtype: Any) -> float:
         # a Zen 4) and the first one compiled `zoo.fused.transpose` (~4 s before the first step)
         b = b.t()
     for _ in range(2):
-        gemm.mm(a, b)
+        mm(a, b)
     reps, best = 10 if device == "cpu" else 20, float("inf")  # best of many: a shared VM's one GEMM varies by 20%
     # and on a CPU for at least 0.25 s: a Zen 3's MKL ramps up over its first ~10 products of 1024^3
     # (100 -> 177 GFLOP/s), and a best of ten read 92 once, which put LLaMA's logged MFU at 137%
@@ -166,7 +169,7 @@ def measured_peak_flops(device: str, dtype: Any) -> float:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         t = time.perf_counter()
-        gemm.mm(a, b)
+        mm(a, b)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)

@@ -3,14 +3,13 @@ restore, one step, evaluation (and its preview), saving, logging, and the loop t
 
 What the trainer does not know: the model and its loss (the family's ``build`` and ``loss``), the
 data (the named dataset's ``build``), what a unit of throughput is and what extra metrics the
-loss reports (the family's ``throughput`` and ``metrics``). It owns: the optimizer and schedule,
-gradient accumulation, clipping, precision (fp32, bf16 autocast, fp16 with loss scaling),
-recomputation, frozen parameters and learning-rate multipliers, the moving average of the
-weights, validation and previews, NaN detection, metrics, checkpoints and exact resume.
-
-Every layout (tensor, sequence, pipeline, context and data parallel, ZeRO-1) is applied by
-`zoo.parallel.Parallel` from what the family declares; the loop is the same for all of them.
-Checkpoints hold the single-process model's names and shapes, so a run resumes under any layout.
+loss reports (the family's ``throughput`` and ``metrics``). It owns: the kernels the run computes
+with (`zoo.kernels`, chosen once), the optimizer and schedule, gradient accumulation, clipping,
+precision (fp32, bf16 autocast, fp16 with loss scaling), recomputation, frozen parameters and
+learning-rate multipliers, the moving average of the weights, validation and previews, NaN
+detection, metrics, checkpoints and exact resume. Every layout is applied by
+`zoo.parallel.Parallel` from what the family declares; checkpoints hold the single-process
+model's names and shapes, so a run resumes under any layout.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 
-from zoo import gemm, procs
+from zoo import kernels, procs
 from zoo.checkpoint.sharded import Saver
 from zoo.checkpoint.state import Stateful, TrainState
 from zoo.config import RunConfig, rampup, torch_dtype
@@ -34,9 +33,10 @@ from zoo.errors import ConfigError
 from zoo.family import DatasetSpec, Family, check_dataset, resolve
 from zoo.io import atomic_write_text
 from zoo.parallel import cuda_graphs
+from zoo.parallel.distributed import to_device
 from zoo.parallel.engine import Parallel, StepOutput
 from zoo.parallel.layout import Layout
-from zoo.training import cpu, optim
+from zoo.training import optim
 from zoo.training.ema import EMA
 from zoo.training.guard import NonFiniteGuard
 from zoo.training.instruments import Instruments
@@ -91,20 +91,26 @@ class Trainer:
                 raise ConfigError(f"the layout was planned for {self.layout.world_size} processes but this job has "
                                   f"{env.world_size} (--world-size is for --dry-run planning)")
             self.env = env
-            if run.data.num_workers > 0:  # the workers' server imports torch while the model is built
-                procs.warm()
-            self.build()
-            self.restore(resume_from)
-            if self.state.step >= run.train.steps:
-                if env.is_main:
-                    print(f"{self.run_dir}: already trained to step {self.state.step} (train.steps={run.train.steps}); "
-                          "nothing to do", flush=True)
-                return 0
-            self.open_outputs()
-            try:
-                self.loop()
-            finally:
-                self.close_outputs()
+            self.kernels = kernels.select(env.device, kernels.options(run.train))  # chosen once, held here
+            with self.kernels.use():
+                return self._fit(resume_from)
+
+    def _fit(self, resume_from: Path | None) -> int:
+        run, env = self.run, self.env
+        if run.data.num_workers > 0:  # the workers' server imports torch while the model is built
+            procs.warm()
+        self.build()
+        self.restore(resume_from)
+        if self.state.step >= run.train.steps:
+            if env.is_main:
+                print(f"{self.run_dir}: already trained to step {self.state.step} (train.steps={run.train.steps}); "
+                      "nothing to do", flush=True)
+            return 0
+        self.open_outputs()
+        try:
+            self.loop()
+        finally:
+            self.close_outputs()
         return 0
 
     # ------------------------------------------------------------------------------- building
@@ -119,8 +125,6 @@ class Trainer:
         torch.manual_seed(run.train.seed)
         torch.set_flush_denormal(run.train.flush_denormal)
         self.dev_type = "cuda" if env.device.startswith("cuda") else "cpu"
-        if self.dev_type == "cpu":
-            cpu.configure(run.train, announce=env.is_main)  # allocator, float32 products, fused kernels
         cuda_graphs.check(enabled=run.train.cuda_graph, device=env.device, layout=self.layout, precision=run.train.precision,
                           main_grads=run.train.param_dtype != "fp32" and run.train.grad_dtype == "fp32")
         self.amp_dtype = torch_dtype(run.train.precision) if run.train.precision != "fp32" else None
@@ -137,7 +141,6 @@ class Trainer:
                             model_config=run.model)
         del full
         self.model = self.par.model  # this rank's parameters (its tensor-parallel pieces of its stages)
-        gemm.adopt(self.model)  # its plain linears' products through `zoo.gemm` (oneDNN where chosen)
         self.model_state = ModelState(self.model, self.par.placements)
         if self.dataset.stateful:
             from zoo.data.energon.training import DataPosition
@@ -293,7 +296,7 @@ class Trainer:
         for m in modules:
             m.eval()
         try:
-            batches = [_to(b, self.env.device) for b in batches]
+            batches = [to_device(b, self.env.device) for b in batches]
             out = self.par.evaluate(batches, self.forward, seq_length=self.run.train.seq_length)
             if self._preview is not None and batches:
                 self.preview(batches[0])
@@ -347,7 +350,9 @@ class Trainer:
         self.tokenizer_dir = resolve(tok, owner=self._dataset_owner)(run) if tok else None
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.run_dir / "config.yaml", run.to_yaml())
+            atomic_write_text(self.run_dir / "config.yaml", run.to_yaml() + self.kernels.comment())
+            for note in self.kernels.notes():  # (a precision this device computes slowly)
+                print(note, flush=True)
             print(f"training {run.family} ({run.flavor}, {self.n_params:,} parameters) on {self.dataset.name} to step "
                   f"{run.train.steps}; {self.layout.describe()}; run directory {self.run_dir}", flush=True)
         self.log = MetricsLog(self.run_dir, resume_step=self.state.step, tensorboard=run.logging.tensorboard) \
@@ -423,7 +428,7 @@ class Trainer:
             self.inst.step_begin(self.state.step + 1)
             lr = optim.schedule_lr(run, self.state.step)
             self.guard.batch, accum = rampup.step(run.train, self.state.consumed_samples, lay)  # (this step's global batch)
-            batches = [_to(next(train_iter), env.device) for _ in range(accum)]
+            batches = [to_device(next(train_iter), env.device) for _ in range(accum)]
             self.inst.lap("data")
             for n, f in map(self.work, batches):  # this rank's share, as every data-parallel rank's
                 units, flops = units + n * lay.dp, flops + f * lay.dp
@@ -489,12 +494,6 @@ class Trainer:
             print(self.par.graphs.summary(), flush=True)
         if self.log is not None and self.log.tb_dir is not None:
             print(f"TensorBoard event files in {self.log.tb_dir} (tensorboard --logdir {self.log.tb_dir})", flush=True)
-
-
-def _to(batch: Any, device: str) -> Any:
-    if isinstance(batch, Mapping):
-        return {k: (v.to(device, non_blocking=True) if hasattr(v, "to") else v) for k, v in batch.items()}
-    return batch
 
 
 __all__ = ["Trainer"]

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from zoo.checkpoint.external import ExternalFormat
-from zoo.checkpoint.files import FileFormat
 from zoo.checkpoint.fields import FieldTable
+from zoo.checkpoint.files import FileFormat
 from zoo.checkpoint.mapping import (
     Fuse,
     Ignore,

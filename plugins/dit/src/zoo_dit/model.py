@@ -29,6 +29,7 @@ from torch import nn
 
 from zoo.nn import AttentionCore, RMSNorm, SequenceShard, gated_residual, modulated_layer_norm
 from zoo.nn.layers import MLP
+from zoo.nn.linear import Linear
 from zoo.spec import AdaLNSpec, AttentionSpec, BlockSpec, MLPSpec, ModelSpec
 from zoo_dit.plugin import DiTConfig
 
@@ -80,13 +81,13 @@ class Attention(nn.Module):
         self.spec, self.hd = spec, cfg.head_dim
         d = cfg.hidden_size
         if spec.cross:
-            self.q = nn.Linear(d, d, bias=spec.bias)
-            self.kv = nn.Linear(cfg.text_dim, 2 * d, bias=spec.bias)  # per head: [k_h; v_h]
+            self.q = Linear(d, d, bias=spec.bias)
+            self.kv = Linear(cfg.text_dim, 2 * d, bias=spec.bias)  # per head: [k_h; v_h]
         else:
-            self.qkv = nn.Linear(d, 3 * d, bias=spec.bias)  # per head: [q_h; k_h; v_h]
+            self.qkv = Linear(d, 3 * d, bias=spec.bias)  # per head: [q_h; k_h; v_h]
         self.q_norm = RMSNorm(self.hd, cfg.norm_eps) if spec.qk_norm is not None else None
         self.k_norm = RMSNorm(self.hd, cfg.norm_eps) if spec.qk_norm is not None else None
-        self.proj = nn.Linear(d, d, bias=spec.bias)
+        self.proj = Linear(d, d, bias=spec.bias)
         self.core = AttentionCore(cross=spec.cross)
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None, context: torch.Tensor | None = None,
@@ -133,10 +134,10 @@ class Block(nn.Module):
         self.cross = Attention(cfg, spec.cross_attention) if spec.cross_attention is not None else None
         self.mlp = MLP(spec.ffn, hidden=d, ffn_hidden=cfg.ffn_hidden_size)
         if cfg.adaln_lora_rank:  # DFM's low-rank adaLN: D -> r -> chunks * D, no biases
-            self.ada = nn.Sequential(nn.SiLU(), nn.Linear(d, cfg.adaln_lora_rank, bias=False),
-                                     nn.Linear(cfg.adaln_lora_rank, self.chunks * d, bias=False))
+            self.ada = nn.Sequential(nn.SiLU(), Linear(d, cfg.adaln_lora_rank, bias=False),
+                                     Linear(cfg.adaln_lora_rank, self.chunks * d, bias=False))
         else:
-            self.ada = nn.Sequential(nn.SiLU(), nn.Linear(d, self.chunks * d))
+            self.ada = nn.Sequential(nn.SiLU(), Linear(d, self.chunks * d))
         # The stream's tokens' segment ids (the core cuts them where it shards the sequence).
         self.tokens = SequenceShard()
 
@@ -158,8 +159,8 @@ class FinalLayer(nn.Module):
         super().__init__()
         assert spec.final_norm is not None and spec.final_norm.kind == "layernorm" and not spec.final_norm.affine
         d = cfg.hidden_size
-        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(d, 2 * d))
-        self.proj = nn.Linear(d, cfg.out_features, bias=True)
+        self.ada = nn.Sequential(nn.SiLU(), Linear(d, 2 * d))
+        self.proj = Linear(d, cfg.out_features, bias=True)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
         shift, scale = per_token(self.ada(c), segment_ids).chunk(2, dim=-1)
@@ -170,8 +171,8 @@ class TimestepEmbedder(nn.Module):
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__()
         self.freq_shift = cfg.time_freq_shift
-        self.fc1 = nn.Linear(256, cfg.hidden_size)
-        self.fc2 = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.fc1 = Linear(256, cfg.hidden_size)
+        self.fc2 = Linear(cfg.hidden_size, cfg.hidden_size)
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.silu(self.fc1(timestep_embedding(t, 256, self.freq_shift))))
@@ -182,7 +183,7 @@ class DiT(nn.Module):
         super().__init__()
         self.cfg, self.positions = cfg, spec.positions
         block = spec.block_for(cfg.block)
-        self.x_embed = nn.Linear(cfg.token_features, cfg.hidden_size)
+        self.x_embed = Linear(cfg.token_features, cfg.hidden_size)
         self.t_embed = TimestepEmbedder(cfg)
         # One extra row: the null class that classifier-free guidance conditions on.
         self.y_embed = nn.Embedding(cfg.num_classes + 1, cfg.hidden_size) if cfg.num_classes else None

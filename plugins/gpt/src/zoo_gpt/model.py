@@ -15,6 +15,7 @@ from torch import nn
 
 from zoo.nn import KVCache, RMSNorm, Rotary, linear_cross_entropy, make_norm, soft_cap
 from zoo.nn.layers import TransformerLayer, kept_positions, run_layers, take_positions
+from zoo.nn.linear import Linear
 from zoo.spec import AttentionSpec, BlockSpec, ModelSpec
 from zoo_gpt.plugin import GemmaConfig, GPTConfig
 
@@ -43,7 +44,7 @@ class GPT(nn.Module):
         self.layers = nn.ModuleList(self.make_block(cfg, spec.block_for(s), i) for i, s in enumerate(symbols))
         assert spec.final_norm is not None
         self.norm = make_norm(spec.final_norm, cfg.hidden_size, cfg.norm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self._init(cfg)

@@ -1,7 +1,7 @@
 """One decoder for Mamba-1, Mamba-2 and hybrid stacks: a list of single-purpose residual layers
 ``x + f(norm(x))``, each built from the block its pattern symbol names in the layer spec.
 
-The mixers are the core's (`zoo.nn.ssm`, `zoo.nn.layers`, `zoo.nn.moe`); parallelism is applied by
+The mixers are the core's (`zoo_mamba.ssm`, `zoo.nn.layers`, `zoo.nn.moe`); parallelism is applied by
 the core from the family's plan. MoE layers leave routing statistics that the forward sums into one
 ``moe_stats`` tensor for the loss, as the MoE decoders do.
 """
@@ -16,10 +16,11 @@ from torch import nn
 
 from zoo.nn import KVCache, Rotary, linear_cross_entropy, make_norm
 from zoo.nn.layers import MLP, SelfAttention
+from zoo.nn.linear import Linear
 from zoo.nn.moe import MoE, balance_metrics, stats_width
-from zoo.nn.ssm import Mamba1Mixer, Mamba2Mixer, SSMCache
 from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, MoESpec, SSMSpec
 from zoo_mamba.plugin import MambaConfig
+from zoo_mamba.ssm import Mamba1Mixer, Mamba2Mixer, SSMCache
 
 
 class HybridCache(KVCache):
@@ -90,7 +91,7 @@ class Hybrid(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, None) if uses_rope else None
         assert spec.final_norm is not None
         self.norm = make_norm(spec.final_norm, cfg.hidden_size, cfg.norm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self._init(cfg)

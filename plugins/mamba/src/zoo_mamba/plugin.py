@@ -1,5 +1,5 @@
 """Declarations of the Mamba-1, Mamba-2 and hybrid families (light: no torch). The model is in `model.py`,
-the mixers and scans in the core (`zoo.nn.ssm`), so any family can put an SSM layer in its blocks.
+the mixers and scans in the core (`zoo_mamba.ssm`), so any family can put an SSM layer in its blocks.
 
 A model is a stack of single-purpose residual layers ``x + f(norm(x))`` named by one symbol each, as
 Megatron's hybrid models: ``M`` a Mamba mixer, ``*`` self-attention, ``-`` an MLP, ``E`` a mixture of
@@ -40,7 +40,7 @@ class MambaConfig:
     ssm_head_dim: int = 64
     ssm_groups: int = 1
     # scan chunk: memory of a layer's scan is bounded by it, not by the sequence (Mamba-2 on a CPU:
-    # at most zoo.nn.ssm.CPU_CHUNK, its fastest there; mamba-ssm's kernel takes this one on a GPU)
+    # at most zoo_mamba.ssm.CPU_CHUNK, its fastest there; mamba-ssm's kernel takes this one on a GPU)
     chunk_size: int = 64
     dt_min: float = 0.0  # Mamba-2 clamps softplus(dt + dt_bias) to [dt_min, dt_max]
     dt_max: float = math.inf
@@ -251,7 +251,7 @@ _COMMON = dict(
 )
 _PIPE = PipelineSpec(layers="layers", first=("embed",), last=("norm", "head"), input_key="tokens")
 # Context parallelism: the sequence split as for attention (Mamba-2's mixers trade it for head
-# shards, `zoo.nn.ssm.Mamba2Mixer`; attention layers run as ring attention); no positions.
+# shards, `zoo_mamba.ssm.Mamba2Mixer`; attention layers run as ring attention); no positions.
 _SEQUENCE = SequenceSpec(dim=1, keys=("tokens", "labels", "loss_mask"), positions=None)
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from zoo.nn import KVCache
 from zoo.nn.layers import TransformerLayer, run_layers
+from zoo.nn.linear import Linear
 from zoo.parallel.context import BatchGather
 from zoo.spec import ModelSpec
 from zoo.training.metrics import LayerFlops, linear_weights
@@ -139,8 +140,8 @@ class CLIP(nn.Module):
         self.cfg = cfg
         self.vision = VisionTower(cfg, spec.towers["vision"])
         self.text = TextTower(cfg, spec.towers["text"])
-        self.vision_proj = nn.Linear(cfg.vision_hidden_size, cfg.projection_dim, bias=False)
-        self.text_proj = nn.Linear(cfg.text_hidden_size, cfg.projection_dim, bias=False)
+        self.vision_proj = Linear(cfg.vision_hidden_size, cfg.projection_dim, bias=False)
+        self.text_proj = Linear(cfg.text_hidden_size, cfg.projection_dim, bias=False)
         self.logit_scale = nn.Parameter(torch.full((), float(cfg.logit_scale_init)))
         self.gather = BatchGather()  # the other data-parallel ranks' embeddings (set by the core)
         _init_tower(self.vision, cfg.vision_hidden_size, cfg.init_std)
@@ -199,8 +200,8 @@ class Projector(nn.Module):
 
     def __init__(self, d_in: int, d_out: int, bias: bool) -> None:
         super().__init__()
-        self.fc = nn.Linear(d_in, d_out, bias=bias)
-        self.proj = nn.Linear(d_out, d_out, bias=bias)
+        self.fc = Linear(d_in, d_out, bias=bias)
+        self.proj = Linear(d_out, d_out, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))

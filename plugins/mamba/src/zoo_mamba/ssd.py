@@ -9,7 +9,7 @@ range allows (`MAX_SPAN`) takes the decay matrices, a product per head, as befor
 state-128 Mamba-2 step at T = 2,048 took 4-6% less time factored than with decay matrices in
 every chunk (docs/benchmarks.md). On a CPU the elementwise work around its products runs as five
 compiled passes (`_one_pass`), and x enters before dt: ``x dt`` is never materialised, and dt's
-gradient through it comes from the pass that forms x's. `zoo.nn.ssm.ssd_scan` chunks the sequence;
+gradient through it comes from the pass that forms x's. `zoo_mamba.ssm.ssd_scan` chunks the sequence;
 shapes as there, with BK = batch x chunks.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from zoo import fused
+from zoo import kernels
 
 
 def pass_states(states: torch.Tensor, log_decay: torch.Tensor, h0: torch.Tensor, *, reverse: bool = False
@@ -68,9 +68,10 @@ def _rows_or_none(s: torch.Tensor | None, g: int) -> torch.Tensor | None:
 
 
 def _one_pass(name: str, fn: Any, *args: torch.Tensor | None) -> Any:
-    """``fn(*args)``, one pass over memory as a compiled CPU kernel where `zoo.fused` wants one
-    (else eagerly: the same formulas)."""
-    return fused.run(name, fn, fn, *args) if fused.wanted(args[0]) else fn(*args)
+    """``fn(*args)``, one pass over memory as a compiled kernel where the run's kernels fuse
+    (`zoo.kernels.Kernels.fuses`; else eagerly: the same formulas)."""
+    k = kernels.active()
+    return k.fuse(name, fn, fn, *args) if k.fuses(args[0]) else fn(*args)
 
 
 # The elementwise work around the products, each a function of (BK, Q, G, R, P) views and (BK, Q,

@@ -1,4 +1,4 @@
-"""The blocked CPU attention (zoo.nn.attention_ops) against float64 scaled_dot_product_attention:
+"""The blocked CPU attention (zoo_cpu_kernels.attention) against float64 scaled_dot_product_attention:
 outputs and all three gradients, for every mask it takes, with blocks small enough that each
 call is cut into several (query blocks, matrix chunks within and across batch rows)."""
 
@@ -7,9 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from zoo_cpu_kernels import attention as ops
 
 from zoo.nn import attention
-from zoo.nn import attention_ops as ops
+
+
+@pytest.fixture(autouse=True)
+def _cpu_kernels():
+    """`zoo.nn.attention` with the CPU kernels a run selects (uncompiled elementwise kernels)."""
+    from _cpu_helpers import cpu_kernels
+
+    with cpu_kernels(cpu_fused="eager").use():
+        yield
 
 
 def _reference(q, k, v, *, causal, offset=0, segment_ids=None, window=None, softcap=None):
@@ -73,21 +82,18 @@ CASES = {
 
 @pytest.fixture(params=["torch", "native"], ids=["torch-softmax", "native-softmax"])
 def softmax_kernel(request, monkeypatch):
-    """bf16 blocks' softmax: torch's with the scale in the products, or `zoo.native`'s with the scale
-    inside it (on a CPU with AMX); yields the native kernel's calls, so a test sees which ran."""
-    from zoo import native
+    """bf16 blocks' softmax: torch's with the scale in the products, or zoo's C kernel's with the
+    scale inside it (on a CPU with AMX); yields the native kernel's calls and whether it is on."""
+    from zoo_cpu_kernels import native
 
     calls: list[int] = []
-    monkeypatch.setattr(native, "_ENABLED", False)  # (whatever an earlier test configured; restored after)
     if request.param == "native":
-        monkeypatch.delenv("ZOO_BACKENDS", raising=False)
-        native.configure("auto")
         if not native.softmax_ok(256):
             pytest.skip(f"native.c's softmax is AVX-512 code ({native.status()})")
         monkeypatch.setattr(ops, "has_amx", lambda: True)
         real = native.softmax
         monkeypatch.setattr(native, "softmax", lambda x, s: calls.append(1) or real(x, s))
-    yield calls
+    yield calls, request.param == "native"
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["recomputed", "kept-probs"])
@@ -112,7 +118,8 @@ def test_blocked_attention_matches_float64(case, blocks, keep, softmax_kernel, m
     ref = _run(reference, q, k, v, grad, torch.float64)
 
     def ours(q, k, v):
-        return ops.blocked_attention(q, k, v, causal=causal, offset=offset, segment_ids=seg, window=window)
+        return ops.blocked_attention(q, k, v, causal=causal, offset=offset, segment_ids=seg, window=window,
+                                     use_native=softmax_kernel[1])
 
     for got, want in zip(_run(ours, q, k, v, grad, torch.float32), ref):
         assert _rel(got, want) < 2e-6
@@ -120,7 +127,7 @@ def test_blocked_attention_matches_float64(case, blocks, keep, softmax_kernel, m
     torch_bf16 = _run(reference, q, k, v, grad, torch.bfloat16)
     for got, theirs, want in zip(_run(ours, q, k, v, grad, torch.bfloat16), torch_bf16, ref):
         assert _rel(got, want) < max(2.5 * _rel(theirs, want), 4e-3)
-    assert bool(softmax_kernel) == ops.native.enabled()  # (the native kernel ran exactly where it is on)
+    assert bool(softmax_kernel[0]) == softmax_kernel[1]  # (the native kernel ran exactly where it is on)
 
 
 def _packed(b, t):

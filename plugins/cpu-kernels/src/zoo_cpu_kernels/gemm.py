@@ -32,18 +32,16 @@ from __future__ import annotations
 
 import functools
 import platform
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from zoo import fused, native
+from zoo import kernels as reference
+from zoo_cpu_kernels import fused, native
 
 Mode = Literal["auto", "onednn", "blas"]
-_ONEDNN = False  # whether float32 CPU products go through oneDNN in this process
-_ELTWISE: tuple[torch.dtype, ...] = ()  # the dtypes whose tanh-GELU on a CPU is oneDNN's eltwise kernel
-_AUTOCAST = False  # whether bf16-autocast CPU linears go through `_AutocastLinear`
 _FEW_ROWS = 32  # autocast linears over at most this many rows compute in float32 (`linear`)
 _EYE = 16  # width of the identity `gelu_tanh` multiplies by (the fastest of 8-128 measured)
 # `mm` makes an operand of a bf16 product read along its columns dense first from this many
@@ -105,39 +103,6 @@ def bf16_is_native() -> bool:
         return False
 
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """``F.gelu(x, approximate="tanh")``, for a CPU tensor outside autograd (the activations' own
-    backward takes the derivative) through the fastest kernel measured for the CPU: on a CPU with
-    AMX `zoo.native`'s (bf16 (2,048, 1,536) 0.74 ms against `zoo.fused`'s compiled one's 1.03,
-    float32 likewise), else the compiled one (oneDNN's is slower there too: float32 1.9 ms against
-    2.3-3.0, bf16 1.9 against 2.8-3.2) where oneDNN's eltwise kernel is not chosen; oneDNN's where
-    `configure` chose it (AVX-512 AMD CPUs: 2.7x torch's), for contiguous float32/bf16; else
-    torch's. Each is within float32 rounding of torch's and gives the same bits for the same input
-    whatever the tensor's size or thread count, so a recomputed copy is exact."""
-    if x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
-        return F.gelu(x, approximate="tanh")
-    if native_gelu(x):
-        return native.gelu_tanh(x)
-    if fused.wanted(x) and (not _onednn_gelu(x) or has_amx()):
-        return fused.gelu_tanh(x, gelu_tanh_unfused)
-    return gelu_tanh_unfused(x)
-
-
-def native_gelu(*tensors: torch.Tensor) -> bool:
-    """Whether tanh-GELU (or its derivative, given ``g, x``) of these tensors is `zoo.native`'s: on a
-    CPU with AMX (where it was measured the faster), tensors of at least `zoo.fused`'s minimum size."""
-    return tensors[0].numel() >= fused._MIN_ELEMENTS and has_amx() and native.gelu_ok(*tensors)
-
-
-def _onednn_gelu(x: torch.Tensor) -> bool:
-    return x.dtype in _ELTWISE and x.is_contiguous() and x.numel() % _EYE == 0 and x.numel() > 0
-
-
-def gelu_tanh_unfused(x: torch.Tensor) -> torch.Tensor:
-    """`gelu_tanh` without the compiled kernel: oneDNN's where chosen, else torch's (no autograd)."""
-    return _gelu_tanh(x) if _onednn_gelu(x) else F.gelu(x, approximate="tanh")
-
-
 def _cpuinfo(field: str) -> str:
     """The first ``field`` line of /proc/cpuinfo ("" where there is none, as off Linux)."""
     try:
@@ -181,46 +146,159 @@ def onednn_is_faster() -> bool:
     return blas_is_generic() and has_avx512()
 
 
-def configure(mode: Mode = "auto") -> str:
-    """Choose the float32 CPU GEMM for this process ("auto": oneDNN where `onednn_is_faster`), the
-    tanh-GELU kernel and the bf16-autocast linear (see the module's docstring); returns what was
+@dataclass(frozen=True)
+class Gemm:
+    """What one run chose (`configure`): float32 CPU products through oneDNN (``onednn``), the dtypes
+    whose tanh-GELU is oneDNN's eltwise kernel (``eltwise``), bf16-autocast linears through
+    `_AutocastLinear` (``autocast``), and whether the compiled elementwise kernels (``fused``) and
+    zoo's C kernels (``native``) are on beside them."""
+
+    onednn: bool = False
+    eltwise: tuple[torch.dtype, ...] = ()
+    autocast: bool = False
+    fused: bool = False
+    native: bool = False
+
+    def onednn_for(self, *tensors: torch.Tensor) -> bool:
+        return (self.onednn and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+                and not torch.is_autocast_enabled("cpu") and all(t.numel() for t in tensors))
+
+    def gelu_tanh(self, x: torch.Tensor) -> Any:
+        """``F.gelu(x, approximate="tanh")`` for a CPU tensor outside autograd (the activations' own
+        backward takes the derivative), through the fastest kernel measured for the CPU: on a CPU
+        with AMX zoo's C kernel, else the compiled one where oneDNN's eltwise kernel is not chosen;
+        oneDNN's where `configure` chose it (AVX-512 AMD CPUs), for contiguous float32/bf16; else
+        NotImplemented (torch's). Each is within float32 rounding of torch's and gives the same bits
+        for the same input whatever the tensor's size or thread count, so a recomputed copy is exact."""
+        if x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
+            return NotImplemented
+        if self.native_gelu(x):
+            return native.gelu_tanh(x)
+        if self.fused and fused.takes(x) and (not self._onednn_gelu(x) or has_amx()):
+            return fused.gelu_tanh(x, self.gelu_tanh_unfused)
+        return self._gelu_tanh(x) if self._onednn_gelu(x) else NotImplemented
+
+    def gelu_tanh_backward(self, g: torch.Tensor, x: torch.Tensor) -> Any:
+        if self.native_gelu(g, x):
+            return native.gelu_tanh_backward(g, x)
+        if self.fused and fused.takes(x):
+            return fused.gelu_tanh_backward(g, x)
+        return NotImplemented
+
+    def native_gelu(self, *tensors: torch.Tensor) -> bool:
+        """Whether tanh-GELU (or its derivative, given ``g, x``) of these tensors is zoo's C kernel's:
+        on a CPU with AMX (where it was measured the faster), tensors of at least the compiled
+        kernels' minimum size."""
+        return (self.native and tensors[0].numel() >= fused.MIN_ELEMENTS and has_amx()
+                and native.gelu_ok(*tensors))
+
+    def _onednn_gelu(self, x: torch.Tensor) -> bool:
+        return x.dtype in self.eltwise and x.is_contiguous() and x.numel() % _EYE == 0 and x.numel() > 0
+
+    def _gelu_tanh(self, x: torch.Tensor) -> torch.Tensor:
+        return _gelu_tanh(x)
+
+    def gelu_tanh_unfused(self, x: torch.Tensor) -> torch.Tensor:
+        """`gelu_tanh` without the compiled kernel: oneDNN's where chosen, else torch's (no autograd)."""
+        return _gelu_tanh(x) if self._onednn_gelu(x) else F.gelu(x, approximate="tanh")
+
+    def _dense(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` contiguous, as oneDNN's inner product takes its input: a transposed view of a large
+        matrix through `zoo_cpu_kernels.fused.transpose` (torch's strided copy cost a quarter of each
+        float32 weight gradient's time), anything else as torch copies it."""
+        if t.is_contiguous():
+            return t
+        if t.dim() == 2 and t.t().is_contiguous() and self.fused and fused.takes(t):
+            return fused.transpose(t.t())
+        return t.contiguous()
+
+    def _product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` (2-D, float32, CPU) through oneDNN, whose inner product computes ``A @ W.T`` from
+        a dense input A and a weight W it reads through its strides: as ``a @ b`` (A = a, W = b.T) or
+        as ``(b.T @ a.T).T`` (A = b.T, W = a), whichever copies fewer elements into dense operands
+        (the second counts transposing its result). A weight gradient ``g.T @ x`` so copies only the
+        smaller of g and x, not both. May return a transposed view."""
+        def copied(inp: torch.Tensor, w: torch.Tensor) -> int:
+            return (0 if inp.is_contiguous() else inp.numel()) + (0 if _readable(w) else w.numel())
+
+        flip = copied(b.t(), a) + a.shape[0] * b.shape[1] < copied(a, b.t())
+        if flip:  # (b.T @ a.T).T: the same product of the transposed operands, swapped
+            a, b = b.t(), a.t()
+        w = b.t()
+        y = _onednn_linear(self._dense(a), w if _readable(w) else w.contiguous())
+        return y.t() if flip else y
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Any:
+        """``F.linear`` through oneDNN for float32 on a CPU where chosen, and under bf16 CPU autocast
+        (`_AutocastLinear`) unless torch's own kernels were ("blas"); else NotImplemented."""
+        if self.onednn_for(x, weight) and (bias is None or self.onednn_for(bias)):
+            return _Linear.apply(x, weight, bias, self)
+        if (self.autocast and x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+                and torch.get_autocast_dtype("cpu") == torch.bfloat16 and x.dtype in (torch.float32, torch.bfloat16)
+                and weight.dtype in (torch.float32, torch.bfloat16) and x.numel()):
+            if weight.dtype == torch.float32 and x.numel() <= _FEW_ROWS * x.shape[-1]:
+                # A few rows (a DiT's per-image adaLN and embedders, a decoding step): the float32
+                # product reads the weight once, where its bf16 copy (three casts a step) costs more
+                # than the bf16 product saves. The output is rounded to bf16, as autocast's would be.
+                with torch.autocast("cpu", enabled=False):
+                    b = None if bias is None else bias.float()
+                    y = self.linear(x.float(), weight, b)
+                    return (F.linear(x.float(), weight, b) if y is NotImplemented else y).to(torch.bfloat16)
+            # the input's cast stays in autograd's graph (a ToCopy node, as autocast's own), so
+            # `zoo.nn.recompute` still recognises a recomputable norm or activation output behind it
+            return _AutocastLinear.apply(x.to(torch.bfloat16), weight, bias, torch.bfloat16, self)
+        return NotImplemented
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> Any:
+        """``a @ b`` (2-D, no autograd) through oneDNN where chosen, or from a dense copy of a bf16
+        operand read by columns (`_dense_first`); else NotImplemented (torch's ``mm``)."""
+        if self.onednn_for(a, b):
+            y = self._product(a, b)
+            return self._dense(y) if out is None else out.copy_(y)
+        if self._dense_first(a, b):
+            return _transposed_product(a, b, out)
+        return NotImplemented
+
+    def mm_or_torch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.mm(a, b, out)
+        return reference.mm(a, b, out) if y is NotImplemented else y
+
+    def _dense_first(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Whether ``a @ b`` computes from a dense copy of one operand (`_transposed_product`): bf16 on a
+        CPU with AMX (the kind measured), ``a`` laid out by columns (``g.T``, g's rows the reduction:
+        every linear layer's weight gradient) and ``b`` by rows, large enough, with zoo's C
+        transposition available. oneDNN's AMX products read their left operand along the
+        reduction; given ``g.T``, read the other way, they transpose it themselves and take 1.6-2x
+        the time of the product of a dense operand, which the C kernel makes for a fraction of it."""
+        return (a.dtype == torch.bfloat16 and b.dtype == a.dtype and a.device.type == "cpu"
+                and b.device.type == "cpu" and a.dim() == 2 and b.dim() == 2 and a.stride(0) == 1
+                and a.shape[0] > 1 and b.stride(1) == 1 and a.shape[1] >= _DENSE_REDUCTION
+                and a.shape[0] * a.shape[1] * b.shape[1] >= _DENSE_WORK and has_amx() and self.native
+                and native.available())
+
+
+def configure(mode: Mode = "auto", *, fused_on: bool = False, native_on: bool = False) -> tuple[Gemm, str]:
+    """Choose the float32 CPU GEMM ("auto": oneDNN where `onednn_is_faster`), the tanh-GELU kernel
+    and the bf16-autocast linear (see the module's docstring); returns the choice and what was
     chosen and why (one line)."""
-    global _ONEDNN, _ELTWISE, _AUTOCAST
-    _ONEDNN = False
-    _AUTOCAST = mode != "blas" and bf16_is_native()
-    eltwise = mode == "onednn" or (mode == "auto" and has_avx512())
-    _ELTWISE = tuple(d for d in (torch.float32, torch.bfloat16) if eltwise and _eltwise_works(d))
-    also = f"; tanh-GELU: oneDNN's kernel ({', '.join(str(d)[6:] for d in _ELTWISE)})" if _ELTWISE else ""
-    also += "; bf16-autocast linears: oneDNN's" if _AUTOCAST else ""
+    autocast = mode != "blas" and bf16_is_native()
+    eltwise_on = mode == "onednn" or (mode == "auto" and has_avx512())
+    eltwise = tuple(d for d in (torch.float32, torch.bfloat16) if eltwise_on and _eltwise_works(d))
+    also = f"; tanh-GELU: oneDNN's kernel ({', '.join(str(d)[6:] for d in eltwise)})" if eltwise else ""
+    also += "; bf16-autocast linears: oneDNN's" if autocast else ""
+    plain = Gemm(False, eltwise, autocast, fused_on, native_on)
     if mode == "blas":
-        return "float32 CPU products: torch's BLAS (train.cpu_gemm=blas)"
+        return Gemm(fused=fused_on, native=native_on), "float32 CPU products: torch's BLAS (train.cpu_gemm=blas)"
     if mode == "auto" and not onednn_is_faster():
         why = " (MKL's generic path, but no AVX-512 on this CPU for oneDNN to gain by)" if blas_is_generic() else ""
-        return "float32 CPU products: torch's BLAS" + why + also
+        return plain, "float32 CPU products: torch's BLAS" + why + also
     if not _onednn_works():
         if mode == "onednn":
             raise RuntimeError("train.cpu_gemm=onednn: this torch build has no working oneDNN matmul "
                                "(torch.ops.mkldnn._linear_pointwise); use auto or blas")
-        return "float32 CPU products: torch's BLAS (no oneDNN matmul in this torch build)" + also
-    _ONEDNN = True
+        return plain, "float32 CPU products: torch's BLAS (no oneDNN matmul in this torch build)" + also
     why = "train.cpu_gemm=onednn" if mode == "onednn" else f"MKL's generic path on this {_cpu_vendor()} AVX-512 CPU"
-    return f"float32 CPU products: oneDNN ({why})" + also
-
-
-def onednn_for(*tensors: torch.Tensor) -> bool:
-    return (_ONEDNN and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-            and not torch.is_autocast_enabled("cpu") and all(t.numel() for t in tensors))
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous, as oneDNN's inner product takes its input: a transposed view of a large
-    matrix through `zoo.fused.transpose` (torch's strided copy cost a quarter of each float32
-    weight gradient's time), anything else as torch copies it."""
-    if t.is_contiguous():
-        return t
-    if t.dim() == 2 and t.t().is_contiguous() and fused.wanted(t):
-        return fused.transpose(t.t())
-    return t.contiguous()
+    return Gemm(True, eltwise, autocast, fused_on, native_on), f"float32 CPU products: oneDNN ({why})" + also
 
 
 def _readable(w: torch.Tensor) -> bool:
@@ -229,33 +307,16 @@ def _readable(w: torch.Tensor) -> bool:
     return w.is_contiguous() or w.t().is_contiguous()
 
 
-def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` (2-D, float32, CPU) through oneDNN, whose inner product computes ``A @ W.T`` from
-    a dense input A and a weight W it reads through its strides: as ``a @ b`` (A = a, W = b.T) or
-    as ``(b.T @ a.T).T`` (A = b.T, W = a), whichever copies fewer elements into dense operands
-    (the second counts transposing its result). A weight gradient ``g.T @ x`` so copies only the
-    smaller of g and x, not both: 10-22% less time than two copies for DiT's, Mamba-2's and the
-    video DiT's shapes on a Zen 4 (docs/benchmarks.md). May return a transposed view."""
-    def copied(inp: torch.Tensor, w: torch.Tensor) -> int:
-        return (0 if inp.is_contiguous() else inp.numel()) + (0 if _readable(w) else w.numel())
-
-    flip = copied(b.t(), a) + a.shape[0] * b.shape[1] < copied(a, b.t())
-    if flip:  # (b.T @ a.T).T: the same product of the transposed operands, swapped
-        a, b = b.t(), a.t()
-    w = b.t()
-    y = _onednn_linear(_dense(a), w if _readable(w) else w.contiguous())
-    return y.t() if flip else y
-
-
 class _Linear(torch.autograd.Function):
     """``x @ weight.T + bias`` and its gradients, each product through oneDNN (the input gradient
     reads the transposed weight in place; the weight gradient copies one of its operands, see
     `_product`). Saves what F.linear's graph saves: the input and the weight."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: Gemm
+                ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.gemm = bias is not None, gemm
         return _onednn_linear(x, weight, bias)
 
     @staticmethod
@@ -264,9 +325,9 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
         dx = _onednn_linear(g, weight.t()).reshape(x.shape) if ctx.needs_input_grad[0] else None
-        dw = _dense(_product(g.t(), x.reshape(-1, x.shape[-1]))) if ctx.needs_input_grad[1] else None
+        dw = ctx.gemm._dense(ctx.gemm._product(g.t(), x.reshape(-1, x.shape[-1]))) if ctx.needs_input_grad[1] else None
         db = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db
+        return dx, dw, db, None
 
 
 class _AutocastLinear(torch.autograd.Function):
@@ -278,9 +339,9 @@ class _AutocastLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, gemm: Gemm) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.dtype, ctx.has_bias = dtype, bias is not None
+        ctx.dtype, ctx.has_bias, ctx.gemm = dtype, bias is not None, gemm
         return _onednn_linear(x, weight.to(dtype), None if bias is None else bias.to(dtype))
 
     @staticmethod
@@ -290,62 +351,11 @@ class _AutocastLinear(torch.autograd.Function):
         g = grad.to(ctx.dtype).reshape(-1, grad.shape[-1])
         # torch's bf16 mm is oneDNN's too, and reads the transposed operands in place
         dx = torch.mm(g, weight.to(ctx.dtype)).view(x.shape) if ctx.needs_input_grad[0] else None
-        dw = mm(g.t(), x.reshape(-1, x.shape[-1]), torch.empty_like(weight)) if ctx.needs_input_grad[1] else None
+        dw = (ctx.gemm.mm_or_torch(g.t(), x.reshape(-1, x.shape[-1]), torch.empty_like(weight))
+              if ctx.needs_input_grad[1] else None)
         # (torch's bf16 sum accumulates in float32; sum(dtype=float32) would first copy g to float32)
         db = g.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, through oneDNN for float32 on a CPU when `configure` chose it, and under bf16
-    CPU autocast (`_AutocastLinear`) unless it chose torch's own kernels ("blas")."""
-    if onednn_for(x, weight) and (bias is None or onednn_for(bias)):
-        return _Linear.apply(x, weight, bias)
-    if (_AUTOCAST and x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
-            and torch.get_autocast_dtype("cpu") == torch.bfloat16 and x.dtype in (torch.float32, torch.bfloat16)
-            and weight.dtype in (torch.float32, torch.bfloat16) and x.numel()):
-        if weight.dtype == torch.float32 and x.numel() <= _FEW_ROWS * x.shape[-1]:
-            # A few rows (a DiT's per-image adaLN and embedders, a decoding step): the float32
-            # product reads the weight once, where its bf16 copy (three casts a step) costs more
-            # than the bf16 product saves. The output is rounded to bf16, as autocast's would be.
-            with torch.autocast("cpu", enabled=False):
-                return linear(x.float(), weight, None if bias is None else bias.float()).to(torch.bfloat16)
-        # the input's cast stays in autograd's graph (a ToCopy node, as autocast's own), so
-        # `zoo.nn.recompute` still recognises a recomputable norm or activation output behind it
-        return _AutocastLinear.apply(x.to(torch.bfloat16), weight, bias, torch.bfloat16)
-    return F.linear(x, weight, bias)
-
-
-def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b`` (2-D, no autograd: for hand-written backward passes), into ``out`` if given (which may
-    be float32 for bf16 operands: the product rounded to bf16, then widened, as ``.to(out.dtype)``
-    would). A bf16 weight gradient ``g.T @ x`` goes through `_dense_first`."""
-    if onednn_for(a, b):
-        y = _product(a, b)
-        return _dense(y) if out is None else out.copy_(y)
-    if _dense_first(a, b):
-        return _transposed_product(a, b, out)
-    if out is not None and out.dtype != a.dtype:
-        return out.copy_(torch.mm(a, b))
-    return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
-
-
-def _dense_first(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a @ b`` computes from a dense copy of one operand (`_transposed_product`): bf16 on a
-    CPU with AMX (the kind measured), ``a`` laid out by columns (``g.T``, g's rows the reduction: every linear layer's
-    weight gradient) and ``b`` by rows, large enough, with `zoo.native`'s transposition available.
-
-    oneDNN's AMX products read their left operand along the reduction. Given ``g.T``, read the
-    other way, they transpose it themselves and take 1.6-2x the time of the product of a dense
-    operand: on a 2-core Xeon with AMX, DiT-S's four weight gradients (2,048 tokens; 384 to 1,536,
-    1,536 to 384, 384 to 1,152, 384 to 384) 2.25, 2.54, 2.18 and 0.77 ms in place, 1.32, 1.34, 1.08
-    and 0.57 from a dense copy, which `zoo.native` makes in 0.1-0.25 ms for the smaller operand.
-    (float32 products, MKL's and oneDNN's AVX-512 ones, gain little or nothing: `_product` copies
-    one operand for oneDNN.)"""
-    return (a.dtype == torch.bfloat16 and b.dtype == a.dtype and a.device.type == "cpu"
-            and b.device.type == "cpu" and a.dim() == 2 and b.dim() == 2 and a.stride(0) == 1
-            and a.shape[0] > 1 and b.stride(1) == 1 and a.shape[1] >= _DENSE_REDUCTION
-            and a.shape[0] * a.shape[1] * b.shape[1] >= _DENSE_WORK and has_amx() and native.available())
+        return dx, dw, db, None, None
 
 
 def _transposed_product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -363,22 +373,3 @@ def _transposed_product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | No
     if out is None:
         out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
     return native.transpose_into(yt, out)
-
-
-class Linear(nn.Linear):
-    """An ``nn.Linear`` whose product goes through `linear` (what `adopt` turns linears into)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-
-def adopt(model: nn.Module) -> int:
-    """Every plain ``nn.Linear`` of ``model`` computes through `linear` (same parameters, state dict
-    and type checks: a subclass); returns how many. A no-op for the products unless `configure`
-    chose oneDNN."""
-    n = 0
-    for m in model.modules():
-        if type(m) is nn.Linear:
-            m.__class__ = Linear
-            n += 1
-    return n

@@ -11,10 +11,10 @@ whole-chunk passes for the rest, with a hand-written backward that recomputes a 
 tensors (HF's are (B, I, T, N)) exist for one chunk at a time. Mamba-2's decay is a
 scalar per head, so each chunk is a masked "attention" with decays (``ssd_minimal``), the chunks
 pass their states on one multiply-add per chunk, linear in T (the minimal code's dense chunk x
-chunk einsum is quadratic), and its backward is written out (`zoo.nn.ssd`). A one-token
+chunk einsum is quadratic), and its backward is written out (`zoo_mamba.ssd`). A one-token
 step (decoding) runs either recurrence itself. Both compute in float32, under autocast too.
 `mamba_ssm`/`causal_conv1d` kernels are used on CUDA when they import (`_kernel`), never required;
-on a CPU the convolution with its SiLU and Mamba-2's gated norm run compiled (`zoo.nn.ssm_fused`).
+on a CPU the convolution with its SiLU and Mamba-2's gated norm run compiled (`zoo_mamba.ssm_fused`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from zoo import fused
-from zoo.nn import ssd, ssm_fused
+from zoo import kernels
+from zoo.nn.linear import Linear
 from zoo.parallel.context import ContextParallelSite, to_channel_shards, to_sequence_shards
 from zoo.spec import SSMSpec
+from zoo_mamba import ssd, ssm_fused
 
 # The optional CUDA kernels (`zoo.backends`), each for one function here, used on CUDA tensors when
 # their package imports: mamba_ssm's scans (Mamba-1's selective scan, Mamba-2's fused chunk scan,
@@ -99,7 +100,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     recent = torch.cat([before, x[:, max(0, x.shape[1] - (k - 1)):]], dim=1)  # (for one token: the K inputs)
     nxt = recent[:, -(k - 1):].transpose(1, 2).contiguous()
     kernel = _kernel("conv", x) if state is None else None
-    if silu and kernel is None and state is None and fused.wanted(x):  # one compiled pass each way
+    if silu and kernel is None and state is None and kernels.active().fuses(x):  # one compiled pass each way
         return ssm_fused.ConvSiLU.apply(x.to(dtype), w, b), nxt
     if kernel is not None:  # (B, C, T) in and out, as every causal_conv1d release takes it
         y = kernel(x.to(dtype).transpose(1, 2).contiguous(), w, b).transpose(1, 2)
@@ -298,14 +299,14 @@ class Mamba1Mixer(nn.Module):
                  chunk: int, layer: int) -> None:
         super().__init__()
         self.state, self.dt_rank, self.chunk, self.layer = state, dt_rank, chunk, layer
-        self.in_proj = nn.Linear(hidden, 2 * inner, bias=spec.proj_bias)
+        self.in_proj = Linear(hidden, 2 * inner, bias=spec.proj_bias)
         self.in_proj.tp_segments = (inner, inner)  # type: ignore[assignment]  # x | z, each split over TP
         self.conv1d = nn.Conv1d(inner, inner, conv, groups=inner, padding=conv - 1, bias=spec.conv_bias)
-        self.x_proj = nn.Linear(inner, dt_rank + 2 * state, bias=False)
-        self.dt_proj = nn.Linear(dt_rank, inner, bias=True)
+        self.x_proj = Linear(inner, dt_rank + 2 * state, bias=False)
+        self.dt_proj = Linear(dt_rank, inner, bias=True)
         self.A_log = nn.Parameter(torch.log(torch.arange(1, state + 1, dtype=torch.float32)).repeat(inner, 1))
         self.D = nn.Parameter(torch.ones(inner))
-        self.out_proj = nn.Linear(inner, hidden, bias=spec.proj_bias)
+        self.out_proj = Linear(inner, hidden, bias=spec.proj_bias)
         with torch.no_grad():
             self.dt_proj.bias.copy_(_dt_bias(inner))
 
@@ -344,7 +345,7 @@ class Mamba2Mixer(ContextParallelSite):
         inner = heads * head_dim
         self.heads, self.head_dim, self.groups, self.state = heads, head_dim, groups, state
         self.chunk, self.dt_limit, self.layer = chunk, dt_limit, layer
-        self.in_proj = nn.Linear(hidden, 2 * inner + 2 * groups * state + heads, bias=spec.proj_bias)
+        self.in_proj = Linear(hidden, 2 * inner + 2 * groups * state + heads, bias=spec.proj_bias)
         # z | x | B | C | dt: each segment split over TP, so every rank holds whole heads and groups
         self.in_proj.tp_segments = (inner, inner, groups * state, groups * state, heads)  # type: ignore[assignment]
         channels = inner + 2 * groups * state
@@ -354,7 +355,7 @@ class Mamba2Mixer(ContextParallelSite):
         self.A_log = nn.Parameter(torch.log(torch.empty(heads).uniform_(1, 16)))
         self.D = nn.Parameter(torch.ones(heads))
         self.norm = GatedRMSNorm(inner, inner // groups if spec.norm_per_group else inner, eps)
-        self.out_proj = nn.Linear(inner, hidden, bias=spec.proj_bias)
+        self.out_proj = Linear(inner, hidden, bias=spec.proj_bias)
 
     def forward(self, u: torch.Tensor, cache: SSMCache | None = None) -> torch.Tensor:
         h, p, g, n = self.heads, self.head_dim, self.groups, self.state  # this rank's, under TP
@@ -377,7 +378,7 @@ class Mamba2Mixer(ContextParallelSite):
         y, last = ssd_scan(xs, dt, a, b.reshape(bsz, t, g, n), c.reshape(bsz, t, g, n), state=h0, chunk=self.chunk)
         if cache is not None:
             cache.conv[self.layer], cache.ssm[self.layer] = conv_state, last
-        if fused.wanted(z):  # the skip, gate and norm in one compiled pass each way
+        if kernels.active().fuses(z):  # the skip, gate and norm in one compiled pass each way
             y = ssm_fused.SkipGatedRMSNorm.apply(y, xs, skip, z, norm_w, h * p // self.norm.group_size, self.norm.eps)
         else:
             y = self.norm((y + xs.float() * skip.float()[:, None]).reshape(bsz, t, h * p), z, norm_w)

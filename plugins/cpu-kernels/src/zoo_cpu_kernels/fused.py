@@ -11,7 +11,7 @@ adaLN-Zero's gated residual (one pass each way where eager torch takes three), L
 SwiGLU (forward and backward), the LM loss's softmax gradient and the transposed copy of a float32
 weight gradient's operand that oneDNN's inner product wants dense (tiled: ~3.5x torch's strided
 copy; `zoo.gemm._product`) are compiled the same way; the Mamba mixers' convolution + SiLU and
-Mamba-2's gated norm (`zoo.nn.ssm_fused`) through `run` here. (zoo's own C kernels, for what no
+Mamba-2's gated norm (`zoo_mamba.ssm_fused`) through `run` here. (zoo's own C kernels, for what no
 compiler writes fast: `zoo.native`.)
 
 Used for CPU tensors of at least `_MIN_ELEMENTS` elements (a compile costs ~2.5 s per process,
@@ -29,39 +29,30 @@ import functools
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from zoo import backends
+from zoo import kernels as reference
 
-Mode = Literal["auto", "eager"]
-_ENABLED = False
-_MIN_ELEMENTS = 1 << 18
+MIN_ELEMENTS = 1 << 18
 _BROKEN: dict[str, str] = {}  # kernel -> why compiling it failed (then eager for good, in this process)
 
 
-def configure(mode: Mode = "auto") -> str:
-    """Turn the compiled kernels on ("auto", unless ``ZOO_BACKENDS`` switches "inductor" off) or off
-    ("eager": torch's own kernels); returns what was chosen (one line). Nothing is compiled here: a
-    kernel is built at its first use on a large enough tensor."""
-    global _ENABLED
-    _ENABLED = mode == "auto" and not backends.switched_off("inductor")
-    if mode == "eager":
-        return "fused CPU elementwise kernels: off, torch's eager kernels (train.cpu_fused=eager)"
-    if not _ENABLED:
-        return "fused CPU elementwise kernels: off, torch's eager kernels (ZOO_BACKENDS switches inductor off)"
+def describe(on: bool, why_off: str) -> str:
+    """One line: what the compiled kernels do in a run (``on``), or ``why_off``."""
+    if not on:
+        return f"fused CPU elementwise kernels: off, torch's eager kernels ({why_off})"
     if _BROKEN:
         return "fused CPU elementwise kernels: eager for " + "; ".join(f"{k} ({v})" for k, v in _BROKEN.items())
     return (f"fused CPU elementwise kernels: torch inductor's, compiled at first use on tensors of >= "
-            f"{_MIN_ELEMENTS} elements (adaLN and RMS norms, gated residuals, SwiGLU, tanh-GELU and its derivative, "
+            f"{MIN_ELEMENTS} elements (adaLN and RMS norms, gated residuals, SwiGLU, tanh-GELU and its derivative, "
             f"LM-loss softmax, transposes, Mamba's convolution and gated norm)")
 
 
-def wanted(x: torch.Tensor) -> bool:
-    """Whether ``x``'s elementwise work goes through a compiled kernel."""
-    return (_ENABLED and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and x.numel() >= _MIN_ELEMENTS)
+def takes(x: torch.Tensor) -> bool:
+    """Whether ``x``'s elementwise work is worth a compiled kernel: a large float32/bf16 CPU tensor."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.numel() >= MIN_ELEMENTS
 
 
 # Whether a torch profiler is recording (any kind: the trainer's window, a user's own); a private
@@ -104,23 +95,6 @@ def _run(name: str, fn: Callable[..., Any], eager: Callable[..., Any], *args: An
         warnings.warn(f"zoo.fused: compiling {name} failed, using torch's eager kernels for it from now on "
                       f"({_BROKEN[name]}); train.cpu_fused=eager skips trying", RuntimeWarning, stacklevel=4)
         return out
-
-
-# Rows a partial column sum covers (`row_block_sums`).
-_SUM_ROWS = 16
-
-
-def row_block_sums(v: torch.Tensor) -> torch.Tensor:
-    """Inside a compiled kernel: sums of ``v`` (rows, ...) over blocks of `_SUM_ROWS` rows, for the
-    caller to add up outside it (``.sum(0)``: a few rows). Inductor computes a column sum as a loop
-    down all the rows of each 16-column strip, and a block of rows at a time it reads better: the
-    sums of a (2,048, 512) float32 product in a norm's backward took 0.59 against 0.72 ms (0.48
-    against 0.58 at 384 columns, level at 256). A sum of the partial sums inside the same kernel
-    is merged back into the one loop. Rows not a multiple of the block: one plain sum."""
-    r = v.shape[0]
-    if r % _SUM_ROWS:
-        return v.sum(0, keepdim=True)
-    return v.reshape(r // _SUM_ROWS, _SUM_ROWS, *v.shape[1:]).sum(1)
 
 
 @functools.cache
@@ -256,17 +230,11 @@ def _modulated_ln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps
     return _modulate(x, shift, scale, mean, rstd, dtype), mean, rstd
 
 
-def _modulated_ln_eager(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, dtype: torch.dtype
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    xhat, mean, rstd = torch.native_layer_norm(x.float(), x.shape[-1:], None, None, eps)
-    return torch.addcmul(shift.float(), xhat, 1 + scale.float()).to(dtype), mean, rstd
-
-
 def modulated_ln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(LN(x) * (1 + scale) + shift`` rounded to ``dtype``, the rows' float32 mean and 1/std)``,
     LN without affine weights, computed in float32."""
-    return run("modulated_ln", _modulated_ln, _modulated_ln_eager, x, shift, scale, eps, dtype)
+    return run("modulated_ln", _modulated_ln, reference.modulated_ln, x, shift, scale, eps, dtype)
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
@@ -303,11 +271,8 @@ def _gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> tor
     return (x.float() + gate.float() * y.float()).to(out)
 
 
-def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, compiled: bool = True) -> torch.Tensor:
-    """``x + gate * y`` computed in float32 and rounded once to the inputs' promoted dtype; by torch's
-    ``addcmul`` (the same arithmetic in one pass) unless ``compiled``."""
-    if not compiled:
-        return torch.addcmul(x, gate, y)
+def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + gate * y`` computed in float32 and rounded once to the inputs' promoted dtype."""
     return run("gated_residual", _gated_residual, torch.addcmul, x, gate, y)
 
 
@@ -318,12 +283,10 @@ def _gated_residual_backward(g: torch.Tensor, gate: torch.Tensor, y: torch.Tenso
     return (gf * gate.float()).to(y.dtype), (dgate.sum(dims, keepdim=True) if dims else dgate).to(gate.dtype)
 
 
-def gated_residual_backward(g: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, dims: tuple[int, ...],
-                            compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def gated_residual_backward(g: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, dims: tuple[int, ...]
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of `gated_residual` with respect to y and gate (summed over ``dims``, the dimensions
-    gate broadcasts along), computed in float32; by torch's eager kernels unless ``compiled``."""
-    if not compiled:
-        return _gated_residual_backward(g, gate, y, dims)
+    gate broadcasts along), computed in float32."""
     return run("gated_residual_backward", _gated_residual_backward, _gated_residual_backward, g, gate, y, dims)
 
 
@@ -343,15 +306,6 @@ def _cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor, scale: torch
     return nll, ((e / total - hot.float()) * scale[:, None]).to(logits.dtype)
 
 
-def _cross_entropy_grad_eager(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    nll = -logp.gather(1, labels[:, None]).squeeze(1)
-    d = logp.exp_()  # the softmax; d loss / d logits once each row's label is taken off
-    d[torch.arange(d.shape[0], device=d.device), labels] -= 1.0
-    return nll, d.mul_(scale[:, None]).to(logits.dtype)
-
-
 def _capped_cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, cap: float,
                                base: Callable[..., Any] = _cross_entropy_grad) -> tuple[torch.Tensor, torch.Tensor]:
     th = torch.tanh(logits.float() / cap)
@@ -368,13 +322,9 @@ def cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor, scale: torch.
     ``softcap``: of the logits ``cap * tanh(logits / cap)`` (Gemma 2's), the gradient taken back
     through the cap; compiled, in the same two passes."""
     if softcap is not None:
-        eager = functools.partial(_capped_cross_entropy_grad, base=_cross_entropy_grad_eager)
-        if not wanted(logits):
-            return eager(logits, labels, scale, softcap)
-        return run("capped_cross_entropy_grad", _capped_cross_entropy_grad, eager, logits, labels, scale, float(softcap))
-    if not wanted(logits):
-        return _cross_entropy_grad_eager(logits, labels, scale)
-    return run("cross_entropy_grad", _cross_entropy_grad, _cross_entropy_grad_eager, logits, labels, scale)
+        return run("capped_cross_entropy_grad", _capped_cross_entropy_grad, reference.cross_entropy_grad, logits,
+                   labels, scale, float(softcap))
+    return run("cross_entropy_grad", _cross_entropy_grad, reference.cross_entropy_grad, logits, labels, scale)
 
 
 # ------------------------------------------------------------------------------------- RMS norm
@@ -431,23 +381,11 @@ def _swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     return both.to(grad.dtype).reshape(gate_up.shape)
 
 
-def _swiglu_backward_eager(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    # d gate by torch's silu_backward, halves in place: 7x faster than ops + cat
-    out = torch.empty_like(gate_up)
-    d_gate, d_up = out.chunk(2, dim=-1)
-    torch.mul(grad, torch.nn.functional.silu(gate), out=d_up)
-    torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
-    return out
-
-
 def swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """``[d gate | d up]`` of `swiglu` for the incoming gradient ``grad``, in float32, rounded once
     (eager: torch's ops, each rounding to the tensors' dtype). 1.35x (bf16) and 2.3x (float32)
     torch's eager ops alone for a (4, 512, 2 x 1536) tensor on a 2-core Zen 4."""
-    if not wanted(gate_up):
-        return _swiglu_backward_eager(grad, gate_up)
-    return run("swiglu_backward", _swiglu_backward, _swiglu_backward_eager, grad, gate_up)
+    return run("swiglu_backward", _swiglu_backward, reference.swiglu_backward, grad, gate_up)
 
 
 # ----------------------------------------------------------------------------------------- GELU
@@ -491,10 +429,6 @@ def _gelu_tanh_backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (g.float() * d).to(g.dtype)
 
 
-def _gelu_tanh_backward_eager(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten.gelu_backward(g, x, approximate="tanh")
-
-
 def gelu_tanh_backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``d GELU_tanh(x) / dx * g`` (torch's ``gelu_backward(g, x, approximate="tanh")``)."""
-    return run("gelu_tanh_backward", _gelu_tanh_backward, _gelu_tanh_backward_eager, g, x)
+    return run("gelu_tanh_backward", _gelu_tanh_backward, reference.gelu_tanh_backward, g, x)

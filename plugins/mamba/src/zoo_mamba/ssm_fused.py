@@ -1,4 +1,4 @@
-"""The Mamba mixers' elementwise work around the scan, as compiled CPU kernels (`zoo.fused`): the
+"""The Mamba mixers' elementwise work around the scan, as compiled CPU kernels (`zoo.kernels.Kernels.fuse`): the
 depthwise causal convolution with its SiLU, and Mamba-2's output gate ``RMSNorm((y + D x) *
 silu(z))`` over groups.
 
@@ -10,7 +10,7 @@ backward (the SiLU's gradient, from the sigmoid the forward kept for float32, th
 and the weight's), the gate one forward and one backward, keeping its inputs and the rows' 1/rms:
 a 2-layer, state-128 Mamba-2 step at T = 2,048 took 4% less time (7.4 of ~185 ms), and 1.5% less
 again with the kept sigmoid (docs/benchmarks.md). The SSD's own elementwise passes are compiled
-in `zoo.nn.ssd`. Used where `fused.wanted` says so (CPU, large tensors, inductor on); the mixers'
+in `zoo_mamba.ssd`. Used where the run's kernels fuse (`Kernels.fuses`) (CPU, large tensors, inductor on); the mixers'
 eager code runs otherwise.
 
 Inputs are passed to the compiled functions in the layouts they compute in (the gate's (rows,
@@ -26,7 +26,23 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from zoo import fused
+from zoo import kernels
+
+# Rows a partial column sum covers (`row_block_sums`).
+_SUM_ROWS = 16
+
+
+def row_block_sums(v: torch.Tensor) -> torch.Tensor:
+    """Inside a compiled kernel: sums of ``v`` (rows, ...) over blocks of `_SUM_ROWS` rows, for the
+    caller to add up outside it (``.sum(0)``: a few rows). Inductor computes a column sum as a loop
+    down all the rows of each 16-column strip, and a block of rows at a time it reads better: the
+    sums of a (2,048, 512) float32 product in a norm's backward took 0.59 against 0.72 ms (0.48
+    against 0.58 at 384 columns, level at 256). A sum of the partial sums inside the same kernel
+    is merged back into the one loop. Rows not a multiple of the block: one plain sum."""
+    r = v.shape[0]
+    if r % _SUM_ROWS:
+        return v.sum(0, keepdim=True)
+    return v.reshape(r // _SUM_ROWS, _SUM_ROWS, *v.shape[1:]).sum(1)
 
 # ------------------------------------------------------------------- causal convolution + SiLU
 
@@ -67,7 +83,7 @@ def _conv_silu_grad_kept(g: torch.Tensor, y: torch.Tensor, sig: torch.Tensor) ->
 def _conv_backward(gp: torch.Tensor, x: torch.Tensor, w: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the output's gradient gp (float32): the input's (x's dtype), and the weight's (K, C) and
-    the bias's as float32 partial sums over blocks of rows (`zoo.fused.row_block_sums`; the caller
+    the bias's as float32 partial sums over blocks of rows (`row_block_sums`; the caller
     adds them up)."""
     k, t = w.shape[0], x.shape[1]
     ahead = F.pad(gp, (0, 0, 0, k - 1))  # y_t reads x_{t-K+1+s} with w_s: dx_t = sum_s w_s gp_{t+K-1-s}
@@ -75,8 +91,8 @@ def _conv_backward(gp: torch.Tensor, x: torch.Tensor, w: torch.Tensor
     for s in range(1, k):
         dx = dx + ahead[:, k - 1 - s:k - 1 - s + t] * w[s].float()
     xp = F.pad(x.float(), (0, 0, k - 1, 0))
-    dw = torch.stack([fused.row_block_sums((gp * xp[:, s:s + t]).flatten(0, 1)) for s in range(k)], 1)
-    return dx.to(x.dtype), dw, fused.row_block_sums(gp.flatten(0, 1))
+    dw = torch.stack([row_block_sums((gp * xp[:, s:s + t]).flatten(0, 1)) for s in range(k)], 1)
+    return dx.to(x.dtype), dw, row_block_sums(gp.flatten(0, 1))
 
 
 class ConvSiLU(torch.autograd.Function):
@@ -92,8 +108,8 @@ class ConvSiLU(torch.autograd.Function):
         w = weight.t().contiguous()  # (K, C): a vector load per shift
         if x.dtype != torch.float32:
             ctx.save_for_backward(x, w, bias)
-            return fused.run("conv_silu", _conv_silu, _conv_silu, x, w, bias)
-        y, sig = fused.run("conv_silu_keep", _conv_silu_keep, _conv_silu_keep, x, w, bias)
+            return kernels.active().fuse("conv_silu", _conv_silu, _conv_silu, x, w, bias)
+        y, sig = kernels.active().fuse("conv_silu_keep", _conv_silu_keep, _conv_silu_keep, x, w, bias)
         ctx.save_for_backward(x, w, bias, y, sig)
         return y
 
@@ -102,10 +118,10 @@ class ConvSiLU(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         x, w, bias, *kept = ctx.saved_tensors
         if kept:
-            gp = fused.run("conv_silu_grad_kept", _conv_silu_grad_kept, _conv_silu_grad_kept, grad.contiguous(), *kept)
+            gp = kernels.active().fuse("conv_silu_grad_kept", _conv_silu_grad_kept, _conv_silu_grad_kept, grad.contiguous(), *kept)
         else:
-            gp = fused.run("conv_silu_grad", _conv_silu_grad, _conv_silu_grad, grad.contiguous(), x, w, bias)
-        dx, dw, db = fused.run("conv_backward", _conv_backward, _conv_backward, gp, x, w)
+            gp = kernels.active().fuse("conv_silu_grad", _conv_silu_grad, _conv_silu_grad, grad.contiguous(), x, w, bias)
+        dx, dw, db = kernels.active().fuse("conv_backward", _conv_backward, _conv_backward, gp, x, w)
         return dx, dw.sum(0).t().to(w.dtype), None if bias is None else db.sum(0).to(bias.dtype)
 
 
@@ -133,8 +149,8 @@ def _gate_backward(g: torch.Tensor, y: torch.Tensor, x: torch.Tensor, d: torch.T
     du = dv * gate  # y's gradient; x's is du d
     dz = dv * u * sig * (1 + zf * (1 - sig))
     # D's and the weight's gradients as partial sums over blocks of rows, added up by the caller
-    return (du, (du * d).to(x.dtype), fused.row_block_sums(du * xf), dz.to(z.dtype),
-            fused.row_block_sums(gf * vhat))
+    return (du, (du * d).to(x.dtype), row_block_sums(du * xf), dz.to(z.dtype),
+            row_block_sums(gf * vhat))
 
 
 class SkipGatedRMSNorm(torch.autograd.Function):
@@ -150,7 +166,7 @@ class SkipGatedRMSNorm(torch.autograd.Function):
         rows, size = y.numel() // (h * p), h * p // groups
         grouped = [v.reshape(rows, groups, size) for v in (y, x, z)]  # views of in_proj's output
         dfull = d.float()[:, None].expand(h, p).reshape(groups, size)  # D per channel
-        out, rstd = fused.run("gated_rms_norm", _gate, _gate, *grouped[:2], dfull, grouped[2],
+        out, rstd = kernels.active().fuse("gated_rms_norm", _gate, _gate, *grouped[:2], dfull, grouped[2],
                               weight.view(groups, size), eps)
         ctx.save_for_backward(*grouped, dfull, weight, rstd)
         ctx.shapes = y.shape, z.shape, d.dtype
@@ -161,7 +177,7 @@ class SkipGatedRMSNorm(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         y, x, z, dfull, weight, rstd = ctx.saved_tensors
         yshape, zshape, ddtype = ctx.shapes
-        du, dx, dd, dz, dw = fused.run("gated_rms_norm_backward", _gate_backward, _gate_backward,
+        du, dx, dd, dz, dw = kernels.active().fuse("gated_rms_norm_backward", _gate_backward, _gate_backward,
                                        grad.reshape(y.shape), y, x, dfull, z, weight.view(dfull.shape), rstd)
         dd = dd.sum(0).view(yshape[-2], yshape[-1]).sum(-1).to(ddtype)  # per channel -> per head
         return (du.view(yshape), dx.view(yshape), dd, dz.view(zshape), dw.sum(0).view(-1).to(weight.dtype), None,

@@ -20,10 +20,9 @@ The library is built with the C compiler inductor uses (``$CC``, else ``cc``/``g
 runtime, already loaded: ``libgomp.so.1``), once per source, compiler and CPU into
 ``$ZOO_CACHE/native`` (default ``~/.cache/zoo``; a temporary directory where that is not writable):
 ~0.3 s. Where it cannot be built or its self-test
-fails, `available` is False with the reason, and every caller keeps torch's path. It is on where
-``train.cpu_fused=auto`` (`configure`, from `zoo.training.cpu`) unless ``ZOO_BACKENDS=-native``;
-callers take it over torch's and inductor's kernels where it was measured faster: on a CPU with
-AMX (`zoo.gemm.has_amx`), the kind it was measured on (docs/benchmarks.md, 49th session).
+fails, `available` is False with the reason, and every caller keeps torch's path. A run uses it
+under ``train.cpu_fused=auto`` unless ``ZOO_BACKENDS=-native``, and only on a CPU with AMX (the
+kind it was measured faster on: `zoo_cpu_kernels.gemm.has_amx`); nothing is built elsewhere.
 """
 
 from __future__ import annotations
@@ -41,14 +40,13 @@ from pathlib import Path
 
 import torch
 
-from zoo import backends, io
+from zoo import io
 
 _KINDS = {  # (source dtype, output dtype) -> native.c's kind
     (torch.bfloat16, torch.bfloat16): 0, (torch.float16, torch.float16): 0, (torch.float32, torch.float32): 1,
     (torch.bfloat16, torch.float32): 2, (torch.float32, torch.bfloat16): 3,
 }
 _why = "not built yet"
-_ENABLED = False  # `configure`
 
 
 def _cache_dir() -> Path:
@@ -154,32 +152,20 @@ def _call(lib: ctypes.CDLL, kind: int, a: torch.Tensor, out: torch.Tensor) -> No
                       a3.stride(1), o3.stride(0), o3.stride(1), torch.get_num_threads())
 
 
-def configure(mode: str = "auto") -> str:
-    """Turn the kernels on ("auto", unless ``ZOO_BACKENDS`` switches "native" off; building them at
-    once) or off (anything else); returns what was chosen (one line). `zoo train` calls it with
-    ``train.cpu_fused``'s value: "eager" leaves torch's own kernels for everything."""
-    global _ENABLED
-    _ENABLED = mode == "auto" and not backends.switched_off("native")
-    if not _ENABLED:
-        why = "ZOO_BACKENDS switches native off" if mode == "auto" else f"train.cpu_fused={mode}"
-        return f"zoo's C kernels (transposition, GELU, softmax): off ({why})"
+def describe() -> str:
+    """What the library offers here (building it: a run calls this only where it will use it)."""
     lib = _library()
-    vector = lib is not None and bool(lib.zoo_avx512())
-    kernels = "transposition, GELU, softmax" if vector else "transposition (GELU and softmax need AVX-512)"
     if lib is None:
         return f"zoo's C kernels: unavailable ({_why})"
+    vector = bool(lib.zoo_avx512())
+    kernels = "transposition, GELU, softmax" if vector else "transposition (GELU and softmax need AVX-512)"
     used = "used (a CPU with AMX)" if "amx_tile" in _cpu().split() else "not used (no AMX: measured there only)"
     return f"zoo's C kernels ({kernels}): {_why}; {used}"
 
 
-def enabled() -> bool:
-    """Whether the kernels are wanted in this process (`configure`)."""
-    return _ENABLED
-
-
 def available() -> bool:
-    """Whether the kernels are wanted and built (building them at the first call)."""
-    return _ENABLED and _library() is not None
+    """Whether the library is built (building it at the first call)."""
+    return _library() is not None
 
 
 def status() -> str:
@@ -197,7 +183,7 @@ def transpose_into(a: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out[..., j, i] = a[..., i, j]`` in ``out``'s dtype (2-D or batched 3-D; both with contiguous
     rows, any row and batch strides: ``out`` may be a view into a larger tensor), through the C
     kernel where it is available, else torch's copy (which autograd records, where it records)."""
-    lib = _library() if _ENABLED else None
+    lib = _library()
     if lib is not None and a.numel() and _fits(a, out) and not (torch.is_grad_enabled() and a.requires_grad):
         _call(lib, _KINDS[(a.dtype, out.dtype)], a, out)
         return out
@@ -214,7 +200,7 @@ def transposed(a: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
 def gelu_ok(*tensors: torch.Tensor) -> bool:
     """Whether `gelu_tanh` / `gelu_tanh_backward` take these tensors: contiguous CPU float32 or bf16
     tensors of one dtype, the library built with its AVX-512 GELU."""
-    lib = _library() if _ENABLED else None
+    lib = _library()
     return (lib is not None and bool(lib.zoo_avx512())
             and all(t.device.type == "cpu" and t.dtype == tensors[0].dtype and t.is_contiguous()
                     and t.shape == tensors[0].shape for t in tensors)
@@ -239,14 +225,14 @@ def gelu_tanh_backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def softmax_ok(n: int) -> bool:
     """Whether `softmax` and `softmax_backward` take contiguous bf16 rows of ``n`` elements here."""
-    lib = _library() if _ENABLED else None
+    lib = _library()
     return lib is not None and bool(lib.zoo_avx512()) and 0 < n <= 16384
 
 
 def softmax(x: torch.Tensor, scale: float) -> torch.Tensor | None:
     """``softmax(scale * x, -1)`` of a contiguous bf16 CPU tensor (float32 inside, no autograd), or
     None where native.c's kernel does not take it (no AVX-512, rows over 16,384)."""
-    lib = _library() if _ENABLED else None
+    lib = _library()
     if lib is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not x.is_contiguous() or not x.numel():
         return None
     y = torch.empty_like(x)
@@ -258,7 +244,7 @@ def softmax(x: torch.Tensor, scale: float) -> torch.Tensor | None:
 def softmax_backward(dp: torch.Tensor, p: torch.Tensor, scale: float) -> torch.Tensor | None:
     """``scale * p * (dp - (p * dp).sum(-1, keepdim=True))`` (the gradient of `softmax`'s input)
     for contiguous bf16 CPU tensors of one shape, or None where the kernel does not take them."""
-    lib = _library() if _ENABLED else None
+    lib = _library()
     if (lib is None or dp.dtype != torch.bfloat16 or p.dtype != torch.bfloat16 or dp.shape != p.shape
             or dp.device.type != "cpu" or not (dp.is_contiguous() and p.is_contiguous()) or not p.numel()):
         return None

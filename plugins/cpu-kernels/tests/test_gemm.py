@@ -4,24 +4,26 @@ from __future__ import annotations
 
 import platform
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from _core_helpers import run_zoo
+from _cpu_helpers import gemm_kernels
+from zoo_cpu_kernels import gemm
 
-from zoo import gemm
+from zoo import kernels
+from zoo.nn.linear import Linear
 from zoo.testing import threads
 
 
 @pytest.fixture
 def onednn():
-    """oneDNN's products for the test, whatever this machine's "auto" chose; restored after."""
-    before = gemm._ONEDNN
-    gemm.configure("onednn")
-    yield
-    gemm._ONEDNN = before
+    """oneDNN's products for the test, whatever this machine's "auto" chose."""
+    with gemm_kernels("onednn") as chosen:
+        yield chosen
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -36,11 +38,10 @@ def test_linear_and_its_gradients_are_float32_products(onednn, bias, shape, froz
     own kernel is), the weight frozen or not, wider or narrower than its input (the weight gradient
     copies the smaller operand); the module keeps nn.Linear's type and state dict."""
     torch.manual_seed(0)
-    lin = torch.nn.Linear(24, out, bias=bias)
+    lin = Linear(24, out, bias=bias)
     ref_lin = torch.nn.Linear(24, out, bias=bias).double()
     ref_lin.load_state_dict(lin.state_dict())
     keys = list(lin.state_dict())
-    assert gemm.adopt(torch.nn.Sequential(lin)) == 1
     assert isinstance(lin, torch.nn.Linear) and list(lin.state_dict()) == keys
     lin.weight.requires_grad_(not frozen)
     x = torch.randn(*shape, requires_grad=True)
@@ -77,7 +78,7 @@ def test_mm_of_every_operand_layout_is_the_float64_product(onednn, a_layout, b_l
         return torch.randn(rows, cols)
 
     a, b = laid_out(m, k, a_layout), laid_out(k, n, b_layout)
-    got = gemm.mm(a, b)
+    got = onednn.mm(a, b)
     assert got.shape == (m, n) and got.is_contiguous()
     assert _rel(got, a.double() @ b.double()) < 1e-6
 
@@ -86,30 +87,28 @@ def test_mm_writes_into_out_and_reads_transposed_operands(onednn):
     torch.manual_seed(0)
     a, b = torch.randn(40, 17), torch.randn(33, 17)
     out = torch.empty(30, 33)
-    got = gemm.mm(a[5:35], b.t(), out)  # a row slice, a transposed view
+    got = onednn.mm(a[5:35], b.t(), out)  # a row slice, a transposed view
     assert got.data_ptr() == out.data_ptr()
     assert _rel(out, a[5:35].double() @ b.double().t()) < 1e-6
 
 
 def test_other_dtypes_and_blas_keep_torchs_own_product(onednn):
     torch.manual_seed(0)
-    lin, plain = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+    lin, plain = Linear(16, 8), torch.nn.Linear(16, 8)
     plain.load_state_dict(lin.state_dict())
-    gemm.adopt(lin)
     x = torch.randn(4, 16, requires_grad=True)
     assert type(lin(x).grad_fn).__name__ == "_LinearBackward"  # float32 on the CPU: oneDNN's
     with torch.autocast("cpu", dtype=torch.float16):
         assert torch.equal(lin(x), plain(x))  # fp16 autocast: torch's own
-    lin64, plain64 = torch.nn.Linear(16, 8).double(), torch.nn.Linear(16, 8).double()
+    lin64, plain64 = Linear(16, 8).double(), torch.nn.Linear(16, 8).double()
     plain64.load_state_dict(lin64.state_dict())
-    gemm.adopt(lin64)
     x64 = x.detach().double()
     assert torch.equal(lin64(x64), plain64(x64))  # float64: torch's own
-    gemm.configure("blas")
-    y = lin(x)
-    assert torch.equal(y, plain(x)) and type(y.grad_fn).__name__ == "AddmmBackward0"
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert type(lin(x).grad_fn).__name__ == "AddmmBackward0"  # "blas": autocast's own linear
+    with gemm_kernels("blas"):
+        y = lin(x)
+        assert torch.equal(y, plain(x)) and type(y.grad_fn).__name__ == "AddmmBackward0"
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert type(lin(x).grad_fn).__name__ == "AddmmBackward0"  # "blas": autocast's own linear
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -117,12 +116,11 @@ def test_bf16_autocast_linear_is_autocasts_values_keeping_the_float32_weight(one
     """Under bf16 autocast: the output bitwise autocast's own, the gradients within bf16 rounding
     of autocast's (the same bf16 products; the bias gradient summed in float32 either way), and what
     backward keeps is the input's bf16 copy and the float32 weight itself, no bf16 copy of it."""
-    if not gemm._AUTOCAST:
+    if not onednn.autocast:
         pytest.skip("no oneDNN bf16 products on this machine")
     torch.manual_seed(0)
-    lin, plain = torch.nn.Linear(48, 40, bias=bias), torch.nn.Linear(48, 40, bias=bias)
+    lin, plain = Linear(48, 40, bias=bias), torch.nn.Linear(48, 40, bias=bias)
     plain.load_state_dict(lin.state_dict())
-    gemm.adopt(lin)
     x = torch.randn(3, 20, 48)
     g = torch.randn(3, 20, 40).bfloat16()
     outs, grads = [], []
@@ -151,11 +149,10 @@ def test_bf16_autocast_linear_over_a_few_rows_computes_in_float32(onednn, rows):
     computes its product and gradients in float32 from the float32 weight (no bf16 copy of it to
     make three times a step): the output is the float64 product rounded once to bf16, the gradients
     within float32 rounding; over 33 rows it is autocast's bf16 product again."""
-    if not gemm._AUTOCAST:
+    if not onednn.autocast:
         pytest.skip("no oneDNN bf16 products on this machine")
     torch.manual_seed(0)
-    lin = torch.nn.Linear(48, 96)
-    gemm.adopt(lin)
+    lin = Linear(48, 96)
     x = torch.randn(rows, 48, requires_grad=True)
     g = torch.randn(rows, 96).bfloat16()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -180,21 +177,18 @@ def test_auto_follows_the_machine_not_a_timing():
     """"auto" is decided from the CPU (MKL on a non-Intel x86 takes its generic path, which leaves
     AVX-512 unused), so every rank and every resumed run of a machine computes with the same
     products; "blas" is torch's."""
-    before = gemm._ONEDNN, gemm._ELTWISE, gemm._AUTOCAST
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     assert gemm.has_avx512() == bool(re.search(r"^flags\s*:.*\bavx512f\b", info, re.M))
-    try:
-        line = gemm.configure("auto")
-        chosen = gemm.blas_is_generic() and gemm.has_avx512() and gemm._onednn_works()
-        assert chosen == gemm._ONEDNN
-        assert ("products: oneDNN" in line) == gemm._ONEDNN
-        # oneDNN's GELU only where its AVX-512 kernel runs, and in bf16 only where oneDNN has bf16
-        assert bool(gemm._ELTWISE) == (gemm.has_avx512() and gemm._eltwise_works(torch.float32))
-        assert (torch.bfloat16 in gemm._ELTWISE) <= gemm._AUTOCAST
-        assert "BLAS" in gemm.configure("blas") and not gemm._ONEDNN and not gemm._ELTWISE
-    finally:
-        gemm._ONEDNN, gemm._ELTWISE, gemm._AUTOCAST = before
-    out = run_zoo("version")
+    auto, line = gemm.configure("auto")
+    chosen = gemm.blas_is_generic() and gemm.has_avx512() and gemm._onednn_works()
+    assert chosen == auto.onednn
+    assert ("products: oneDNN" in line) == auto.onednn
+    # oneDNN's GELU only where its AVX-512 kernel runs, and in bf16 only where oneDNN has bf16
+    assert bool(auto.eltwise) == (gemm.has_avx512() and gemm._eltwise_works(torch.float32))
+    assert (torch.bfloat16 in auto.eltwise) <= auto.autocast
+    blas, line = gemm.configure("blas")
+    assert "BLAS" in line and not blas.onednn and not blas.eltwise and not blas.autocast
+    out = subprocess.run([sys.executable, "-m", "zoo", "version"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0
     assert ("float32 CPU products: oneDNN" in out.stdout) == chosen
 
@@ -202,19 +196,15 @@ def test_auto_follows_the_machine_not_a_timing():
 def test_gelu_on_a_cpu_without_bf16_products_is_torchs():
     """Where oneDNN has no bf16 inner product (a CPU without AVX-512 bf16 instructions), a bf16
     tanh-GELU is torch's kernel even when oneDNN was asked for: its post-op would raise."""
-    before = gemm._ONEDNN, gemm._ELTWISE, gemm._AUTOCAST
-    try:
-        gemm.configure("onednn" if gemm._onednn_works() else "auto")
+    with gemm_kernels("onednn" if gemm._onednn_works() else "auto") as chosen:
         x = torch.randn(64, 32).bfloat16()
         if not gemm.bf16_is_native():
-            assert torch.bfloat16 not in gemm._ELTWISE
-        torch.testing.assert_close(gemm.gelu_tanh(x).float(), F.gelu(x.float(), approximate="tanh"),
-                                   rtol=1e-2, atol=1e-2)
-    finally:
-        gemm._ONEDNN, gemm._ELTWISE, gemm._AUTOCAST = before
+            assert torch.bfloat16 not in chosen.eltwise
+        y = kernels.active().call("gelu_tanh", x)
+        torch.testing.assert_close(y.float(), F.gelu(x.float(), approximate="tanh"), rtol=1e-2, atol=1e-2)
 
 
-def test_a_trained_step_matches_torchs_product_and_recomputation_stays_exact(onednn):
+def test_a_trained_step_matches_torchs_product_and_recomputation_stays_exact():
     """A LLaMA block stack's loss and gradients with oneDNN's products against torch's (float32
     rounding apart), and under elementwise recomputation bitwise the same as without it."""
     from zoo.nn import recompute
@@ -236,9 +226,10 @@ def test_a_trained_step_matches_torchs_product_and_recomputation_stays_exact(one
         loss.backward()
         return [loss.detach(), *(p.grad.clone() for p in model.parameters())]
 
-    ref = run("none")  # torch's products: nothing adopted yet
-    assert gemm.adopt(model) > 0
-    fast, fast_rc = run("none"), run("elementwise")
+    ref = run("none")  # torch's products: the references
+    with gemm_kernels("onednn") as chosen:
+        assert chosen.onednn or not gemm._onednn_works()
+        fast, fast_rc = run("none"), run("elementwise")
     assert all(torch.equal(a, b) for a, b in zip(fast, fast_rc, strict=True))
     for a, b in zip(fast, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
@@ -249,71 +240,72 @@ def test_tanh_gelu_through_onednn_is_torchs_formula_and_reproducible():
     own kernel in float32 and bf16; the same bits for a slice as for the whole tensor and on one
     thread (a recomputed copy is exact); torch's kernel where autograd records, for a strided
     tensor, and under "blas"."""
-    before = gemm._ELTWISE, gemm._ONEDNN
-    try:
-        gemm.configure("onednn" if gemm._onednn_works() else "auto")
-        if not gemm._ELTWISE:
+    def gelu(x):
+        return kernels.active().call("gelu_tanh", x)
+
+    with gemm_kernels("onednn" if gemm._onednn_works() else "auto") as chosen:
+        if not chosen.eltwise:
             pytest.skip("this torch build has no oneDNN tanh-GELU post-op")
         torch.manual_seed(0)
         for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
-            if dtype not in gemm._ELTWISE:  # bf16: only where oneDNN computes bf16 (AVX-512 bf16)
+            if dtype not in chosen.eltwise:  # bf16: only where oneDNN computes bf16 (AVX-512 bf16)
                 continue
             x = (torch.randn(300, 96) * 4).to(dtype)
             ref = F.gelu(x.double(), approximate="tanh")
-            y = gemm.gelu_tanh(x)
+            y = gelu(x)
             assert y.dtype == dtype and y.shape == x.shape and y._base is None
             own = (F.gelu(x, approximate="tanh").double() - ref).abs().max().item()
             assert (y.double() - ref).abs().max().item() <= max(2 * own, tol)
             assert not torch.equal(y, F.gelu(x, approximate="tanh")) or dtype == torch.bfloat16  # oneDNN's, not torch's
-            assert torch.equal(gemm.gelu_tanh(x[100:107].contiguous()), y[100:107])
+            assert torch.equal(gelu(x[100:107].contiguous()), y[100:107])
             with threads(1):
-                assert torch.equal(gemm.gelu_tanh(x), y)
+                assert torch.equal(gelu(x), y)
         x = torch.randn(32, 16, requires_grad=True)
-        assert type(gemm.gelu_tanh(x).grad_fn).__name__ == "GeluBackward0"  # autograd: torch's op
+        assert type(gelu(x).grad_fn).__name__ == "GeluBackward0"  # autograd: torch's op
         xt = torch.randn(16, 32).t()
-        assert torch.equal(gemm.gelu_tanh(xt), F.gelu(xt, approximate="tanh"))  # strided: torch's
-        gemm.configure("blas")
-        assert not gemm._ELTWISE
+        assert torch.equal(gelu(xt), F.gelu(xt, approximate="tanh"))  # strided: torch's
+    with gemm_kernels("blas") as chosen:
+        assert not chosen.eltwise
         xd = torch.randn(32, 16)
-        assert torch.equal(gemm.gelu_tanh(xd), F.gelu(xd, approximate="tanh"))
-    finally:
-        gemm._ELTWISE, gemm._ONEDNN = before
+        assert torch.equal(gelu(xd), F.gelu(xd, approximate="tanh"))
 
 
 def test_bf16_on_a_cpu_without_bf16_instructions_gets_a_note_and_a_quick_peak(monkeypatch):
     """A bf16 run where the CPU has no bf16 instructions says so once (fp32 named as the fast
     choice), and MFU's peak for such a slow dtype is two 256^3 products, not a dozen or more
     1024^3 ones (a minute of start-up at torch's fallback rate); a fast dtype is measured in full."""
-    from zoo.config import TrainConfig
-    from zoo.training import cpu, metrics
+    from zoo_cpu_kernels import PROVIDER
 
-    train = TrainConfig(precision="bf16")
+    from zoo.training import metrics
+
+    def note(precision):
+        return " ".join(PROVIDER.select({"cpu_malloc": "system", "cpu_fused": "eager", "precision": precision}).notes)
+
     # the machine's own word, independent of oneDNN's check: no AVX-512 at all (an AVX2-only CPU)
     # means no bf16 products, AVX-512 BF16 or AMX means bf16 in hardware (AVX-512 alone: emulated)
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
     if flags and "avx512f" not in flags and platform.machine() == "x86_64":
-        assert "train.precision=fp32" in cpu.precision_note(train.precision)
+        assert "fp32 is the fast choice" in note("bf16")
     if flags & {"avx512_bf16", "amx_bf16"}:
-        assert cpu.precision_note(train.precision) is None
+        assert note("bf16") == ""
     monkeypatch.setattr(gemm, "bf16_is_native", lambda: False)
-    assert "train.precision=fp32" in cpu.precision_note(train.precision)
-    assert cpu.precision_note(TrainConfig(precision="fp32").precision) is None
+    assert "fp32 is the fast choice" in note("bf16")
+    assert note("fp32") == ""
 
     calls: list[int] = []
-    real_mm = gemm.mm
 
     def slow_mm(a, b, out=None):  # 40 ms a 256^3 product: ~0.8 GFLOP/s, a 1024^3 one would take 2.6 s
         calls.append(a.shape[0])
         if a.dtype == torch.float16:
             import time
             time.sleep(0.04)
-        return real_mm(a, b) if out is None else real_mm(a, b, out=out)
+        return NotImplemented  # (torch's product then)
 
-    monkeypatch.setattr(gemm, "mm", slow_mm)
     monkeypatch.setattr(metrics, "_PEAK", {})
-    slow = metrics.measured_peak_flops("cpu", torch.float16)
-    assert calls == [256, 256] and slow <= 2 * 256**3 / 0.04
-    calls.clear()
-    metrics.measured_peak_flops("cpu", torch.float32)
+    with kernels.Kernels("cpu", {"slow": kernels.Selection({"mm": slow_mm})}).use():
+        slow = metrics.measured_peak_flops("cpu", torch.float16)
+        assert calls == [256, 256] and slow <= 2 * 256**3 / 0.04
+        calls.clear()
+        metrics.measured_peak_flops("cpu", torch.float32)
     assert calls[:2] == [256, 256] and set(calls[2:]) == {1024} and len(calls) >= 2 + 12  # and >= 0.25 s of them

@@ -11,7 +11,7 @@ import pytest
 
 PROBE = """
 import resource, sys, torch
-from zoo.training import malloc
+from zoo_cpu_kernels import malloc
 print(malloc.configure(sys.argv[1]))
 def faults_of_a_64mb_tensor():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -1,27 +1,35 @@
-"""The compiled CPU elementwise kernels (`zoo.fused`) against float64 references of the same
+"""The compiled CPU elementwise kernels (`zoo_cpu_kernels.fused`) against float64 references of the same
 formulas and against torch's eager kernels: adaLN's layer norm forward and backward, tanh-GELU's
 derivative; a recomputed output bitwise the forward's; a compiler failure falls back to eager,
 said once; tiny tensors and ``cpu_fused=eager`` never compile."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
 import torch
+from _cpu_helpers import cpu_kernels
+from zoo_cpu_kernels import fused
 
-from zoo import fused
+from zoo.nn.linear import Linear
+
+
+def _eager():
+    """The provider's kernels with the compiled ones off (``train.cpu_fused=eager``)."""
+    return cpu_kernels(cpu_fused="eager", cpu_gemm="blas").use()
 
 
 @pytest.fixture
 def on(monkeypatch):
-    """Fused kernels for every size (the tests' tensors are small), restored afterwards."""
-    monkeypatch.delenv("ZOO_BACKENDS", raising=False)  # (tests/conftest.py switches them off elsewhere)
-    monkeypatch.setattr(fused, "_MIN_ELEMENTS", 0)
+    """Compiled kernels for every size (the tests' tensors are small), torch's products; zoo's C
+    kernels off (tested on their own)."""
+    monkeypatch.setenv("ZOO_BACKENDS", "-native")  # (tests/conftest.py switches inductor off elsewhere)
+    monkeypatch.setattr(fused, "MIN_ELEMENTS", 0)
     monkeypatch.setattr(fused, "_BROKEN", {})
-    fused.configure("auto")
-    yield
-    fused.configure("eager")
+    with cpu_kernels(cpu_fused="auto", cpu_gemm="blas").use() as k:
+        yield k
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -66,15 +74,15 @@ def test_under_autocast_the_modulated_norm_writes_the_low_precision_its_linear_r
     rounds it), and what a linear layer then computes is bitwise what it computed from the float32
     output it used to cast itself: output, and gradients of x, shift, scale and the linear's
     weights, with and without elementwise recomputation, compiled kernels and eager."""
-    from zoo import gemm
     from zoo.nn import modulated_layer_norm, recompute
 
+    stack = contextlib.ExitStack()
     if not compiled:
-        fused.configure("eager")
+        stack.enter_context(_eager())
     gen = torch.Generator().manual_seed(3)
     x0 = torch.randn(2, 24, 32, generator=gen) * 2
     mod0 = torch.randn(2, 1, 64, generator=gen) * 0.3
-    lin = gemm.Linear(32, 48)
+    lin = Linear(32, 48)
     g = torch.randn(2, 24, 48, generator=gen).bfloat16()
     results = {}
     for mode in ("none", "elementwise"):
@@ -93,6 +101,7 @@ def test_under_autocast_the_modulated_norm_writes_the_low_precision_its_linear_r
                 out = lin(y)
             out.backward(g)
             results[mode, widen] = [out.detach(), x.grad, mod.grad, lin.weight.grad, lin.bias.grad]
+    stack.close()
     want = results["none", True]
     assert want[1].dtype == torch.float32 and want[0].dtype == torch.bfloat16
     for key, got in results.items():
@@ -123,11 +132,11 @@ def test_gelu_tanh_and_its_derivative_match_float64(on, dtype):
 
 
 def test_tanh_gelu_takes_the_compiled_kernel_where_onednns_is_not_the_faster(on, monkeypatch):
-    """`zoo.gemm.gelu_tanh`: oneDNN's kernel on an AVX-512 CPU without AMX where `configure` chose it,
-    on a CPU with AMX `zoo.native`'s (where built with its AVX-512 GELU) or else the compiled one,
+    """`Gemm.gelu_tanh`: oneDNN's kernel on an AVX-512 CPU without AMX where `configure` chose it,
+    on a CPU with AMX zoo's C kernel (where built with its AVX-512 GELU) or else the compiled one,
     the compiled one where oneDNN's is not chosen, torch's inside autograd; a compiler failure falls
     back to oneDNN's or torch's (not back into the compiled kernel)."""
-    from zoo import gemm, native
+    from zoo_cpu_kernels import gemm, native
 
     x = torch.randn(64, 96)
     calls: list[str] = []
@@ -135,33 +144,30 @@ def test_tanh_gelu_takes_the_compiled_kernel_where_onednns_is_not_the_faster(on,
     with monkeypatch.context() as mp:
         mp.setattr(fused, "gelu_tanh", lambda t, _unfused: calls.append("compiled") or torch.ones_like(t))
         mp.setattr(native, "gelu_tanh", lambda t: calls.append("native") or torch.ones_like(t))
-        mp.setattr(native, "_ENABLED", True)
         vector = native.gelu_ok(x)  # (built with AVX-512 here)
         for amx, eltwise, own, want in ((False, (torch.float32,), True, "onednn"),
                                         (True, (torch.float32,), True, "native" if vector else "compiled"),
                                         (True, (torch.float32,), False, "compiled"), (False, (), True, "compiled")):
             mp.setattr(gemm, "has_amx", lambda a=amx: a)
-            mp.setattr(gemm, "_ELTWISE", eltwise)
-            mp.setattr(native, "_ENABLED", own)
+            chosen = gemm.Gemm(eltwise=eltwise, fused=True, native=own)
             calls.clear()
-            gemm.gelu_tanh(x)
+            chosen.gelu_tanh(x)
             assert calls == [want], (amx, eltwise, own, calls)
         xg = x.clone().requires_grad_(True)
-        assert torch.equal(gemm.gelu_tanh(xg), torch.nn.functional.gelu(xg, approximate="tanh"))  # autograd
+        assert chosen.gelu_tanh(xg) is NotImplemented  # autograd: torch's own (the reference)
         assert calls == [want]
-    monkeypatch.setattr(native, "_ENABLED", False)
 
     def broken(*_a):
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(fused, "_compiled", lambda *_a: broken)
-    monkeypatch.setattr(gemm, "_ELTWISE", ())
+    chosen = gemm.Gemm(fused=True)
     with pytest.warns(RuntimeWarning, match="compiling gelu_tanh failed"):
-        got = gemm.gelu_tanh(x)
+        got = chosen.gelu_tanh(x)
     assert torch.equal(got, torch.nn.functional.gelu(x, approximate="tanh"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # from then on torch's, without a second warning
-        assert torch.equal(gemm.gelu_tanh(x), got)
+        assert torch.equal(chosen.gelu_tanh(x), got)
 
 
 @pytest.mark.parametrize("family", ["dit", "llama"])
@@ -205,7 +211,7 @@ def test_a_compiler_failure_falls_back_to_eager_and_says_so_once(on, monkeypatch
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # not again
         fused.gelu_tanh_backward(g, x)
-    assert "gelu_tanh_backward" in fused.configure("auto")  # named in what `zoo version` prints
+    assert "gelu_tanh_backward" in fused.describe(True, "")  # named in what `zoo version` prints
 
 
 def test_a_profiler_trace_names_each_compiled_kernel(on):
@@ -223,19 +229,23 @@ def test_a_profiler_trace_names_each_compiled_kernel(on):
 
 def test_tiny_tensors_and_off_never_compile(monkeypatch):
     monkeypatch.delenv("ZOO_BACKENDS", raising=False)
-    monkeypatch.setattr(fused, "_MIN_ELEMENTS", 1 << 18)
-    fused.configure("auto")
-    try:
-        assert not fused.wanted(torch.zeros(4, 8)) and fused.wanted(torch.zeros(512, 512))
-        assert not fused.wanted(torch.zeros(512, 512, dtype=torch.float64))
-        assert "off" in fused.configure("eager") and not fused.wanted(torch.zeros(512, 512))
-        for spec in ("-inductor", "off", "-apex,-inductor"):  # ZOO_BACKENDS, as for the optional backends
-            monkeypatch.setenv("ZOO_BACKENDS", spec)
-            assert "ZOO_BACKENDS" in fused.configure("auto") and not fused.wanted(torch.zeros(512, 512))
-        monkeypatch.setenv("ZOO_BACKENDS", "-apex")
-        assert "inductor's" in fused.configure("auto") and fused.wanted(torch.zeros(512, 512))
-    finally:
-        fused.configure("eager")
+    monkeypatch.setattr(fused, "MIN_ELEMENTS", 1 << 18)
+
+    def said(k, text):
+        return any(text in line for line in k.report() if "elementwise" in line)
+
+    k = cpu_kernels(cpu_fused="auto")
+    assert not k.fuses(torch.zeros(4, 8)) and k.fuses(torch.zeros(512, 512))
+    assert not k.fuses(torch.zeros(512, 512, dtype=torch.float64))
+    off = cpu_kernels(cpu_fused="eager")
+    assert said(off, "off") and not off.fuses(torch.zeros(512, 512))
+    for spec in ("-inductor", "off", "-apex,-inductor"):  # ZOO_BACKENDS, as for the optional backends
+        monkeypatch.setenv("ZOO_BACKENDS", spec)
+        k = cpu_kernels(cpu_fused="auto")
+        assert said(k, "ZOO_BACKENDS") and not k.fuses(torch.zeros(512, 512))
+    monkeypatch.setenv("ZOO_BACKENDS", "-apex")
+    k = cpu_kernels(cpu_fused="auto")
+    assert said(k, "inductor's") and k.fuses(torch.zeros(512, 512))
 
 
 def test_an_input_error_is_raised_and_the_compiler_not_blamed(on):
@@ -320,41 +330,39 @@ def test_each_of_a_kernels_first_sizes_gets_a_kernel_of_its_own_then_one_for_any
 
 @pytest.mark.parametrize("rows", [48, 50])
 def test_row_block_sums_add_up_to_the_column_sums(rows):
-    """`zoo.fused.row_block_sums`: partial sums over blocks of rows whose sum is the column sum
-    (float64 reference), one block where the rows are not a multiple of the block."""
+    """`zoo_mamba.ssm_fused.row_block_sums`: partial sums over blocks of rows whose sum is the column
+    sum (float64 reference), one block where the rows are not a multiple of the block."""
+    from zoo_mamba import ssm_fused
+
+    block = ssm_fused._SUM_ROWS
     v = torch.randn(rows, 3, 5, generator=torch.Generator().manual_seed(9))
-    parts = fused.row_block_sums(v)
-    assert parts.shape == ((rows // fused._SUM_ROWS, 3, 5) if rows % fused._SUM_ROWS == 0 else (1, 3, 5))
+    parts = ssm_fused.row_block_sums(v)
+    assert parts.shape == ((rows // block, 3, 5) if rows % block == 0 else (1, 3, 5))
     torch.testing.assert_close(parts.sum(0).double(), v.double().sum(0), rtol=1e-6, atol=1e-6)
-    if rows % fused._SUM_ROWS == 0:  # each block is the sum of its own rows
-        torch.testing.assert_close(parts[1], v[fused._SUM_ROWS:2 * fused._SUM_ROWS].sum(0))
+    if rows % block == 0:  # each block is the sum of its own rows
+        torch.testing.assert_close(parts[1], v[block:2 * block].sum(0))
 
 
 def test_float32_weight_gradients_are_bitwise_the_same_with_the_compiled_transposes(on):
-    """`zoo.gemm`'s oneDNN linear: its weight gradient's transposed operands copied by the compiled
-    kernel or by torch give the same bits (a transposition is exact)."""
-    from zoo import gemm
+    """The oneDNN linear (`zoo_cpu_kernels.gemm`): its weight gradient's transposed operands copied
+    by the compiled kernel or by torch give the same bits (a transposition is exact)."""
+    from zoo_cpu_kernels import gemm
 
-    before = gemm._ONEDNN, gemm._ELTWISE, gemm._AUTOCAST
     if not gemm._onednn_works():
         pytest.skip("no oneDNN matmul in this torch build")
-    gemm.configure("onednn")
-    try:
-        x = torch.randn(4, 96, 64, requires_grad=True)
-        w = torch.randn(80, 64, requires_grad=True)
-        g = torch.randn(4, 96, 80)
-        grads = []
-        for enabled in (False, True):
-            fused._ENABLED = enabled
-            x.grad = w.grad = None
-            gemm.linear(x, w).backward(g)
-            grads.append((x.grad.clone(), w.grad.clone()))
-        assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
-        assert fused._compiled.cache_info().currsize >= 1
-        ref = torch.einsum("bto,bti->oi", g.double(), x.detach().double())
-        assert _rel(grads[1][1], ref) <= 1e-6
-    finally:
-        gemm._ONEDNN, gemm._ELTWISE, gemm._AUTOCAST = before
+    x = torch.randn(4, 96, 64, requires_grad=True)
+    w = torch.randn(80, 64, requires_grad=True)
+    g = torch.randn(4, 96, 80)
+    grads = []
+    for enabled in (False, True):
+        chosen = gemm.configure("onednn", fused_on=enabled)[0]
+        x.grad = w.grad = None
+        chosen.linear(x, w).backward(g)
+        grads.append((x.grad.clone(), w.grad.clone()))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    assert fused._compiled.cache_info().currsize >= 1
+    ref = torch.einsum("bto,bti->oi", g.double(), x.detach().double())
+    assert _rel(grads[1][1], ref) <= 1e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -451,10 +459,10 @@ def test_the_compiled_cross_entropy_matches_float64_where_probabilities_underflo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias,t", [(True, 37), (False, 37), (True, 40)])
 def test_mamba_causal_convolution_with_silu_matches_float64(on, dtype, bias, t):
-    """`zoo.nn.ssm.causal_conv1d(silu=True)` through the compiled kernels (`zoo.nn.ssm_fused.ConvSiLU`)
+    """`zoo_mamba.ssm.causal_conv1d(silu=True)` through the compiled kernels (`zoo_mamba.ssm_fused.ConvSiLU`)
     against torch's grouped conv1d in float64, on a strided view of a wider projection as the mixers
     pass it, forward and every gradient; 2 x 40 rows take the weight's sums by blocks of rows."""
-    from zoo.nn import ssm, ssm_fused
+    from zoo_mamba import ssm, ssm_fused
 
     gen = torch.Generator().manual_seed(5)
     proj = (torch.randn(2, t, 40, generator=gen)).to(dtype).requires_grad_(True)
@@ -485,10 +493,10 @@ def test_mamba_causal_convolution_with_silu_matches_float64(on, dtype, bias, t):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groups,t", [(1, 29), (2, 29), (2, 32)])
 def test_mamba2_skip_gate_and_grouped_norm_match_float64(on, dtype, groups, t):
-    """`zoo.nn.ssm_fused.SkipGatedRMSNorm`: ``weight * RMSNorm((y + D x) * silu(z))`` per group against
+    """`zoo_mamba.ssm_fused.SkipGatedRMSNorm`: ``weight * RMSNorm((y + D x) * silu(z))`` per group against
     the formula in float64 through autograd, with x and z strided views as the mixer passes them
     (2 x 32 rows: D's and the weight's gradients summed by blocks of rows)."""
-    from zoo.nn.ssm_fused import SkipGatedRMSNorm
+    from zoo_mamba.ssm_fused import SkipGatedRMSNorm
 
     gen = torch.Generator().manual_seed(6)
     h, p = 4, 8
@@ -514,9 +522,10 @@ def test_mamba2_skip_gate_and_grouped_norm_match_float64(on, dtype, groups, t):
 
 def test_mamba2_mixer_with_the_compiled_kernels_follows_the_eager_one(on, monkeypatch):
     """The wiring: a Mamba-2 mixer (2 groups, bias on the convolution) computes the same outputs
-    and parameter gradients with `zoo.fused` on (its convolution, gate and SSD's elementwise passes
+    and parameter gradients with the compiled kernels on (its convolution, gate and SSD's elementwise passes
     compiled) as with torch's eager kernels."""
-    from zoo.nn.ssm import Mamba2Mixer
+    from zoo_mamba.ssm import Mamba2Mixer
+
     from zoo.spec import SSMSpec
 
     torch.manual_seed(0)
@@ -527,10 +536,10 @@ def test_mamba2_mixer_with_the_compiled_kernels_follows_the_eager_one(on, monkey
     monkeypatch.setattr(fused, "run", lambda name, *v: names.append(name) or run(name, *v))
     runs = []
     for enabled in (False, True):
-        fused._ENABLED = enabled
-        mixer.zero_grad()
-        out = mixer(u)
-        out.square().sum().backward()
+        with (contextlib.nullcontext() if enabled else _eager()):
+            mixer.zero_grad()
+            out = mixer(u)
+            out.square().sum().backward()
         runs.append((out.detach(), {n: q.grad.clone() for n, q in mixer.named_parameters()}))
     assert set(names) == {"conv_silu_keep", "conv_silu_grad_kept", "conv_backward", "gated_rms_norm",
                           "gated_rms_norm_backward", "ssd_inputs", "ssd_output", "ssd_output_grads", "ssd_input_grads",
@@ -542,13 +551,13 @@ def test_mamba2_mixer_with_the_compiled_kernels_follows_the_eager_one(on, monkey
 
 @pytest.mark.parametrize("form", ["mixed", "every chunk by decay matrices"])
 def test_mamba2_scan_with_the_compiled_passes_matches_the_float64_recurrence(on, monkeypatch, form):
-    """`zoo.nn.ssd.SSD` with its elementwise passes compiled (`_inputs`, `_output`, their gradients
+    """`zoo_mamba.ssd.SSD` with its elementwise passes compiled (`_inputs`, `_output`, their gradients
     and the chunks' decay gradient): outputs, last state and the gradients of x, dt, A, B, C and the
     entering state against autograd through the step-by-step recurrence in float64; two groups, a
     length the chunk does not divide, and one chunk that forgets too much for the factored form (it
     takes the decay matrices, scales 0 and 1 in the compiled passes) beside factored ones, or every
     chunk by decay matrices (the passes without the factored form's parts)."""
-    from zoo.nn import ssd, ssm
+    from zoo_mamba import ssd, ssm
 
     def recurrence(x, dt, a, b, c, h):
         r = x.shape[2] // b.shape[2]
@@ -599,8 +608,9 @@ def test_gated_residual_is_computed_in_float32_and_rounded_once(on, compiled, dt
     gradients within one rounding to their dtype; compiled and torch's eager path alike."""
     from zoo.nn import gated_residual
 
+    stack = contextlib.ExitStack()
     if not compiled:
-        fused.configure("eager")
+        stack.enter_context(_eager())
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 40, 48, generator=gen).requires_grad_(True)
     mod = torch.randn(3, 40 if per_token else 1, 3 * 48, generator=gen).to(dtype).requires_grad_(True)
@@ -620,3 +630,4 @@ def test_gated_residual_is_computed_in_float32_and_rounded_once(on, compiled, dt
     assert torch.equal(x.grad, g)  # the stream's gradient passes through untouched
     small = [t.detach()[:, :3, :5].clone().requires_grad_(True) for t in (x64, mod64, y64)]
     assert torch.autograd.gradcheck(gated_residual, small)
+    stack.close()

@@ -1,7 +1,7 @@
-"""`zoo.native`: zoo's C kernels (transposition, tanh-GELU, attention's softmax) against torch's own
+"""`zoo_cpu_kernels.native`: zoo's C kernels (transposition, tanh-GELU, attention's softmax) against torch's own
 operations and float64, how the library is built and cached, and the paths that use them: a bf16
-weight gradient from a dense operand (`zoo.gemm.mm`), the blocked attention's scale inside its
-softmax (`tests/test_attention_ops.py` runs its float64 matrix with them too)."""
+weight gradient from a dense operand (`Gemm.mm`), the blocked attention's scale inside its
+softmax (`test_attention.py` runs its float64 matrix with them too)."""
 
 from __future__ import annotations
 
@@ -11,24 +11,17 @@ import subprocess
 
 import pytest
 import torch
+from zoo_cpu_kernels import gemm, native
 
-from zoo import gemm, native
 from zoo.testing import threads
-
-
-@pytest.fixture(autouse=True)
-def _restored(monkeypatch):
-    """Whether the kernels are on, as an earlier test left it, again after each test."""
-    monkeypatch.setattr(native, "_ENABLED", native._ENABLED)
 
 
 @pytest.fixture
 def on(monkeypatch):
-    """The kernels on for the test (`configure` as `zoo train` calls it)."""
+    """The library built for the test."""
     monkeypatch.delenv("ZOO_BACKENDS", raising=False)
-    native.configure("auto")
     if not native.available():
-        pytest.fail(f"zoo.native did not build here: {native.status()}")
+        pytest.fail(f"zoo_cpu_kernels.native did not build here: {native.status()}")
     yield
 
 
@@ -76,9 +69,9 @@ def test_transposition_reads_and_writes_strided_views(on):
     assert (big[outside] == 0).all()
 
 
-def test_transposition_without_the_library_is_torchs_copy():
-    """Switched off (or not built), `transposed` is torch's copy, and autograd still records it."""
-    native.configure("eager")
+def test_transposition_without_the_library_is_torchs_copy(monkeypatch):
+    """Not built, `transposed` is torch's copy, and autograd still records it."""
+    monkeypatch.setattr(native, "_library", lambda: None)
     a = torch.randn(40, 30, requires_grad=True)
     out = native.transposed(a)
     assert torch.equal(out, a.t()) and out.grad_fn is not None
@@ -92,10 +85,9 @@ def test_the_library_is_built_once_into_the_cache_with_the_umask(tmp_path, monke
     native._library.cache_clear()
     old = os.umask(0o027)
     try:
-        assert "built with" in native.configure("auto")
+        assert "built with" in native.describe()
     finally:
         os.umask(old)
-        native.configure("eager")
     (lib,) = list((tmp_path / "native").iterdir())
     assert lib.name.startswith("zoo-native-") and lib.suffix == ".so"
     assert stat.S_IMODE(lib.stat().st_mode) == 0o750
@@ -108,10 +100,8 @@ def test_the_library_is_built_once_into_the_cache_with_the_umask(tmp_path, monke
 
     monkeypatch.setattr(subprocess, "run", no_compiler)
     try:
-        native.configure("auto")
         assert native.available()
     finally:
-        native.configure("eager")
         native._library.cache_clear()
 
 
@@ -123,12 +113,10 @@ def test_a_cache_it_cannot_write_gets_a_private_copy(tmp_path, monkeypatch):
     monkeypatch.delenv("ZOO_BACKENDS", raising=False)
     native._library.cache_clear()
     try:
-        native.configure("auto")
         assert native.available(), native.status()
         a = torch.randn(40, 70).bfloat16()
         assert torch.equal(native.transposed(a), a.t())
     finally:
-        native.configure("eager")
         native._library.cache_clear()
 
 
@@ -139,22 +127,25 @@ def test_a_compiler_that_fails_leaves_torchs_paths(tmp_path, monkeypatch):
     monkeypatch.delenv("ZOO_BACKENDS", raising=False)
     native._library.cache_clear()
     try:
-        line = native.configure("auto")
+        line = native.describe()
         assert "unavailable" in line and "false" in line and not native.available()
         a = torch.randn(300, 50).bfloat16()
         assert torch.equal(native.transposed(a), a.t())
         assert native.softmax(a, 1.0) is None and not native.gelu_ok(a)
         g, x = torch.randn(512, 300).bfloat16(), torch.randn(512, 200).bfloat16()
-        assert torch.equal(gemm.mm(g.t(), x), torch.mm(g.t(), x))
+        chosen = gemm.Gemm(native=True)
+        assert torch.equal(chosen.mm_or_torch(g.t(), x), torch.mm(g.t(), x))
     finally:
-        native.configure("eager")
         native._library.cache_clear()
 
 
 def test_switched_off_by_zoo_backends(monkeypatch):
+    from _cpu_helpers import cpu_kernels
+
     monkeypatch.setenv("ZOO_BACKENDS", "-native")
-    assert "off (ZOO_BACKENDS switches native off)" in native.configure("auto") and not native.available()
-    native.configure("eager")
+    k = cpu_kernels(cpu_fused="auto")
+    assert any("off (ZOO_BACKENDS switches native off)" in line for line in k.report())
+    assert not k.selections["cpu"].impls["mm"].__self__.native
 
 
 @needs_avx512
@@ -233,7 +224,7 @@ def test_softmax_refuses_what_it_does_not_take(on):
 @pytest.mark.parametrize("out_features,in_features", [(1536, 384), (384, 1536), (600, 600)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_bf16_weight_gradient_from_a_dense_operand(on, monkeypatch, out_features, in_features, dtype):
-    """`gemm.mm(g.t(), x, out)` on a CPU with AMX: the smaller operand transposed dense first (g's,
+    """`Gemm.mm(g.t(), x, out)` on a CPU with AMX: the smaller operand transposed dense first (g's,
     or x's with the product transposed back into ``out``), the same bf16 product as torch's in
     place (within a bf16 rounding of float64's, as torch's), widened into a float32 ``out``."""
     monkeypatch.setattr(gemm, "has_amx", lambda: True)
@@ -244,7 +235,8 @@ def test_a_bf16_weight_gradient_from_a_dense_operand(on, monkeypatch, out_featur
     g = torch.randn(512, out_features, generator=gen).bfloat16()
     x = torch.randn(512, in_features, generator=gen).bfloat16()
     out = torch.empty(out_features, in_features, dtype=dtype)
-    got = gemm.mm(g.t(), x, out)
+    chosen = gemm.Gemm(native=True)
+    got = chosen.mm(g.t(), x, out)
     assert got is out and calls == [(512, min(out_features, in_features))]
     want = g.double().t() @ x.double()
     theirs = torch.mm(g.t(), x).double()
@@ -252,33 +244,35 @@ def test_a_bf16_weight_gradient_from_a_dense_operand(on, monkeypatch, out_featur
     assert ((got.double() - want).abs() <= bound).all() and ((theirs - want).abs() <= bound).all()
     calls.clear()
     small = g[:, :384], x[:, :384]  # (75M multiply-adds: the copy would not pay) in place
-    assert torch.equal(gemm.mm(small[0].t(), small[1]), torch.mm(small[0].t(), small[1])) and not calls
+    assert chosen.mm(small[0].t(), small[1]) is NotImplemented and not calls
     monkeypatch.setattr(gemm, "has_amx", lambda: False)  # elsewhere: torch's product in place
-    assert torch.equal(gemm.mm(g.t(), x), torch.mm(g.t(), x)) and not calls
+    assert chosen.mm(g.t(), x) is NotImplemented and not calls
 
 
 def test_the_autocast_linear_takes_the_dense_operand_path(on, monkeypatch):
-    """Inside a bf16 linear layer's backward (`zoo.gemm._AutocastLinear`): the weight gradient from the
-    dense path equals the in-place one within a bf16 rounding, float32 as the weight."""
-    for name in ("_ONEDNN", "_ELTWISE", "_AUTOCAST"):  # (restored after `configure`)
-        monkeypatch.setattr(gemm, name, getattr(gemm, name))
-    gemm.configure("auto")
-    if not gemm._AUTOCAST:
+    """Inside a bf16 linear layer's backward (`zoo_cpu_kernels.gemm._AutocastLinear`): the weight
+    gradient from the dense path equals the in-place one within a bf16 rounding, float32 as the weight."""
+    import dataclasses
+
+    from zoo.kernels import Kernels, Selection
+    from zoo.nn.linear import Linear
+
+    auto = gemm.configure("auto")[0]
+    if not auto.autocast:
         pytest.skip("no oneDNN bf16 products on this machine")
     monkeypatch.setattr(gemm, "has_amx", lambda: True)
     calls = []
     real = native.transposed
     monkeypatch.setattr(native, "transposed", lambda a, dt=None: calls.append(a.shape) or real(a, dt))
     torch.manual_seed(0)
-    lin = torch.nn.Linear(384, 1152)
-    gemm.adopt(lin)
+    lin = Linear(384, 1152)
     x = torch.randn(4, 256, 384)
     g = torch.randn(4, 256, 1152).bfloat16()
     grads = []
     for native_on in (True, False):
-        monkeypatch.setattr(native, "_ENABLED", native_on)
+        chosen = dataclasses.replace(auto, native=native_on)
         lin.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with Kernels("cpu", {"t": Selection({"linear": chosen.linear})}).use(), torch.autocast("cpu", dtype=torch.bfloat16):
             y = lin(x)
         y.backward(g)
         grads.append(lin.weight.grad.clone())
