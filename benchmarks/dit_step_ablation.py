@@ -98,7 +98,7 @@ def main() -> None:
 
     parts = ["full step", "adaLN norms", "GELU forward", "GELU derivative", "attention core", "AdamW"]
     times: dict[str, list[float]] = {p: [] for p in parts}
-    for part in parts:  # warm-ups: zoo.fused compiles its kernels at the first step
+    for part in parts:  # warm-ups: zoo-cpu-kernels compiles its kernels at the first step
         ablate(part)
         step()
         step()

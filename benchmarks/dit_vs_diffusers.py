@@ -215,7 +215,7 @@ def main() -> None:
                 sync()
                 return time.perf_counter() - t0
 
-            step()  # a second warm-up (zoo's first compiles its fused CPU kernels, zoo.fused)
+            step()  # a second warm-up (zoo's first compiles its fused CPU kernels, zoo_cpu_kernels.fused)
             sides.append((name, step, peak, [], []))
         # The two sides' steps alternate, so a drift of the machine's speed (a shared VM's is
         # 10-15% over minutes) falls on both alike; each side's median step is reported.

@@ -547,13 +547,12 @@ def test_cli_prepare_notes_a_split_part_left_without_a_shard(tmp_path, capsys):
 
 
 def test_cli_prepare_refuses_counts_and_sizes_with_one_line_and_writes_nothing(tmp_path, capsys):
-    """A count or size below 1 (zero-frame clips, no shards after creating the directory), or a
-    moving-digits canvas the digit cannot move across: refused before anything is written."""
+    """A count or size below 1 (zero-frame clips, no shards after creating the directory): refused
+    before anything is written."""
     from zoo.testing import run_zoo
 
     cases = [(("video", "--num-frames", "0"), "argument --num-frames: 0: must be at least 1"),
              (("video", "--count", "-3"), "argument --count: -3: must be at least 1"),
-             (("video", "--size", "8", "--count", "4"), "--size 8: the 8 x 8 digit needs a larger canvas"),
              (("images", "--dataset", "digits", "--shard-size", "0"), "argument --shard-size: 0: must be at least 1"),
              (("images", "--dataset", "digits", "--repeat", "0"), "argument --repeat: 0: must be at least 1"),
              (("images", "--dataset", "digits", "--size", "x"), "argument --size: invalid int value: 'x'")]

@@ -6,10 +6,10 @@ the machine does not suit them: `ImportError` (not installed) or `RuntimeError` 
 for another CUDA or torch, or no GPU). Both mean "not available" here, once per process, with the
 reason kept for `zoo list --backends`. ``ZOO_BACKENDS=off`` (or a comma list of names to turn off,
 e.g. ``ZOO_BACKENDS=-flash-attn``) forces the PyTorch paths, to compare or to rule a kernel out.
-``-inductor`` turns off the CPU elementwise kernels torch's compiler builds (`zoo.fused`), as
+``-inductor`` turns off the CPU elementwise kernels torch's compiler builds (`zoo_cpu_kernels.fused`), as
 ``train.cpu_fused=eager`` does for one run: part of torch, not listed here, but each process that
-compiles one first spends ~3 s importing the compiler. ``-native`` turns off zoo's own C kernels
-(`zoo.native`: built with the system's C compiler at first use).
+compiles one first spends seconds importing the compiler. ``-native`` turns off zoo's own C kernels
+(`zoo_cpu_kernels.native`: built with the system's C compiler at first use).
 
 A caller asks for the one function it uses, ``kernel("mamba-ssm", "mamba_ssm.ops.triton.ssd_combined",
 "mamba_chunk_scan_combined")``, and takes its own fallback when the answer is None.

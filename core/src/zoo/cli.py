@@ -214,22 +214,22 @@ def count_parameters(entry: FamilyEntry, run: RunConfig, plan: Layout) -> tuple[
     import torch
 
     from zoo.family import resolve
-    from zoo.parallel.apply import parameters_per_rank
+    from zoo.parallel.apply import parameters_per_rank, tensor_parallel_plan
 
     fam = entry.family
     build = resolve(fam.build, owner=str(entry.plugin))
     with torch.device("meta"):
         model = build(run.model, fam.spec_for(run.model))
     total = sum(p.numel() for p in model.parameters())
-    shares = dict(ep=plan.ep, etp=plan.etp)
+    shares, tp_plan = dict(ep=plan.ep, etp=plan.etp), tensor_parallel_plan(model, fam.tp_plan)[0]
     if plan.pp == 1 or fam.pipeline is None:
-        return total, [parameters_per_rank(model, fam.tp_plan, plan.tp, **shares)]
+        return total, [parameters_per_rank(model, tp_plan, plan.tp, **shares)]
     from zoo.parallel.pipeline import build_stages
 
     per_stage = []
     for rank in range(plan.pp):
         stages = build_stages(model, fam.pipeline, pp=plan.pp, vpp=plan.vpp, rank=rank, sizes=run.parallel.pp_layers)
-        per_stage.append(parameters_per_rank(stages.local, fam.tp_plan, plan.tp, **shares))
+        per_stage.append(parameters_per_rank(stages.local, tp_plan, plan.tp, **shares))
     return total, per_stage
 
 

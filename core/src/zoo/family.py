@@ -164,11 +164,11 @@ class Family:
     default_dataset: str | None = None  # a dataset name from a `zoo_datasets` hook
     checkpoint_formats: Mapping[str, Ref] = field(default_factory=dict)
     generate: Ref | None = None
-    # Tensor parallelism, applied by the core (`zoo.parallel.apply`): module-name patterns ("*" for
-    # one name component) -> "column", "column_gated" ([gate; up] halves split per rank),
-    # "column_context" (a column split fed by a replicated side input such as text), "row",
-    # "vocab_embedding" or "vocab_head"; and per module pattern the attributes holding head counts
-    # that become per-rank counts.
+    # Tensor parallelism of the family's own modules (the core derives its own layers' split:
+    # `zoo.parallel.apply.derived_plan`): module-name patterns ("*" for one name component) ->
+    # "column", "column_gated" ([gate; up] halves split per rank), "column_context" (a column split
+    # fed by a replicated side input such as text), "row", "vocab_embedding", "vocab_head", ...;
+    # and per module pattern the attributes holding head counts that become per-rank counts.
     tp_plan: Mapping[str, str] = field(default_factory=dict)
     tp_local: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # Pipeline stages (and the sequence-parallel region): None means the family runs with pp=1 only.
@@ -234,6 +234,13 @@ class DatasetSpec:
     # Every sample packs several documents, kept apart by ``segment_ids`` (and ``position_ids`` from
     # 0 in each): only a family whose model reads them may train on it (`check_dataset`).
     packed: bool = False
+    # Samples handed out by global sample index (`zoo.config.rampup.rank_micro_batches`), so that
+    # any layout and resume sees the same ones: a growing batch (`train.rampup_batch_size`) runs on it.
+    indexed: bool = False
+    # ``clips(count, *, frames, size) -> Iterator[(pixels, caption, info)]``: a built-in video source
+    # `zoo prepare video --dataset NAME` writes as an Energon dataset; ``pixels`` (frames, size,
+    # size) in [0, 1], ``info`` a JSON-able dict stored beside it. Raising ValueError names a bad option.
+    clips: Ref | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -350,4 +357,4 @@ def check_dataset(family: Family, dataset: DatasetSpec, run: Any) -> None:
         what = f"packed documents (dataset {dataset.name})" if dataset.packed else "data.reset_attention_mask"
         raise ConfigError(f"{what}: family {family.name!r} keeps no packed documents apart (its model reads no "
                           "segment_ids), so each would run on into the next")
-    rampup.check_run(run, dataset.name)
+    rampup.check_run(run, dataset)

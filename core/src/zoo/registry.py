@@ -181,11 +181,13 @@ BUILTIN_DATASETS = (
         "byte-level BPE trained locally to model.vocab_size",
         build="zoo.data.corpus:build",
         tokenizer="zoo.data.corpus:tokenizer_dir",
+        indexed=True,
     ),
     DatasetSpec(
         name="megatron",
         description="Megatron indexed data named by data.path (zoo prepare or Megatron-LM preprocess_data.py output)",
         build="zoo.data.megatron:build",
+        indexed=True,
     ),
     DatasetSpec(
         name="sft",
@@ -194,6 +196,7 @@ BUILTIN_DATASETS = (
         build="zoo.data.sft:build",
         tokenizer="zoo.data.sft:tokenizer_dir",
         packed=True,
+        indexed=True,
     ),
     DatasetSpec(
         name="energon",

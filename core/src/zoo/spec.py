@@ -2,18 +2,18 @@
 
 A spec is data, not a program. It says *which* attention, MLP or mixture of experts, norm,
 position embedding, state-space mixer or conditioning a block uses; the sizes (hidden width,
-heads, layers) live in the family's config dataclass. The core reads specs to apply parallelism
-and activation recomputation from outside the model (a column/row split for an `AttentionSpec`,
-expert sharding for a `MoESpec`, recompute of the attention core for selective recomputation),
-so a model file never changes when the layout does.
+heads, layers) live in the family's config dataclass. A family's ``build`` turns a spec into
+modules; the core's layers for this vocabulary (`zoo.nn.layers`, `zoo.nn.moe`, `zoo.nn.linear`)
+declare how they split under tensor parallelism and where recomputation applies, so a model file
+never changes when the layout does (docs/plugins.md: what the core reads from a plugin).
 
 Rules, learnt from Megatron-Core's spec builders growing into flag factories:
 - every spec is a frozen dataclass with keyword-only fields; build them as module constants;
 - a variant is its own named spec (``GPT2_BLOCK``, ``LLAMA_BLOCK``), never another boolean passed
   to a function that returns a spec;
 - third parties extend the vocabulary by subclassing `MixerSpec`, `FeedForwardSpec` or
-  `ConditioningSpec` with their own frozen dataclass; the core treats a subclass it does not know
-  as replicated (no tensor parallel split) unless a later hook tells it otherwise.
+  `ConditioningSpec` with their own frozen dataclass and build their own module for it, whose
+  tensor-parallel split the family declares (``tp_plan``) or the module itself does.
 """
 
 from __future__ import annotations

@@ -215,7 +215,7 @@ def test_a_compiler_failure_falls_back_to_eager_and_says_so_once(on, monkeypatch
 
 
 def test_a_profiler_trace_names_each_compiled_kernel(on):
-    """Inside a profiler window a compiled kernel's call is the range ``zoo.fused.<name>`` (inductor's
+    """Inside a profiler window a compiled kernel's call is the range ``zoo_cpu_kernels.fused.<name>`` (inductor's
     own event is named by a hash of its graph)."""
     x, g = torch.randn(64, 96), torch.randn(64, 96)
     want = fused.gelu_tanh_backward(g, x)  # (compiled here, outside the window)
@@ -223,8 +223,8 @@ def test_a_profiler_trace_names_each_compiled_kernel(on):
         got = fused.gelu_tanh_backward(g, x)
     assert torch.equal(got, want)
     names = [e.name for e in prof.events()]
-    assert names.count("zoo.fused.gelu_tanh_backward") == 1, sorted(set(names))
-    assert not any(n.startswith("zoo.fused.") and n != "zoo.fused.gelu_tanh_backward" for n in names)
+    assert names.count("zoo_cpu_kernels.fused.gelu_tanh_backward") == 1, sorted(set(names))
+    assert not any(n.startswith("zoo_cpu_kernels.fused.") and n != "zoo_cpu_kernels.fused.gelu_tanh_backward" for n in names)
 
 
 def test_tiny_tensors_and_off_never_compile(monkeypatch):
@@ -268,7 +268,7 @@ def test_a_kernel_is_only_called_with_the_inputs_it_was_built_for(on, monkeypatc
     a, b = torch.randn(56, 40), torch.randn(72, 48)
     monkeypatch.setattr(fused, "_seen", {})
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="zoo.fused")
+        warnings.filterwarnings("error", message="zoo_cpu_kernels.fused")
         assert torch.equal(fused.transpose(a), a.t())
         monkeypatch.setattr(fused, "_seen", {})
         assert torch.equal(fused.transpose(b), b.t())
@@ -290,7 +290,7 @@ def test_a_torch_without_standalone_compile_gets_torch_compiles_kernel_for_the_s
     fused._compiled.cache_clear()
     before = fused.built
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="zoo.fused")
+        warnings.filterwarnings("error", message="zoo_cpu_kernels.fused")
         got = fused.modulated_ln(x, shift, scale, 1e-3, torch.float32)
         a = torch.randn(40, 24)
         assert torch.equal(fused.transpose(a), a.t())
@@ -314,7 +314,7 @@ def test_each_of_a_kernels_first_sizes_gets_a_kernel_of_its_own_then_one_for_any
     torch._dynamo.utils.counters.clear()
     shapes = [(40 + 8 * i, 24 + 8 * i) for i in range(fused._SIGNATURES + 2)]
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="zoo.fused")
+        warnings.filterwarnings("error", message="zoo_cpu_kernels.fused")
         for shape in shapes + shapes[:2] + shapes[-1:]:  # then sizes seen before
             a = torch.randn(*shape)
             got = fused.transpose(a)
@@ -403,7 +403,7 @@ def test_one_kernel_per_dtype_whatever_grad_mode_autocast_or_view(on, monkeypatc
     fused._compiled.cache_clear()
     before = fused.built
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="zoo.fused")
+        warnings.filterwarnings("error", message="zoo_cpu_kernels.fused")
         for dtype in (torch.float32, torch.bfloat16):
             for grad in (True, False):
                 for autocast in (False, True):

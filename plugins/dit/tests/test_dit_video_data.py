@@ -8,7 +8,7 @@ import torch
 
 
 def test_clips_move_as_captioned_and_the_measure_reads_it():
-    from zoo.data.moving_digits import caption, clips, direction_of
+    from zoo_dit.moving_digits import caption, clips, direction_of
 
     seen = set()
     for clip, digit, direction in clips(100, frames=8, size=16, seed=1):
@@ -23,7 +23,7 @@ def test_clips_move_as_captioned_and_the_measure_reads_it():
 
 
 def test_the_quality_judge_reads_real_clips_and_catches_wrong_captions():
-    from zoo.data.moving_digits import clips, judge
+    from zoo_dit.moving_digits import clips, judge
 
     real = list(clips(60, seed=2))
     stacked = np.stack([c for c, _, _ in real])
@@ -67,6 +67,48 @@ def test_moving_digits_dataset_feeds_the_video_dit(tmp_path):
     assert batch["context"].shape[-1] == 64 and batch["context_segment_ids"].shape == batch["context"].shape[:2]
     value, _ = loss(build(cfg, DIT_VIDEO), batch)
     assert torch.isfinite(value)
+
+
+def test_zoo_prepare_video_writes_the_declared_clip_source_and_refuses_bad_options(tmp_path, capsys):
+    """`zoo prepare video` finds moving digits through the dataset's declared clip source: what it
+    writes decodes to the source's own clips and captions; an unknown dataset, and a canvas the
+    digit cannot cross, are one line each and write nothing."""
+    import io
+    import json
+    import tarfile
+
+    from zoo_dit.moving_digits import source
+
+    from zoo.testing import run_zoo
+
+    out = tmp_path / "mv"
+    res = run_zoo(capsys, "prepare", "video", str(out), "--count", "20", "--num-frames", "4", "--size", "12",
+                  "--split", "1,0,0")
+    assert res.returncode == 0, res.stderr
+    want = list(source(20, frames=4, size=12))
+    seen = set()
+    for shard in sorted(out.rglob("*.tar")):  # read as plain tar members: key.npy, key.txt
+        with tarfile.open(shard) as tar:
+            for m in tar.getmembers():
+                key, _, ext = m.name.partition(".")
+                data = tar.extractfile(m).read()
+                clip, text, info = want[int(key)]
+                if ext == "npy":
+                    pixels = np.load(io.BytesIO(data), allow_pickle=False)
+                    assert pixels.shape == (1, 4, 12, 12) and np.array_equal(pixels[0], clip * 2 - 1), key
+                    seen.add(int(key))
+                elif ext == "txt":
+                    assert data.decode() == text, key
+                elif ext == "json":
+                    assert {k: v for k, v in json.loads(data).items() if k in info} == info, key
+    assert seen == set(range(20))
+
+    for i, (args, message) in enumerate([(("--dataset", "moving-digit"), "did you mean moving-digits"),
+                                         (("--size", "8", "--count", "4"), "--size 8: the 8 x 8 digit needs")]):
+        bad = tmp_path / f"bad{i}"
+        res = run_zoo(capsys, "prepare", "video", str(bad), *args)
+        assert res.returncode in (1, 2) and message in res.stderr, (args, res.stderr)
+        assert len(res.stderr.strip().splitlines()) == 1 and not bad.exists(), args
 
 
 def test_train_and_generate_a_clip_from_a_prompt(tmp_path, capsys):

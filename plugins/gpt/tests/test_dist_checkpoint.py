@@ -393,7 +393,8 @@ def test_hf_import_under_tp_reads_only_the_rows_of_each_shard(tmp_path, family):
     from zoo.checkpoint.mapping import from_external
     from zoo.checkpoint.slicing import read_sliced
     from zoo.checkpoint.tensorio import LazyTensors
-    from zoo.parallel.apply import _matches
+    from zoo.family import resolve
+    from zoo.parallel.apply import _matches, tensor_parallel_plan
     from zoo.parallel.sharding import TPShard
     from zoo.registry import get_registry
 
@@ -405,7 +406,10 @@ def test_hf_import_under_tp_reads_only_the_rows_of_each_shard(tmp_path, family):
     hf.save_pretrained(tmp_path / "hf")
     _, fmt, config, _, _ = _hf_source(tmp_path / "hf")
     full = from_external(fmt.table(config), LazyTensors(tmp_path / "hf"), config)
-    plan = get_registry().get(family).family.tp_plan
+    fam = get_registry().get(family).family
+    with torch.device("meta"):
+        model = resolve(fam.build, owner=family)(config, fam.spec_for(config))
+    plan = tensor_parallel_plan(model, fam.tp_plan)[0]
     tp = 2
     for rank in range(tp):
         wanted, expected = {}, {}

@@ -1,5 +1,7 @@
-"""GPT-2 and LLaMA under tensor parallelism (tp=2, gloo), applied by the core from the family's
-plan: loss and every gradient (gathered to full shape) equal the single-process model."""
+"""GPT-2 and LLaMA under tensor parallelism (tp=2, gloo), applied by the core from the plan it
+derives from the model's layers (the families declare none): loss and every gradient (gathered to
+full shape) equal the single-process model, also for a family run with another family's layer spec
+(LLaMA's config with GPT-2's ungated MLP), which a plan written per family split wrongly."""
 
 from __future__ import annotations
 
@@ -27,24 +29,29 @@ def _style(name: str, plan: dict) -> str | None:
     return next((s for p, s in plan.items() if _matches(mod, p)), None)
 
 
-def _run(family: str, tp: int) -> dict:
+def _run(family: str, tp: int, layer_spec: str | None = None) -> dict:
+    import dataclasses
+
     import torch.distributed as dist
 
-    from zoo.parallel.apply import apply_tensor_parallel
+    from zoo.parallel.apply import apply_tensor_parallel, tensor_parallel_plan
     from zoo.registry import get_registry
 
     fam = get_registry().get(family).family
     from zoo.family import resolve
 
     cfg = fam.flavors["tiny"]()
+    if layer_spec is not None:
+        cfg = dataclasses.replace(cfg, layer_spec=layer_spec)
     build, example = resolve(fam.build, owner="t"), resolve(fam.example_batch, owner="t")
     torch.manual_seed(0)
     model = build(cfg, fam.spec_for(cfg))
+    plan, local = tensor_parallel_plan(model, fam.tp_plan, fam.tp_local)
     batch = example(cfg, batch_size=2, seq_length=16, generator=torch.Generator().manual_seed(1))
     group = dist.group.WORLD if tp > 1 else None
     if tp > 1:
         full_rows = model.layers[0].attn.qkv.weight.shape[0]
-        apply_tensor_parallel(model, fam.tp_plan, fam.tp_local, group)
+        apply_tensor_parallel(model, plan, local, group)
         assert model.layers[0].attn.qkv.weight.shape[0] == full_rows // tp  # really sharded
         assert model.layers[0].attn.h == cfg.num_heads // tp
     loss = model(batch["tokens"], labels=batch["labels"])
@@ -54,7 +61,7 @@ def _run(family: str, tp: int) -> dict:
     split = tensor_parallel_shards(model)  # what the layers say they split (a row layer's bias is whole)
     grads = {}
     for name, p in model.named_parameters():
-        style = _style(name, fam.tp_plan) if tp > 1 else None
+        style = _style(name, plan) if tp > 1 else None
         if style is not None and name in split:
             grads[name] = _full_grad(name, p.grad, group, "column" if style in ("vocab_embedding", "vocab_head") else style)
         else:
@@ -62,10 +69,10 @@ def _run(family: str, tp: int) -> dict:
     return {"loss": loss.item(), "grads": grads}
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_tp2_equals_single_process(family):
-    ref = _run(family, 1)
-    for got in run_distributed(_run, 2, family, 2, timeout=180):
+@pytest.mark.parametrize("family, layer_spec", [("llama", None), ("gpt2", None), ("llama", "gpt2")])
+def test_tp2_equals_single_process(family, layer_spec):
+    ref = _run(family, 1, layer_spec)
+    for got in run_distributed(_run, 2, family, 2, layer_spec, timeout=180):
         assert abs(got["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"])
         assert got["grads"].keys() == ref["grads"].keys()
         for name, g in ref["grads"].items():

@@ -58,7 +58,8 @@ def rank_micro_batches(train: Any, *, split: str, consumed: int, dp_rank: int, d
     """The global sample indices of each of data-parallel rank ``dp_rank``'s micro-batches, from
     ``consumed`` samples on: its share of every global batch (``final`` samples; in training the
     ramp's size at the samples consumed before the step). What datasets read by global sample
-    index (`RAMPED`) hand out, so that any layout and any resume sees the same samples."""
+    index (a `DatasetSpec` with ``indexed=True``) hand out, so that any layout and any resume sees
+    the same samples."""
     mbs, g = train.micro_batch_size, consumed
     while True:
         gbs = batch_size_at(train, g, final) if split == "train" else final
@@ -69,18 +70,16 @@ def rank_micro_batches(train: Any, *, split: str, consumed: int, dp_rank: int, d
         g += gbs
 
 
-RAMPED = ("megatron", "python-docs", "sft")
-
-
-def check_run(run: Any, dataset: str) -> None:
-    """Refuse a ramp where it cannot run: a dataset outside `RAMPED`, CUDA graphs."""
+def check_run(run: Any, dataset: Any) -> None:
+    """Refuse a ramp where it cannot run: a dataset (a `DatasetSpec`) not read by global sample
+    index, CUDA graphs."""
     from zoo.errors import ConfigError
 
     if not run.train.rampup_batch_size:
         return
-    if dataset not in RAMPED:
-        raise ConfigError(f"train.rampup_batch_size with dataset {dataset!r}: a growing batch needs data read by "
-                          f"global sample index ({', '.join(RAMPED)})")
+    if not dataset.indexed:
+        raise ConfigError(f"train.rampup_batch_size with dataset {dataset.name!r}: a growing batch needs data read "
+                          "by global sample index (such as megatron, python-docs, sft)")
     if run.train.cuda_graph:
         raise ConfigError("train.rampup_batch_size with train.cuda_graph=true: a growing number of micro-batches "
                           "a step is not captured; ramp eagerly")
@@ -102,4 +101,4 @@ def check(train: Any, *, final: int, per_step: int, pp: int, vpp: int) -> None:
                               f"of pp={pp}")
 
 
-__all__ = ["RAMPED", "batch_size_at", "check", "check_run", "samples_for", "sizes", "step"]
+__all__ = ["batch_size_at", "check", "check_run", "samples_for", "sizes", "step"]

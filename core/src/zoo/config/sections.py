@@ -248,28 +248,29 @@ class TrainConfig:
     freeze: list[str] = field(default_factory=list)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Flush subnormal floats to zero on the CPU (process-wide; CUDA is unaffected). Some x86 CPUs run
-    # them on a slow microcode path and bf16 AdamW produces them: a Mixtral bf16 step went 10.9 -> 2.5 s
-    # on one such VM, on another no change (docs/benchmarks.md). Changes no value above 1.2e-38.
+    # them on a slow microcode path and bf16 AdamW produces them (a step several times slower on some
+    # VMs, no change on others). Changes no value above 1.2e-38.
     flush_denormal: bool = False
     # On a CPU, keep freed memory in the process for the next step instead of returning it to the
-    # system and page-faulting it back (zoo.training.malloc; a bf16 LLaMA step 10% faster). A MALLOC_*
+    # system and page-faulting it back (zoo_cpu_kernels.malloc, when installed). A MALLOC_*
     # variable in the environment or a preloaded jemalloc/tcmalloc wins. "system": glibc's defaults.
     cpu_malloc: Literal["retain", "system"] = "retain"
-    # float32 matrix products on a CPU (zoo.gemm): "auto" takes oneDNN's where torch's BLAS is MKL on
-    # a non-Intel x86 with AVX-512 (MKL's generic kernels stop at AVX2: 2.2x slower on a Zen 5; on an
-    # AVX2-only Zen 3 they are the faster), "onednn" always, "blas" never. tanh-GELU on a CPU is
-    # oneDNN's kernel (2.7x torch's) where "auto" finds AVX-512 or "onednn" asks, and a bf16 autocast
-    # linear one oneDNN call with its bias (keeping the fp32 weight, not a bf16 copy, for backward)
-    # where the CPU has bf16 instructions, unless "blas". fp16 and accelerators are unaffected.
+    # float32 matrix products on a CPU (zoo_cpu_kernels.gemm, when zoo-cpu-kernels is installed):
+    # "auto" takes oneDNN's where torch's BLAS is MKL on a non-Intel x86 with AVX-512 (MKL's generic
+    # kernels there stop at AVX2; on an AVX2-only CPU they are the faster), "onednn" always, "blas"
+    # never. tanh-GELU on a CPU is oneDNN's kernel where "auto" finds AVX-512 or "onednn" asks, and a
+    # bf16 autocast linear one oneDNN call with its bias (keeping the fp32 weight, not a bf16 copy,
+    # for backward) where the CPU has bf16 instructions, unless "blas". fp16 and accelerators are
+    # unaffected.
     cpu_gemm: Literal["auto", "onednn", "blas"] = "auto"
     # Elementwise work on a CPU (adaLN and RMS norms, SwiGLU, tanh-GELU's derivative, float32 weight
     # gradients' transposed operands) as kernels torch's compiler (inductor) generates, for tensors of
-    # >= 2^18 elements: "auto" where it can build them (a C++ compiler; ~2.5 s once per process),
-    # else torch's eager kernels, as under "eager" (zoo.fused).
+    # >= 2^18 elements: "auto" where it can build them (a C++ compiler; compiled once per process),
+    # else torch's eager kernels, as under "eager" (zoo_cpu_kernels.fused).
     cpu_fused: Literal["auto", "eager"] = "auto"
     # On one CUDA GPU: each micro-batch's forward and backward replayed from a CUDA graph captured once per
     # batch shape (zoo.parallel.cuda_graphs), so the host queues one launch, not hundreds of kernels: what a
-    # small model on a fast GPU waits on (a Mamba-2 step on an H200 19 -> 2.6 ms). Megatron's
+    # small model on a fast GPU waits on (docs/benchmarks.md). Megatron's
     # --enable-cuda-graph. fp32/bf16, no model parallelism or data parallelism; a forward that reads device
     # values on the host cannot be captured, and the run then goes on eagerly, saying why.
     cuda_graph: bool = False

@@ -134,10 +134,9 @@ def modulated_layer_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tens
     recomputed from what the norm keeps (one activation-sized tensor per norm fewer).
 
     Under autocast the output is in autocast's lower precision (what the linear layer that reads
-    it would cast it to: the same values), written so by the norm's own pass; a float32 output and
-    a separate cast each way (forward, recomputation, the gradient's widening) took ~16 ms of a
-    ~570 ms bf16 DiT-S step (docs/benchmarks.md, fortieth session). A caller that wants float32
-    math on the output disables autocast around the call."""
+    it would cast it to: the same values), written so by the norm's own pass, which saves a
+    float32 output and a separate cast each way (forward, recomputation, the gradient's
+    widening). A caller that wants float32 math on the output disables autocast around the call."""
     dtype = _autocast_output(x)
     k = kernels.active()
     y = _ModulatedLayerNormFn.apply(x, shift, scale, eps, dtype, k)

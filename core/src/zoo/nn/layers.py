@@ -34,12 +34,21 @@ class SelfAttention(nn.Module):
         self.q_factor = None if scale is None or scale == head_dim ** -0.5 else scale * head_dim ** 0.5
         self.h, self.kv, self.hd = heads, kv_heads, head_dim
         self.qkv = Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=spec.bias)
-        # Per-head norms of q and k before the rotation (Qwen3, OLMo 2); a family's tp_plan marks
-        # them per_head: whole on every rank, applied to its heads.
+        # Per-head norms of q and k before the rotation (Qwen3, OLMo 2); under tensor parallelism
+        # whole on every rank, applied to its heads.
         self.q_norm = make_norm(spec.qk_norm, head_dim, eps) if spec.qk_norm is not None else None
         self.k_norm = make_norm(spec.qk_norm, head_dim, eps) if spec.qk_norm is not None else None
         self.proj = Linear(heads * head_dim, hidden, bias=spec.bias if spec.out_bias is None else spec.out_bias)
         self.core = AttentionCore()  # softmax(q k^T) v; the core may make it ring attention or recompute it
+
+    # Under tensor parallelism (`zoo.parallel.apply.derived_plan`): each rank keeps whole KV groups
+    # of the fused q|k|v (its columns, laid out per group) and the matching input columns of the
+    # output; per-head norms stay whole and apply to the rank's heads; the head counts divide.
+    tensor_parallel_sizes = ("h", "kv")
+
+    def tensor_parallel(self) -> dict[str, str]:
+        norms = {"q_norm": "per_head", "k_norm": "per_head"} if self.q_norm is not None else {}
+        return {"qkv": "column", "proj": "row", **norms}
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: KVCache | None,
                 segment_ids: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,6 +85,13 @@ class MLP(nn.Module):
         self.gated, self.activation = spec.gated, spec.activation
         self.fc = Linear(hidden, ffn_hidden * (2 if spec.gated else 1), bias=spec.bias)
         self.proj = Linear(ffn_hidden, hidden, bias=spec.bias)
+
+    # Under tensor parallelism: the hidden units split, a gated [gate; up] per half so each rank
+    # holds matching gate and up rows; the output projection by its input columns.
+    tensor_parallel_sizes = ()
+
+    def tensor_parallel(self) -> dict[str, str]:
+        return {"fc": "column_gated" if self.gated else "column", "proj": "row"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:

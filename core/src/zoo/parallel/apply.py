@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -105,6 +105,61 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], local: Mapp
                         raise ValueError(f"{name}.{a}={value} does not split over tp={n}")
                     setattr(mod, a, value // n)
     return model
+
+
+def derived_plan(model: nn.Module) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """The tensor-parallel plan the layers of ``model`` declare themselves: module name -> style,
+    and module name -> the attributes counting heads that TP divides. A layer the core builds from
+    a layer spec says how it splits through two members (`SplitsUnderTP`): ``tensor_parallel()``,
+    names relative to it (``""``: itself) -> style, and ``tensor_parallel_sizes``. Megatron's split:
+
+    - `zoo.nn.layers.SelfAttention` (an `AttentionSpec`): the fused q|k|v ``column`` (laid out per
+      KV group, so a rank holds whole groups), the output ``row``, per-head q/k norms ``per_head``;
+    - `zoo.nn.layers.MLP` (an `MLPSpec`, also a MoE's shared expert): ``fc`` ``column_gated`` when
+      the spec is gated (the fused [gate; up] split per half), else ``column``; ``proj`` ``row``;
+    - `zoo.nn.linear.TokenEmbedding` / `zoo.nn.linear.LMHead` (``embedding="token"``, ``head="lm"``): the
+      vocabulary split (``vocab_embedding`` / ``vocab_head``).
+
+    Norms and everything else stay replicated; routed experts are sharded by expert parallelism.
+    A plugin's own module may declare the same two members instead of ``tp_plan`` patterns."""
+    plan: dict[str, str] = {}
+    sizes: dict[str, tuple[str, ...]] = {}
+    for name, mod in model.named_modules():
+        declare = getattr(mod, "tensor_parallel", None)
+        if not callable(declare):
+            continue
+        for leaf, style in declare().items():
+            plan[".".join(p for p in (name, leaf) if p)] = style
+        if getattr(mod, "tensor_parallel_sizes", ()):
+            sizes[name] = tuple(mod.tensor_parallel_sizes)
+    return plan, sizes
+
+
+class SplitsUnderTP(Protocol):
+    """What a module declares to be split by the core under tensor parallelism (`derived_plan`)."""
+
+    tensor_parallel_sizes: tuple[str, ...]  # attributes counting heads, divided by the TP size
+
+    def tensor_parallel(self) -> Mapping[str, str]: ...
+
+
+def tensor_parallel_plan(model: nn.Module, declared: Mapping[str, str] | None = None,
+                         declared_local: Mapping[str, tuple[str, ...]] | None = None
+                         ) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """The plan `apply_tensor_parallel` takes for ``model``: a family's own entries (``tp_plan``,
+    ``tp_local``: patterns for the modules the spec vocabulary does not describe) first, then what
+    the core derives (`derived_plan`) for every module those entries do not name."""
+    declared, declared_local = dict(declared or {}), dict(declared_local or {})
+    derived, sizes = derived_plan(model)
+    plan = {**declared, **{n: s for n, s in derived.items() if not any(_matches(n, p) for p in declared)}}
+    local = {**declared_local,
+             **{n: a for n, a in sizes.items() if not any(_matches(n, p) for p in declared_local)}}
+    return plan, local
+
+
+def splits(model: nn.Module, plan: Mapping[str, str]) -> bool:
+    """Whether ``plan`` splits any module of ``model`` (a plan naming nothing it holds splits nothing)."""
+    return any(any(_matches(n, p) for p in plan) for n, _ in model.named_modules())
 
 
 def per_head_parameters(model: nn.Module, plan: Mapping[str, str]) -> set[str]:
@@ -211,9 +266,9 @@ _NORM_ROW = 2048
 
 def sum_of_squares(g: torch.Tensor) -> torch.Tensor:
     """``(g ** 2).sum()`` as a float64 scalar, to ~2e-7 relative, in one read of ``g``: float32 norms
-    of 2048-element rows, squared and summed in float64. (A float64 copy, its square and a sum took
-    39x longer on a 2-core CPU and ~10 ms of a 1B model's step on an H100; a float32 norm of a whole
-    tensor is off by 1e-3 over 16M elements, accumulating sequentially.)"""
+    of 2048-element rows, squared and summed in float64. (A float64 copy, its square and a sum cost
+    a copy of every gradient at twice its width; a float32 norm of a whole tensor is off by 1e-3
+    over 16M elements, accumulating sequentially.)"""
     f = g.detach().reshape(-1)
     n = f.numel() // _NORM_ROW * _NORM_ROW
     rows = torch.linalg.vector_norm(f[:n].view(-1, _NORM_ROW), dim=1, dtype=torch.promote_types(f.dtype, torch.float32))

@@ -1,8 +1,8 @@
 """A micro-batch's forward and backward replayed from a CUDA graph (``train.cuda_graph``).
 
-A small model on a fast GPU is bound by the host, not the GPU: on an H200 a Mamba-2 training step
-of ~450 kernels took 19 ms to queue while the GPU worked 2.5 ms of it, a DiT-S step 36 ms for
-10.5 ms of work. Captured once and replayed, the host queues one graph launch instead of every
+A small model on a fast GPU is bound by the host, not the GPU: the host takes longer to queue a
+step's hundreds of kernels than the GPU takes to run them. Captured once and replayed, the host
+queues one graph launch instead of every
 kernel and the step takes the GPU's time (docs/benchmarks.md). Megatron offers the same
 (``--enable-cuda-graph``); this is its one-GPU form, over any family, built on
 ``torch.cuda.CUDAGraph``.

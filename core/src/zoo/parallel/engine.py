@@ -73,15 +73,16 @@ class Parallel:
         # Dropout inside TP regions draws from this (`tp_rng.fork()`); saved with checkpoints.
         self.tp_rng = TensorParallelRNG(seed, self.tp_rank)
         seq, pipe = family.sequence, family.pipeline
+        tp_plan, tp_local = tp_apply.tensor_parallel_plan(model, family.tp_plan, family.tp_local)
         if lay.tp > 1:
             with torch.device("meta") if init is not None else contextlib.nullcontext():
-                tp_apply.apply_tensor_parallel(model, family.tp_plan, family.tp_local, self.tp_group)
+                tp_apply.apply_tensor_parallel(model, tp_plan, tp_local, self.tp_group)
         self.sequence_parallel = lay.sequence_parallel and lay.tp > 1
         experts = self._expert_parallel(model, init is not None)
         shards = {**tp_apply.tensor_parallel_shards(model), **experts}
         # Gradients summed over TP after backward: per-head norms (partial per rank's heads) and,
         # under sequence parallelism, whatever a block applies to its sequence shard.
-        on_shards: set[str] = tp_apply.per_head_parameters(model, family.tp_plan) if lay.tp > 1 else set()
+        on_shards: set[str] = tp_apply.per_head_parameters(model, tp_plan) if lay.tp > 1 else set()
         if self.sequence_parallel:
             assert pipe is not None  # the layout checked it
             on_shards |= tp_apply.apply_sequence_parallel(model, pipe.layers, seq.dim if seq else 1, self.tp_group)

@@ -191,11 +191,26 @@ def plan(run: RunConfig, *, world_size: int, family: Family | None = None) -> La
     )
 
 
+def _declares_splits(run: RunConfig, fam: Family) -> bool:
+    """Whether the family's model, built on the meta device (no memory), holds layers that declare
+    their tensor-parallel split (`zoo.parallel.apply.derived_plan`)."""
+    import torch
+
+    from zoo.family import resolve
+    from zoo.parallel.apply import derived_plan
+
+    with torch.device("meta"):
+        model = resolve(fam.build, owner=f"family {fam.name!r}")(run.model, fam.spec_for(run.model))
+    return bool(derived_plan(model)[0])
+
+
 def _check_family(run: RunConfig, fam: Family) -> None:
     """What the family or the precision cannot do under this layout."""
     p = run.parallel
-    if p.tp > 1 and not fam.tp_plan:
-        raise ConfigError(f"parallel.tp={p.tp}: family {fam.name!r} declares no tp_plan")
+    if p.tp > 1 and not fam.tp_plan and not _declares_splits(run, fam):
+        raise ConfigError(f"parallel.tp={p.tp}: family {fam.name!r} declares no tp_plan, and its model holds none "
+                          "of the core's layers that split themselves (zoo.nn.layers' SelfAttention and MLP, "
+                          "zoo.nn.linear's TokenEmbedding and LMHead)")
     if (p.pp > 1 or p.sequence_parallel) and fam.pipeline is None:
         what = f"parallel.pp={p.pp}" if p.pp > 1 else "parallel.sequence_parallel"
         raise ConfigError(f"{what}: family {fam.name!r} declares no pipeline spec (its layer list)")

@@ -346,7 +346,7 @@ def run_zoo_ranks(nproc: int, *args: str, timeout: float = 600.0, env: Mapping[s
 
 
 def compiled_kernels() -> Any:
-    """A generator fixture body: `zoo train`'s default compiled CPU kernels (`zoo.fused`) for the
+    """A generator fixture body: `zoo train`'s default compiled CPU kernels (`zoo_cpu_kernels.fused`) for the
     tests that use it, where the suite's conftest switched them off (``ZOO_BACKENDS=-inductor``:
     ~3 s of compiler import in every process that trains). A module whose quality thresholds were
     set with them declares

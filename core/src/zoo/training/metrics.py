@@ -155,14 +155,13 @@ def measured_peak_flops(device: str, dtype: Any) -> float:
     b = torch.randn(n, n, device=device, dtype=dtype)
     if device == "cpu":
         # as a layer's weight (N, K) is read: oneDNN's product takes b^T's rows as they lie. In b's
-        # own layout every timed product first transposed b (the peak read 199 GFLOP/s for 217 on
-        # a Zen 4) and the first one compiled `zoo.fused.transpose` (~4 s before the first step)
+        # own layout every timed product would first transpose b, and the peak would read low
         b = b.t()
     for _ in range(2):
         mm(a, b)
-    reps, best = 10 if device == "cpu" else 20, float("inf")  # best of many: a shared VM's one GEMM varies by 20%
-    # and on a CPU for at least 0.25 s: a Zen 3's MKL ramps up over its first ~10 products of 1024^3
-    # (100 -> 177 GFLOP/s), and a best of ten read 92 once, which put LLaMA's logged MFU at 137%
+    reps, best = 10 if device == "cpu" else 20, float("inf")  # best of many: one GEMM on a shared VM varies
+    # and on a CPU for at least 0.25 s: some BLAS libraries ramp up over their first products, and a
+    # peak read too low puts the logged MFU above 100%
     spent, i = 0.0, 0
     while i < reps or (device == "cpu" and spent < 0.25 and i < 200):
         i += 1

@@ -4,13 +4,12 @@ fewer than 1,024 keys on a CPU with AMX, where torch's kernel uses it), and fp32
 with grouped KV heads.
 
 torch's CPU flash-attention kernel (what `scaled_dot_product_attention` picks on a CPU) spends most
-of its time outside matrix products in bf16: on a 2-core AVX-512 machine whose bf16 GEMMs run at
-~1 TFLOP/s, one LLaMA layer's attention (4 x 512 tokens, 8 query and 2 KV heads of 64) takes 35 ms
-forward and backward, a third of a bf16 training step. The blocked path does the same work as
-oneDNN's batched GEMMs and torch's fused softmax kernels, a block of query rows at a time: 12 ms
-(measured by `benchmarks/attention_cpu.py`). In fp32 torch's kernel is near the GEMM speed and is
-kept, except for causal attention with grouped KV heads (1.05-1.55x faster blocked: its GEMMs are G
-times taller and half of them skipped; without both, 0.7-1.0x).
+of its time outside matrix products in bf16, where a CPU with fast bf16 GEMMs makes attention a
+large share of a training step. The blocked path does the same work as oneDNN's batched GEMMs and
+torch's fused softmax kernels, a block of query rows at a time, in a fraction of the time
+(`benchmarks/attention_cpu.py` measures both). In fp32 torch's kernel is near the GEMM speed and is
+kept, except for causal attention with grouped KV heads (faster blocked: its GEMMs are G times
+taller and half of them skipped; without both, not faster).
 
 - grouped-query heads are stacked as rows: the G query heads of one KV head and a block of
   positions form one matrix against that KV head's keys, so K and V are never repeated and each
@@ -40,26 +39,20 @@ from zoo_cpu_kernels.gemm import has_amx
 # A block is a chunk of (batch x KV head) matrices times a block of query rows: enough rows for
 # the GEMMs to run near the peak, few enough elements that the block's scores stay in cache for the
 # elementwise passes over them (masking, softmax, its backward). bf16/fp16 over long keys takes
-# blocks of twice the rows and four times the elements: at 2,048 positions of 64-wide heads forward
-# and backward took 4-13% less time so on a 2-core Zen 4 (alternating with the smaller blocks in one
-# process), where at 256-512 positions they took 0-6% more, and float32 causal 15% more.
+# blocks of twice the rows and four times the elements: faster from ~2,048 positions, slower at a
+# few hundred positions and for float32 causal attention.
 _BLOCK_ROWS = 256
 _BLOCK_ELEMENTS = 1 << 20
 _LONG_KEYS = 2048
 _LONG_BLOCK_ROWS = 512
 _LONG_BLOCK_ELEMENTS = 1 << 22
 # On a CPU with AMX, bf16/fp16 blocks of up to four times the elements whatever the length: the
-# batched GEMMs over more matrices run nearer AMX's peak and the scores still stream well. Forward
-# and backward on a 2-core Emerald Rapids (medians of 25, alternating in one process): DiT's
-# (8, 6, 256, 64) 8.1 against 9.4 ms, ViT's (8, 12, 197, 64) 13.9 against 15.1, causal LLaMA's
-# (4, 8 / 2, 512, 64) and (2, 8 / 2, 768, 64) level (20.9 / 20.6, 27.2 / 27.0); a bf16 DiT-S
-# training step 2.5% faster.
+# batched GEMMs over more matrices run nearer AMX's peak and the scores still stream well (faster
+# for DiT's and ViT's shapes, level for causal LLaMA's).
 _AMX_BLOCK_ELEMENTS = 1 << 22
 # On a CPU with AMX, torch's kernel computes bf16/fp16 attention with AMX tiles and is the faster
-# one from 1,024 keys on: forward and backward on a 2-core Emerald Rapids, torch against blocked,
-# (1, 16, 2,048, 64) bf16 causal 191 / 247 ms, full 247 / 411, fp16 229 / 375, packed (4 samples)
-# 285 / 398; (2, 16, 1,024, 64) 81 / 99 and 154 / 173; at 512-768 keys the blocked path still wins
-# (LLaMA's (4, 8 / 2, 512, 64) causal 1.81x, DiT's 256 tokens 1.9x, (2, 8 / 2, 768, 64) 1.03-1.06x).
+# one from 1,024 keys on (causal, full, fp16 and packed alike); below 1,024 keys the blocked path
+# still wins.
 # Decided from the CPU's flags, not timed, so every process of a run computes the same way.
 _AMX_TORCH_KEYS = 1024
 
@@ -72,10 +65,9 @@ def blocked_supported(q: torch.Tensor, k: torch.Tensor, *, causal: bool, segment
     window; more than one query (a decoding step is a matrix-vector product either way);
     self-attention or cross-attention without packed keys.
 
-    A sliding window is a mask to torch's kernel, which then computes every query against every key:
-    forward and backward on a 2-core Zen 4 (`benchmarks/attention_cpu.py`), (1, 8 / 2, 4,096, 64)
-    with a window of 512 took 671 / 114 ms in bf16 and 843 / 212 ms in fp32; multi-head fp32
-    (1, 16, 2,048, 64) with 256, 455 / 143 ms; (4, 8, 512, 64) with 128, level (56 ms).
+    A sliding window is a mask to torch's kernel, which then computes every query against every key;
+    the blocked path computes T x window (`benchmarks/attention_cpu.py`: several times faster for a
+    window much shorter than the sequence, level when they are close).
 
     Soft-capped scores (``softcap``, Gemma 2's) are beyond torch's kernel: on a CPU the blocked path
     takes them in every dtype, elsewhere `attend` writes the scores out (`_capped_attention`)."""
@@ -134,14 +126,13 @@ class _Plan:
                  softcap: float | None = None, use_native: bool = False) -> None:
         self.b, self.kv, self.g, self.t, self.s = b, kv, h // kv, t, s
         self.causal, self.offset, self.window, self.softcap = causal, offset, window, softcap
-        # The softmax scale is the products' own alpha (``scaled``): a scaled copy of q cost 4x a
-        # plain one (0.24 against 0.05 ms for DiT-S's bf16 q), and a rounded scaled q is no more
+        # The softmax scale is the products' own alpha (``scaled``): a scaled copy of q costs several
+        # times a plain one, and a rounded scaled q is no more
         # exact; with a power-of-two scale (64-wide heads) the bits are the same either way.
         self.scale = like.shape[-1] ** -0.5
         # bf16 on a CPU with zoo_cpu_kernels.native's softmax: the scale is applied inside the softmax and its
-        # backward instead (`softmax`), every product plain: oneDNN's product with an alpha took
-        # 10-40% longer than without (DiT-S's (48, 256, 64) blocks on a 2-core Xeon with AMX:
-        # scores 0.63 against 0.56 ms, dK 0.96 against 0.68). The -inf of the masks stay -inf.
+        # backward instead (`softmax`), every product plain: oneDNN's product with an alpha takes
+        # longer than without on AMX. The -inf of the masks stay -inf.
         self.native = softcap is None and like.dtype == torch.bfloat16 and like.device.type == "cpu" \
             and use_native and has_amx() and native.softmax_ok(s)
         self.alpha = 1.0 if self.native else self.scale
@@ -273,8 +264,8 @@ def _keeps_probs(plan: _Plan, hd: int, dtype: torch.dtype, per_score: int = 1) -
     diagonal) hold at most as many elements as the q, k, v and output kept anyway, hd x (2T + 2S)
     per KV group, twice as many in bf16/fp16, where products are 2-4x float32's speed and the
     recomputation a larger share of the step. That keeps a DiT's 256 tokens (6 MiB a layer in bf16)
-    and a bf16 causal LLaMA's 512 of 64-wide heads (9 MiB a layer for 4 x 512 tokens: 7% more
-    saved memory for a 5% faster step on a 2-core Zen 4), never a long sequence. ``per_score``: the
+    and a bf16 causal LLaMA's 512 of 64-wide heads (9 MiB a layer for 4 x 512 tokens: a little
+    more saved memory for a faster step), never a long sequence. ``per_score``: the
     tensors of a block's size kept (soft-capped scores keep the cap's slope as well: 2)."""
     kept = sum((m1 - m0) * (ts.stop - ts.start) * plan.g * (end - start)
                for _, _, ts, m0, m1, _, start, end in plan.blocks())

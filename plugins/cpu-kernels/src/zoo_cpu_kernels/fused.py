@@ -4,17 +4,17 @@ compiler (inductor: C++ with OpenMP and vector instructions) where it can build 
 On a CPU, torch runs each elementwise operation as its own pass over memory: DiT's adaLN
 (`zoo.nn.modulated_layer_norm`) is ~10 passes forward, recomputation and backward, and tanh-GELU's
 derivative spends its time in SLEEF's tanh. Compiled, the adaLN is one pass each way and GELU's
-derivative takes its tanh from an exponential (``(1 + tanh u) / 2 = sigmoid(2u)``): 6x and 2.2x
-faster alone on a 2-core AMD EPYC (bf16, 8 x 256 x 384 and 2048 x 1536), ~4% of a bf16 DiT-S step.
-tanh-GELU itself is computed the same way where `zoo.gemm.gelu_tanh` finds it faster than oneDNN's.
+derivative takes its tanh from an exponential (``(1 + tanh u) / 2 = sigmoid(2u)``), each several
+times faster than torch's eager passes. tanh-GELU itself is computed the same way where
+`zoo_cpu_kernels.gemm.Gemm.gelu_tanh` finds it faster than oneDNN's.
 adaLN-Zero's gated residual (one pass each way where eager torch takes three), LLaMA's RMS norm,
 SwiGLU (forward and backward), the LM loss's softmax gradient and the transposed copy of a float32
-weight gradient's operand that oneDNN's inner product wants dense (tiled: ~3.5x torch's strided
-copy; `zoo.gemm._product`) are compiled the same way; the Mamba mixers' convolution + SiLU and
-Mamba-2's gated norm (`zoo_mamba.ssm_fused`) through `run` here. (zoo's own C kernels, for what no
-compiler writes fast: `zoo.native`.)
+weight gradient's operand that oneDNN's inner product wants dense (tiled, several times torch's
+strided copy; `zoo_cpu_kernels.gemm`) are compiled the same way; the Mamba mixers' convolution +
+SiLU and Mamba-2's gated norm (`zoo_mamba.ssm_fused`) through `zoo.kernels.Kernels.fuse`. (zoo's
+own C kernels, for what no compiler writes fast: `zoo_cpu_kernels.native`.)
 
-Used for CPU tensors of at least `_MIN_ELEMENTS` elements (a compile costs ~2.5 s per process,
+Used for CPU tensors of at least `MIN_ELEMENTS` elements (a compile costs seconds per process,
 once for each of the first `_SIGNATURES` sets of sizes a kernel sees and once more for any others;
 tiny tensors gain nothing from it) when `configure` turned it on (``train.cpu_fused``).
 Each kernel is deterministic (a fixed order of every reduction), so a recomputed output equals
@@ -64,9 +64,9 @@ def run(name: str, fn: Callable[..., Any], eager: Callable[..., Any], *args: Any
     """``fn(*args)`` compiled; on a compiler failure, ``eager(*args)`` now and from then on (for this
     kernel only: a recomputation then takes the path its forward took, whatever fails meanwhile).
     Under a profiler (`logging.profile`, `benchmarks/step_profile.py`) the call is the range
-    ``zoo.fused.<name>``: inductor's own event names only its graph's hash."""
+    ``zoo_cpu_kernels.fused.<name>``: inductor's own event names only its graph's hash."""
     if _profiling():
-        with torch.profiler.record_function(f"zoo.fused.{name}"):
+        with torch.profiler.record_function(f"zoo_cpu_kernels.fused.{name}"):
             return _run(name, fn, eager, *args)
     return _run(name, fn, eager, *args)
 
@@ -92,7 +92,7 @@ def _run(name: str, fn: Callable[..., Any], eager: Callable[..., Any], *args: An
         with torch.no_grad():
             out = eager(*args)  # the inputs' own fault raises here, and the compiler is not blamed
         _BROKEN[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-        warnings.warn(f"zoo.fused: compiling {name} failed, using torch's eager kernels for it from now on "
+        warnings.warn(f"zoo_cpu_kernels.fused: compiling {name} failed, using torch's eager kernels for it from now on "
                       f"({_BROKEN[name]}); train.cpu_fused=eager skips trying", RuntimeWarning, stacklevel=4)
         return out
 
@@ -135,9 +135,8 @@ def _compiled(name: str, fn: Callable[..., Any], sig: tuple[Any, ...] | None) ->
     """Kernel ``name`` for inputs of signature ``sig`` (keyed by the signature itself, so a kernel
     is only ever called with the inputs it was built for), or for any size (``None``)."""
     # Sizes as constants: a kernel compiled for them takes no divisions or symbolic strides in its
-    # index arithmetic (Mamba-2's step at T = 2,048: 1.5-1.8% faster than compiled for any size;
-    # the tiled transposition of a weight gradient's operand 35-40% faster alone, inside a step
-    # Mamba-2's 3.9 -> 3.4 ms and a float32 DiT's 23.8 -> 21.8). Each of the first signatures is
+    # index arithmetic (faster than compiled for any size, the tiled transposition most). Each of
+    # the first signatures is
     # compiled for its sizes alone (`_Static`); later ones share one kernel for any size, which
     # dynamo guards (it compiles a second set of sizes of one function for any size).
     if sig is None:
@@ -150,11 +149,8 @@ class _Static:
     arguments' values: `_signature`), at its first call, from the graph of that call (`make_fx`)
     through ``torch._inductor.standalone_compile``: no dynamo. `run` calls it only with inputs of
     that signature, so the guards dynamo would evaluate on every call are settled already, and
-    they cost more than many of these kernels: `run` of a compiled tanh-GELU on 64 elements took
-    ~90 us through ``torch.compile``, 12 us so, and 199 against 116 us on 512 x 512 (bf16, 2
-    threads; the same generated code and bits). Steps alternating in one process on a 2-core
-    Emerald Rapids: Mamba-2 at T = 2,048 (13 kernels) 189.6 -> 185.4 ms, a DiT-S step bf16 and
-    fp32 2.6% faster (rounds' medians). A torch without ``standalone_compile`` gets
+    they cost more than many of these kernels take (the same generated code and bits either
+    way). A torch without ``standalone_compile`` gets
     ``torch.compile``'s kernel for the sizes instead, called in `run`'s state."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
@@ -211,7 +207,7 @@ def _transpose(a: torch.Tensor) -> torch.Tensor:
 
 
 def transpose(a: torch.Tensor) -> torch.Tensor:
-    """``a.t().contiguous()`` of a 2-D ``a``, tiled by inductor: 3.5-4.4x torch's strided copy on a Zen 4."""
+    """``a.t().contiguous()`` of a 2-D ``a``, tiled by inductor: several times torch's strided copy."""
     return run("transpose", _transpose, _transpose, a)
 
 
@@ -383,8 +379,7 @@ def _swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
 
 def swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """``[d gate | d up]`` of `swiglu` for the incoming gradient ``grad``, in float32, rounded once
-    (eager: torch's ops, each rounding to the tensors' dtype). 1.35x (bf16) and 2.3x (float32)
-    torch's eager ops alone for a (4, 512, 2 x 1536) tensor on a 2-core Zen 4."""
+    (eager: torch's ops, each rounding to the tensors' dtype), in one pass instead of several."""
     return run("swiglu_backward", _swiglu_backward, reference.swiglu_backward, grad, gate_up)
 
 
@@ -396,23 +391,21 @@ _K2 = -2 * _K * 1.4426950408889634  # -2K log2(e)
 
 def _gelu_exponent(xf: torch.Tensor) -> torch.Tensor:
     # -2u log2(e), u = K (x + A x^3): sigmoid(2u) = 1 / (1 + 2^(-2u log2 e)). SLEEF's exp2 is the
-    # quicker exponential: on a 2-thread Emerald Rapids, (2,048, 1,536) GELU 1.24 against 1.36 ms
-    # float32, 1.42 against 1.67 bf16; inside a bf16 DiT-S step 1.36 against 1.46 ms a call.
+    # quicker exponential.
     return _K2 * xf * (1 + _A * xf * xf)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     # x sigmoid(2u) as x / (1 + 2^(-2u log2 e)): one exponential, where torch's and oneDNN's kernels
-    # evaluate a tanh (float32 (2,048, 1,536) on an Emerald Rapids, 2 threads: 1.9 ms against
-    # oneDNN's 3.0 and torch's 5.1). At very negative x the power overflows to inf and the result
-    # is -0, as GELU's.
+    # evaluate a tanh. At very negative x the power overflows to inf and the result is -0, as
+    # GELU's.
     xf = x.float()
     return (xf / (1 + torch.exp2(_gelu_exponent(xf)))).to(x.dtype)
 
 
 def gelu_tanh(x: torch.Tensor, unfused: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``F.gelu(x, approximate="tanh")`` (within float32 rounding of it), or ``unfused(x)`` where the
-    compiler fails (`zoo.gemm.gelu_tanh` decides where this kernel is the one to use and passes its
+    compiler fails (`zoo_cpu_kernels.gemm.Gemm.gelu_tanh` decides where this kernel is the one to use and passes its
     other kernels)."""
     return run("gelu_tanh", _gelu_tanh, unfused, x)
 
@@ -420,8 +413,7 @@ def gelu_tanh(x: torch.Tensor, unfused: Callable[[torch.Tensor], torch.Tensor]) 
 def _gelu_tanh_backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     # GELU(x) = x * s with s = sigmoid(2u) = (1 + tanh u) / 2, u = K (x + A x^3): its derivative
     # s + 2 x s (1 - s) u'(x), u' = K (1 + 3 A x^2), written without tanh; s as 1 / (1 + 2^..), not
-    # torch.sigmoid: bf16 (2,048, 1,536) on an Emerald Rapids 1.59 against 2.31 ms alone, though
-    # inside a step, its three tensors in memory, 1.74 against 1.75. (s (1 - s) written as e s^2 is
+    # torch.sigmoid (quicker alone, level inside a step). (s (1 - s) written as e s^2 is
     # no quicker and is inf * 0 below x = -10.)
     xf = x.float()
     s = 1 / (1 + torch.exp2(_gelu_exponent(xf)))

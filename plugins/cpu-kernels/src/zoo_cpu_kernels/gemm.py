@@ -1,30 +1,30 @@
 """float32 matrix products on a CPU through oneDNN where it is faster than torch's BLAS.
 
 torch computes float32 ``F.linear``/``mm`` on a CPU with MKL, which runs its generic (AVX2) kernels
-on CPUs that are not Intel's: on a 2-core AMD EPYC (Zen 5) a 2048^3 float32 product reached 212
-GFLOP/s through MKL and 477-503 through oneDNN (which torch ships for bf16 and uses there already).
+on CPUs that are not Intel's, where oneDNN (which torch ships for bf16 and uses there already)
+runs the CPU's AVX-512 and reaches about twice MKL's rate (docs/benchmarks.md).
 `configure` decides once per process ("auto": oneDNN where MKL is on its generic path and the CPU
 has AVX-512, which MKL's generic kernels leave unused; "onednn"; "blas": torch's own), and
 `linear`/`mm` then route float32 CPU products through oneDNN's matmul when it was chosen. On an
-AVX2-only AMD CPU (Zen 3) MKL's AVX2 kernels are as fast for a square product and faster for a
-training step's transposed ones: a DiT step's products took 447 ms through oneDNN, 328 through
-MKL. Both are float32 products (IEEE float32 multiply-adds; only the summation order differs, as
+AVX2-only AMD CPU MKL's AVX2 kernels are as fast for a square product and faster for a
+training step's transposed ones. Both are float32 products (IEEE float32 multiply-adds; only the summation order differs, as
 between any two BLAS builds); autocast, other dtypes and accelerators are untouched.
-`zoo train` applies it to every ``nn.Linear`` of the model (`adopt`), the tensor-parallel linears,
-the experts' products and the LM loss: `train.cpu_gemm`; `zoo version` says what it chose. oneDNN
+A run selects it once (`train.cpu_gemm`, through `zoo.kernels`): zoo's linear layers, the
+tensor-parallel linears, the experts' products and the LM loss then call it; `zoo version` and the
+run's config.yaml say what was chosen. oneDNN
 takes a product's input dense and reads its weight through its strides, so a product with
 transposed operands (a weight gradient ``g.T @ x``) copies at most one of them (`_product`).
 
 The same oneDNN call also gives zoo its tanh-GELU (`gelu_tanh`) on a CPU: torch's kernel evaluates
-tanh with SLEEF at ~1.5 G elements/s on 2 cores, a tenth of an elementwise pass, and a DiT or GPT-2
-MLP runs it twice a step (forward and the recomputed copy). oneDNN's JIT eltwise, applied as the
-post-op of a product with the identity, is 2.7x faster (bf16, 2048 x 1536: 0.72 vs 1.95 ms). And
+tanh with SLEEF, far slower than an elementwise pass, and a DiT or GPT-2 MLP runs it twice a step
+(forward and the recomputed copy). oneDNN's JIT eltwise, applied as the post-op of a product with
+the identity, is several times faster. And
 under bf16 autocast on a CPU, `linear` is one oneDNN call with the bias fused that keeps the
 float32 weight for backward instead of autocast's bf16 copy (`_AutocastLinear`). The GELU is
-oneDNN's where its AVX-512 kernel runs ("auto"; on an AVX2-only CPU torch's is faster: 39 vs 45 ms
-for 12.6M elements) or "onednn" asks for it, in bf16 only where oneDNN computes bf16 at all; the
+oneDNN's where its AVX-512 kernel runs ("auto"; on an AVX2-only CPU torch's is faster) or "onednn"
+asks for it, in bf16 only where oneDNN computes bf16 at all; the
 autocast linear wherever oneDNN has bf16 products. "blas" turns both off. On a CPU with AMX, and
-where oneDNN's GELU is not chosen, `zoo.fused`'s compiled kernel (one exponential) computes it
+where oneDNN's GELU is not chosen, `zoo_cpu_kernels.fused`'s compiled kernel (one exponential) computes it
 instead, where the compiled kernels are on.
 """
 
@@ -46,8 +46,7 @@ _FEW_ROWS = 32  # autocast linears over at most this many rows compute in float3
 _EYE = 16  # width of the identity `gelu_tanh` multiplies by (the fastest of 8-128 measured)
 # `mm` makes an operand of a bf16 product read along its columns dense first from this many
 # elements of the reduction and this many multiply-adds (`_dense_first`): below, the copy's cost
-# is not won back (an expert's (384 rows)^T x (384, 512): 0.36 against 0.29 ms in place; at
-# (256 rows)^T x (256, 1,536) 0.39 against 0.49).
+# is not won back (measured on experts' and attention's products of a few hundred rows).
 _DENSE_REDUCTION = 256
 _DENSE_WORK = 1 << 27
 
@@ -90,8 +89,7 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 def bf16_is_native() -> bool:
     """Whether oneDNN computes bf16 products on this CPU (and a small one right): with AVX-512 BF16 or
     AMX, or emulated on AVX-512. Without (an AVX2-only CPU), torch's bf16 products are fallbacks
-    10-400x slower than float32 (on a Zen 3: a bf16-autocast linear 14 GFLOP/s, a bf16 mm 0.35,
-    float32 140)."""
+    10-400x slower than float32."""
     try:
         if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return False
@@ -128,7 +126,7 @@ def has_avx512() -> bool:
 def has_amx() -> bool:
     """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later), from /proc/cpuinfo: torch's
     CPU flash-attention kernel then computes its bf16/fp16 blocks with oneDNN's AMX brgemm, and
-    oneDNN's tanh-GELU is slower than `zoo.fused`'s (`gelu_tanh`)."""
+    oneDNN's tanh-GELU is slower than `zoo_cpu_kernels.fused`'s (`gelu_tanh`)."""
     return "amx_tile" in _cpuinfo("flags").split()
 
 
@@ -332,10 +330,9 @@ class _Linear(torch.autograd.Function):
 
 class _AutocastLinear(torch.autograd.Function):
     """A linear layer under CPU autocast: ``x @ W.T + b`` in ``dtype`` (x already cast), one oneDNN
-    call with the bias fused (torch's addmm first copies the bias into every output row: 5 of a
-    bf16 DiT step's 280 ms). It keeps the float32 weight itself for backward, where autocast's graph
-    keeps its low-precision copy (29 of the 161 MiB a bf16 DiT step saves) and casts it again in
-    backward instead. Values as autocast's (the same products and sums)."""
+    call with the bias fused (torch's addmm first copies the bias into every output row). It keeps
+    the float32 weight itself for backward, where autocast's graph keeps its low-precision copy (a
+    sixth of what a bf16 DiT step saves) and casts it again in backward instead. Values as autocast's (the same products and sums)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -4,9 +4,8 @@ allocator keeps freed GPU memory.
 glibc hands a freed block larger than its mmap threshold (128 KB, rising with use to at most
 32 MB) back to the system, and the next allocation of that size faults fresh zeroed pages back in.
 A training step allocates and frees the same activation-sized tensors every step, so on a CPU it
-pays for zeroing them every step: on a 2-core AVX-512 VM a bf16 LLaMA step (8 layers, 2,048 tokens)
-took 0.67 s with glibc's defaults and 0.61 s with freed memory kept, for 30 MB more peak RSS
-(docs/benchmarks.md). ``retain`` raises the mmap and trim thresholds to 1 GiB; the process then
+pays for zeroing them every step (a tenth of a bf16 LLaMA step on a small VM, for a few percent
+more peak RSS). ``retain`` raises the mmap and trim thresholds to 1 GiB; the process then
 holds its step's high-water mark, which the step reaches anyway.
 
 What the user set wins: any ``MALLOC_*`` tuning variable in the environment, a ``GLIBC_TUNABLES``

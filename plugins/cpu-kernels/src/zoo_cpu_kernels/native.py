@@ -1,25 +1,22 @@
 """zoo's C kernels (`native.c`), compiled at first use for the CPU the process runs on.
 
 Neither torch nor its compiler has a fast transposition on a CPU: torch's strided copy of a
-(2,048, 1,536) bf16 matrix into its transpose takes ~3 ms and inductor's tiled one ~1.5 ms on a
-2-core Xeon with AMX, where copying it takes 0.3. It matters for a linear layer's weight gradient
-``g.T @ x``: the reduction runs over tokens, the slow dimension of both operands, and oneDNN's
-AMX GEMM reads its left operand along the reduction, so it transposes one of them itself and the
-product takes 1.6-2x its time with a dense operand (`zoo.gemm.mm`). `transposed` does it in
-registers, 16 x 16 two-byte or 8 x 8 four-byte tiles, converting bf16 <-> float32 in the same pass
-where asked (bitwise torch's conversions): 0.22 against torch's 0.56 ms for (2,048, 384) bf16.
+matrix into its transpose, and inductor's tiled one, take several times a plain copy. It matters
+for a linear layer's weight gradient ``g.T @ x``: the reduction runs over tokens, the slow
+dimension of both operands, and oneDNN's AMX GEMM reads its left operand along the reduction, so
+it transposes one of them itself and the product takes longer than with a dense operand
+(`zoo_cpu_kernels.gemm`). `transposed` does it in registers, 16 x 16 two-byte or 8 x 8 four-byte
+tiles, converting bf16 <-> float32 in the same pass where asked (bitwise torch's conversions).
 
-The same library has tanh-GELU and its derivative (one exponential, as `zoo.fused`'s compiled
-kernels compute them, with fewer instructions: 0.74 against 1.03 ms forward, 1.12 against 1.44
-backward for a (2,048, 1,536) bf16 tensor) and attention's softmax with its scale applied inside
-(`zoo.nn.attention_ops`: 0.74 against torch's 1.09 ms for DiT-S's (48, 256, 256) bf16 scores),
-compiled where the CPU has AVX-512.
+The same library has tanh-GELU and its derivative (one exponential, as `zoo_cpu_kernels.fused`'s
+compiled kernels compute them, with fewer instructions) and attention's softmax with its scale
+applied inside (`zoo_cpu_kernels.attention`), compiled where the CPU has AVX-512.
 
 The library is built with the C compiler inductor uses (``$CC``, else ``cc``/``gcc``), ``-O3
 -march=native`` and OpenMP when torch's own is OpenMP (the kernels then run on torch's OpenMP
 runtime, already loaded: ``libgomp.so.1``), once per source, compiler and CPU into
-``$ZOO_CACHE/native`` (default ``~/.cache/zoo``; a temporary directory where that is not writable):
-~0.3 s. Where it cannot be built or its self-test
+``$ZOO_CACHE/native`` (default ``~/.cache/zoo``; a temporary directory where that is not writable).
+Where it cannot be built or its self-test
 fails, `available` is False with the reason, and every caller keeps torch's path. A run uses it
 under ``train.cpu_fused=auto`` unless ``ZOO_BACKENDS=-native``, and only on a CPU with AMX (the
 kind it was measured faster on: `zoo_cpu_kernels.gemm.has_amx`); nothing is built elsewhere.

@@ -262,7 +262,7 @@ def patchify(latent: torch.Tensor, pt: int, ph: int, pw: int) -> tuple[torch.Ten
 
 @functools.lru_cache(maxsize=64)
 def _grid_positions(gt: int, gh: int, gw: int) -> torch.Tensor:
-    # the same few grids for every sample of a dataset: built once (~40 us of a sample's encoding)
+    # the same few grids for every sample of a dataset: built once
     return torch.stack(torch.meshgrid(torch.arange(gt), torch.arange(gh), torch.arange(gw), indexing="ij"),
                        dim=-1).reshape(-1, 3)
 

@@ -168,10 +168,11 @@ _COMMON = dict(
     generate="zoo_dit.diffusion:generate",
     preview="zoo_dit.diffusion:preview",
     task_encoder="zoo_dit.data:task_encoder",
-    # whole heads per rank: q|k|v and k|v are laid out per head
+    # DiT's attention is its own (adaLN-modulated, cross-attention from text): whole heads per rank,
+    # q|k|v and k|v laid out per head. Its MLP is the core's and splits as the core derives.
     tp_plan={"layers.*.attn.qkv": "column", "layers.*.attn.proj": "row", "layers.*.cross.q": "column",
-             "layers.*.cross.kv": "column_context", "layers.*.cross.proj": "row", "layers.*.mlp.fc": "column",
-             "layers.*.mlp.proj": "row", "layers.*.attn.q_norm": "per_head", "layers.*.attn.k_norm": "per_head",
+             "layers.*.cross.kv": "column_context", "layers.*.cross.proj": "row",
+             "layers.*.attn.q_norm": "per_head", "layers.*.attn.k_norm": "per_head",
              "layers.*.cross.q_norm": "per_head", "layers.*.cross.k_norm": "per_head"},
     pipeline=PipelineSpec(layers="layers", first=("x_embed", "t_embed", "y_embed"), last=("final",),
                           input_key="hidden", carries=("cond",)),
@@ -227,5 +228,6 @@ def zoo_datasets() -> list[DatasetSpec]:
                     modality="images", stateful=True),
         DatasetSpec(name="moving-digits", description="2,000 clips of a digit crossing a 16x16 canvas in 8 frames, "
                     "captioned 'a 3 moving right', embedded by a fixed-seed tiny T5; prepared on first use",
-                    build="zoo_dit.data:build_moving", modality="video", stateful=True),
+                    build="zoo_dit.data:build_moving", modality="video", stateful=True,
+                    clips="zoo_dit.moving_digits:source"),
     ]

@@ -1,6 +1,6 @@
 """How well a text-to-video DiT trained on the built-in moving digits follows its captions: clips
 generated for captions "a {digit} moving {direction}" (every digit, random directions), judged by
-`zoo.data.moving_digits.judge` (a classifier of the real digits; the centre of mass's path).
+`zoo_dit.moving_digits.judge` (a classifier of the real digits; the centre of mass's path).
 Used by the quality test and `benchmarks/dit_video_quality.py`."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def moving_digits_quality(model: Any, cfg: Any, *, n: int = 80, guidance: float 
     """``{"digit", "direction"}`` fractions over ``n`` generated clips, and ``"clips"`` (n, T, H, W)
     in [0, 1] with their ``"captions"`` in the same order."""
     from zoo.data.encoders import TextEncoder
-    from zoo.data.moving_digits import DIRECTIONS, caption, judge
+    from zoo_dit.moving_digits import DIRECTIONS, caption, judge
 
     rng = np.random.default_rng(seed)
     digits = [i % 10 for i in range(n)]

@@ -15,7 +15,7 @@ from torch import nn
 
 from zoo.nn import KVCache, RMSNorm, Rotary, linear_cross_entropy, make_norm, soft_cap
 from zoo.nn.layers import TransformerLayer, kept_positions, run_layers, take_positions
-from zoo.nn.linear import Linear
+from zoo.nn.linear import LMHead, TokenEmbedding
 from zoo.spec import AttentionSpec, BlockSpec, ModelSpec
 from zoo_gpt.plugin import GemmaConfig, GPTConfig
 
@@ -36,7 +36,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         block = spec.block_for(self.symbol)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
+        self.embed = TokenEmbedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
         self.pos_embed = nn.Embedding(cfg.max_seq_length, cfg.hidden_size) if spec.positions == "learned" else None
         uses_rope = isinstance(block.mixer, AttentionSpec) and block.mixer.positions == "rope"
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling) if uses_rope else None
@@ -44,7 +44,7 @@ class GPT(nn.Module):
         self.layers = nn.ModuleList(self.make_block(cfg, spec.block_for(s), i) for i, s in enumerate(symbols))
         assert spec.final_norm is not None
         self.norm = make_norm(spec.final_norm, cfg.hidden_size, cfg.norm_eps)
-        self.head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = LMHead(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self._init(cfg)

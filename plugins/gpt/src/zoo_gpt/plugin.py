@@ -393,19 +393,12 @@ _COMMON = dict(
     generate="zoo_gpt.model:generate",
     default_dataset="python-docs",
     checkpoint_formats={"hf": "zoo_gpt.convert:HF"},
-    tp_local={"layers.*.attn": ("h", "kv")},
     pipeline=PipelineSpec(layers="layers", first=("embed", "pos_embed"), last=("norm", "head"), input_key="tokens"),
     sequence=SequenceSpec(dim=1, keys=("tokens", "labels", "loss_mask", "position_ids", "segment_ids"),
                           positions="position_ids", loss_mask="loss_mask"),
     recipe={"train.seq_length": 128, "train.micro_batch_size": 16, "optimizer.lr": 2e-3, "optimizer.weight_decay": 0.1,
             "schedule.warmup_steps": 30, "train.steps": 400, "train.eval_interval": 100, "logging.interval": 20},
 )
-
-
-def _tp_plan(mlp: str) -> dict[str, str]:
-    return {"embed": "vocab_embedding", "layers.*.attn.qkv": "column", "layers.*.attn.proj": "row",
-            "layers.*.attn.q_norm": "per_head", "layers.*.attn.k_norm": "per_head",  # (Qwen3's)
-            "layers.*.mlp.fc": mlp, "layers.*.mlp.proj": "row", "head": "vocab_head"}
 
 
 @hookimpl
@@ -416,7 +409,6 @@ def zoo_families() -> list[Family]:
             description="LLaMA decoder: RMSNorm, RoPE (theta, llama3/linear scaling), SwiGLU, grouped-query attention",
             flavors={"tiny": llama_tiny, "3-1B": llama3_1b, "3-3B": llama3_3b, "3-8B": llama3_8b,
                      "3-70B": llama3_70b, "2-7B": llama2_7b},
-            tp_plan=_tp_plan("column_gated"),  # SwiGLU's fused [gate; up]
             **_COMMON,
         ),
         Family(
@@ -424,7 +416,6 @@ def zoo_families() -> list[Family]:
             description="Mistral decoder: LLaMA's with sliding-window attention (v0.1; none in v0.3 and NeMo)",
             flavors={"tiny": mistral_tiny, "7B-v0.1": mistral_7b_v01, "7B-v0.3": mistral_7b_v03,
                      "Nemo-12B": mistral_nemo_12b},
-            tp_plan=_tp_plan("column_gated"),
             **_COMMON,
         ),
         Family(
@@ -432,7 +423,6 @@ def zoo_families() -> list[Family]:
             description="Qwen2/Qwen2.5 decoder: LLaMA's with q/k/v biases, grouped-query attention",
             flavors={"tiny": qwen2_tiny, "0.5B": qwen2_0_5b, "1.5B": qwen2_1_5b, "3B": qwen2_3b, "7B": qwen2_7b,
                      "14B": qwen2_14b, "32B": qwen2_32b, "72B": qwen2_72b},
-            tp_plan=_tp_plan("column_gated"),
             **_COMMON,
         ),
         Family(
@@ -441,7 +431,6 @@ def zoo_families() -> list[Family]:
                         "and global layers with their own RoPE bases, scaled embeddings",
             flavors={"tiny": gemma3_tiny, "270M": gemma3_270m, "1B": gemma3_1b, "4B": gemma3_4b, "12B": gemma3_12b,
                      "27B": gemma3_27b},
-            tp_plan=_tp_plan("column_gated"),
             **{**_COMMON, "config": GemmaConfig, "build": "zoo_gpt.model:build_gemma"},
         ),
         Family(
@@ -449,21 +438,18 @@ def zoo_families() -> list[Family]:
             description="Gemma 2 decoder: Gemma 3's layers without q/k norms, attention scores and output logits "
                         "soft-capped (50, 30), 1:1 sliding-window and global layers",
             flavors={"tiny": gemma2_tiny, "2B": gemma2_2b, "9B": gemma2_9b, "27B": gemma2_27b},
-            tp_plan=_tp_plan("column_gated"),
             **{**_COMMON, "config": GemmaConfig, "build": "zoo_gpt.model:build_gemma"},
         ),
         Family(
             name="qwen3",
             description="Qwen3 decoder: LLaMA's with per-head RMSNorm of q and k, grouped-query attention",
             flavors={"tiny": qwen3_tiny, "0.6B": qwen3_0_6b, "1.7B": qwen3_1_7b, "4B": qwen3_4b, "8B": qwen3_8b},
-            tp_plan=_tp_plan("column_gated"),
             **_COMMON,
         ),
         Family(
             name="gpt2",
             description="GPT-2 decoder: learned positions, LayerNorm, tanh-GELU MLP, biases, tied embeddings",
             flavors={"tiny": gpt2_tiny, "124M": gpt2_124m, "355M": gpt2_355m, "774M": gpt2_774m, "1.5B": gpt2_1_5b},
-            tp_plan=_tp_plan("column"),
             **_COMMON,
         ),
     ]

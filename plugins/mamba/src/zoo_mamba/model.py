@@ -16,7 +16,7 @@ from torch import nn
 
 from zoo.nn import KVCache, Rotary, linear_cross_entropy, make_norm
 from zoo.nn.layers import MLP, SelfAttention
-from zoo.nn.linear import Linear
+from zoo.nn.linear import LMHead, TokenEmbedding
 from zoo.nn.moe import MoE, balance_metrics, stats_width
 from zoo.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, MoESpec, SSMSpec
 from zoo_mamba.plugin import MambaConfig
@@ -74,7 +74,7 @@ class Hybrid(nn.Module):
     def __init__(self, cfg: MambaConfig, spec: ModelSpec) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = TokenEmbedding(cfg.vocab_size, cfg.hidden_size)
         seen: dict[str, int] = {}
         layers = []
         for sym in cfg.symbols:
@@ -91,7 +91,7 @@ class Hybrid(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, None) if uses_rope else None
         assert spec.final_norm is not None
         self.norm = make_norm(spec.final_norm, cfg.hidden_size, cfg.norm_eps)
-        self.head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = LMHead(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self._init(cfg)

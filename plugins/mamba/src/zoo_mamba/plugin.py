@@ -225,14 +225,13 @@ def hybrid_moe_tiny() -> MambaConfig:
 # Every rank holds whole heads and groups: in_proj's segments and the conv's channels split per
 # segment, the per-head/per-channel parameters by rows, out_proj by columns; Mamba-1's x_proj is
 # row-parallel and all-reduced (dt, B, C are whole on every rank), dt_proj column-parallel from it.
-_TP = {"embed": "vocab_embedding", "head": "vocab_head",
-       "layers.*.ssm.in_proj": "column_segments", "layers.*.ssm.conv1d": "channels", "layers.*.ssm": "channels",
+# The SSM mixers are the family's own modules, so it writes their plan; attention, MLP and MoE
+# layers, the embedding and the head are the core's and split as the core derives.
+_TP = {"layers.*.ssm.in_proj": "column_segments", "layers.*.ssm.conv1d": "channels", "layers.*.ssm": "channels",
        "layers.*.ssm.norm": "channels", "layers.*.ssm.x_proj": "row_allreduce", "layers.*.ssm.dt_proj": "column_local",
-       "layers.*.ssm.out_proj": "row",
-       "layers.*.attn.qkv": "column", "layers.*.attn.proj": "row", "layers.*.mlp.fc": "column", "layers.*.mlp.proj": "row",
-       "layers.*.moe.shared.fc": "column", "layers.*.moe.shared.proj": "row"}
+       "layers.*.ssm.out_proj": "row"}
 # Mamba-2's mixer counts its own heads and groups (Mamba-1's reads its width off in_proj).
-_TP_LOCAL = {"layers.*.ssm": ("heads", "groups"), "layers.*.attn": ("h", "kv")}
+_TP_LOCAL = {"layers.*.ssm": ("heads", "groups")}
 
 _COMMON = dict(
     task="causal_lm",

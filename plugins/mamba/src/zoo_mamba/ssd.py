@@ -5,9 +5,8 @@ seen through C; each chunk's own state passes on in `pass_states`.
 
 The within-chunk part is factored, ``L[i, j] = e_i / e_j``: all heads that share B and C then take
 one product, and no (Q x Q) decay matrix exists; a chunk whose decays span more than float32's
-range allows (`MAX_SPAN`) takes the decay matrices, a product per head, as before. A 2-layer,
-state-128 Mamba-2 step at T = 2,048 took 4-6% less time factored than with decay matrices in
-every chunk (docs/benchmarks.md). On a CPU the elementwise work around its products runs as five
+range allows (`MAX_SPAN`) takes the decay matrices, a product per head. On a CPU the
+elementwise work around its products runs as five
 compiled passes (`_one_pass`), and x enters before dt: ``x dt`` is never materialised, and dt's
 gradient through it comes from the pass that forms x's. `zoo_mamba.ssm.ssd_scan` chunks the sequence;
 shapes as there, with BK = batch x chunks.
@@ -76,9 +75,8 @@ def _one_pass(name: str, fn: Any, *args: torch.Tensor | None) -> Any:
 
 # The elementwise work around the products, each a function of (BK, Q, G, R, P) views and (BK, Q,
 # G, R, 1) scales, run as one compiled pass (`_one_pass`): as torch's separate operations they
-# were ~14 passes over T x H x P floats a layer (0.3-0.5 ms each at T = 2,048), among them the
-# gradient's five multiplications and two sums in `_input_grads`, 3.4 ms eager against 0.8
-# compiled (docs/benchmarks.md). The factored form's parts (``X / e``, e, and their gradients) are
+# were ~14 passes over T x H x P floats a layer, among them the gradient's five multiplications
+# and two sums in `_input_grads`. The factored form's parts (``X / e``, e, and their gradients) are
 # None where no chunk takes it (an accelerator, or every chunk by decay matrices).
 def _inputs(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The products' operands from the scan's input x (before dt): ``w * X`` (u = dt w) and ``X / e``

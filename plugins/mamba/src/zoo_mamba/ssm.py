@@ -56,8 +56,8 @@ def _kernel(which: str, x: torch.Tensor) -> Any:
 class _CausalConv1d(torch.autograd.Function):
     """Depthwise causal convolution from a zero history as K shifted multiply-adds in the (B, T, C)
     layout, with its own backward (K passes for the input, K products summed for the weight):
-    torch's grouped conv1d wants (B, C, T), 10.9 ms against 4.9 for a 2,048 x 640 convolution with
-    the layout copies. x is neither padded nor copied; backward keeps it (a view of in_proj's output)."""
+    torch's grouped conv1d wants (B, C, T), and the layout copies around it cost more than the
+    convolution. x is neither padded nor copied; backward keeps it (a view of in_proj's output)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -107,7 +107,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     elif x.device.type == "cpu" and state is None:  # training, a prompt's first pass: no padded copy
         y = _CausalConv1d.apply(x.to(dtype), w, b)
     elif x.device.type == "cpu" and x.shape[1] == 1 and k > 1:  # a decoding step: K taps per channel
-        # over the cached inputs and x (44 against 74-109 us through the multi-token path, 768 channels)
+        # over the cached inputs and x (the multi-token path pads and copies for one token)
         y = torch.einsum("bkc,ck->bc", recent.to(dtype), w)[:, None]
         y = y if b is None else y + b
     elif x.device.type == "cpu":  # a continued sequence: over the cached inputs and x, the cached
@@ -212,9 +212,8 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.
 # The chunk is an algorithmic choice, not part of the model: any chunk computes the same function
 # (to rounding). A chunk's quadratic part (the Q x Q decay matrices and products of every head)
 # grows with Q and the state passing between chunks shrinks with it; on a CPU 64 is the best
-# trade. Mamba-2 configs carry mamba-ssm's 256, the Triton kernel's choice on a GPU: a 2-layer,
-# state-128 Mamba-2 step at T = 2,048 took 182 ms in chunks of 64, 189 of 128, 223 of 256 (the
-# same process, alternating; 32: 199), and at T = 512 and 8,192 64 was the best too.
+# trade (measured against 32, 128 and 256 at several sequence lengths). Mamba-2 configs carry
+# mamba-ssm's 256, the Triton kernel's choice on a GPU.
 CPU_CHUNK = 64
 
 
@@ -249,7 +248,7 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
             x1 = (x.float()[:, 0] * dt[:, 0, :, None]).reshape(bsz, g, h // g, p, 1)
             last = (torch.exp(dt[:, 0] * a.float())[..., None, None] * h0).view(bsz, g, h // g, p, n).addcmul_(x1, bh)
             # y = S c: one matrix-vector product per group (its heads share C; a batched product per
-            # head took twice the time: 24 heads of 64 x 128, 172 against 93 us with the fused add)
+            # head reads C once a head)
             y = last.view(bsz, g, (h // g) * p, n) @ c.float().reshape(bsz, g, n, 1)
             return y.view(bsz, 1, h, p), last.view(bsz, h, p, n)
         y, last = ssd.SSD.apply(chunked(x.float()).flatten(0, 1), chunked(dt).flatten(0, 1),

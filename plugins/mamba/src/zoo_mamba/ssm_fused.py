@@ -4,12 +4,10 @@ silu(z))`` over groups.
 
 In eager PyTorch the convolution is K shifted multiply-adds and the SiLU another pass, each way;
 the gate is ~8 passes forward and ~15 backward, with autograd's buffers. Every pass over a
-(T, inner) float32 tensor reads it from memory inside a training step (0.3-0.6 ms each at
-T = 2,048 on a 2-core AMD EPYC). Here the convolution and SiLU are one pass forward and two
-backward (the SiLU's gradient, from the sigmoid the forward kept for float32, then the input's
-and the weight's), the gate one forward and one backward, keeping its inputs and the rows' 1/rms:
-a 2-layer, state-128 Mamba-2 step at T = 2,048 took 4% less time (7.4 of ~185 ms), and 1.5% less
-again with the kept sigmoid (docs/benchmarks.md). The SSD's own elementwise passes are compiled
+(T, inner) float32 tensor reads it from memory inside a training step. Here the convolution and
+SiLU are one pass forward and two backward (the SiLU's gradient, from the sigmoid the forward kept
+for float32, then the input's and the weight's), the gate one forward and one backward, keeping
+its inputs and the rows' 1/rms. The SSD's own elementwise passes are compiled
 in `zoo_mamba.ssd`. Used where the run's kernels fuse (`Kernels.fuses`) (CPU, large tensors, inductor on); the mixers'
 eager code runs otherwise.
 
@@ -35,9 +33,8 @@ _SUM_ROWS = 16
 def row_block_sums(v: torch.Tensor) -> torch.Tensor:
     """Inside a compiled kernel: sums of ``v`` (rows, ...) over blocks of `_SUM_ROWS` rows, for the
     caller to add up outside it (``.sum(0)``: a few rows). Inductor computes a column sum as a loop
-    down all the rows of each 16-column strip, and a block of rows at a time it reads better: the
-    sums of a (2,048, 512) float32 product in a norm's backward took 0.59 against 0.72 ms (0.48
-    against 0.58 at 384 columns, level at 256). A sum of the partial sums inside the same kernel
+    down all the rows of each 16-column strip, and a block of rows at a time reads memory in order
+    (faster from 384 columns up, level at 256). A sum of the partial sums inside the same kernel
     is merged back into the one loop. Rows not a multiple of the block: one plain sum."""
     r = v.shape[0]
     if r % _SUM_ROWS:
@@ -100,7 +97,7 @@ class ConvSiLU(torch.autograd.Function):
     x's dtype, computed in float32. Keeps x and the weight, and for a float32 x also the output
     and the sigmoid (the output is kept alive by the scan and the gate anyway; the sigmoid is
     T x C floats): backward then takes SiLU's derivative from them, no convolution recomputed and
-    no exponential (a 2-layer Mamba-2 step at T = 2,048, 768 channels, 1.5% faster); for bf16 or
+    no exponential; for bf16 or
     fp16 it recomputes the convolution in float32 rather than use the rounded output."""
 
     @staticmethod

@@ -182,13 +182,8 @@ _COMMON = dict(
     generate="zoo_moe.model:generate",
     default_dataset="python-docs",
     checkpoint_formats={"hf": "zoo_moe.convert:HF"},
-    # Attention and the shared expert split like LLaMA's; routed experts are never TP-split (ETP=1,
-    # as torchtitan): they are sharded over parallel.ep instead.
-    tp_plan={"embed": "vocab_embedding", "layers.*.attn.qkv": "column", "layers.*.attn.proj": "row",
-             "layers.*.moe.shared.fc": "column_gated", "layers.*.moe.shared.proj": "row",
-             "layers.*.mlp.fc": "column_gated", "layers.*.mlp.proj": "row", "head": "vocab_head",
-             "layers.*.attn.q_norm": "per_head", "layers.*.attn.k_norm": "per_head"},  # (Qwen3-MoE's)
-    tp_local={"layers.*.attn": ("h", "kv")},
+    # No tp_plan: attention, dense layers and the shared expert are the core's layers, which split
+    # like LLaMA's; routed experts are sharded over parallel.ep (and parallel.etp), never TP-split.
     # The routing statistics travel with the hidden state to the stage that computes the loss.
     pipeline=PipelineSpec(layers="layers", first=("embed",), last=("norm", "head"), input_key="tokens",
                           carries=("moe_stats",)),

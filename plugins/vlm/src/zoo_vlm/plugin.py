@@ -203,10 +203,6 @@ def llava_1_5_7b() -> LlavaConfig:
 
 LLAVA_FLAVORS = {"tiny": llava_tiny, "tiny-gpt2": llava_tiny_gpt2, "1.5-7b": llava_1_5_7b}
 
-_TOWER_TP = {"vision.layers.*.attn.qkv": "column", "vision.layers.*.attn.proj": "row",
-             "vision.layers.*.mlp.fc": "column", "vision.layers.*.mlp.proj": "row"}
-
-
 @hookimpl
 def zoo_families() -> list[Family]:
     return [
@@ -225,9 +221,7 @@ def zoo_families() -> list[Family]:
             default_dataset="digits-captions",
             task_encoder="zoo_vlm.data:clip_task_encoder",
             checkpoint_formats={"hf": "zoo_vlm.convert:HF_CLIP"},
-            tp_plan={**_TOWER_TP, "text.layers.*.attn.qkv": "column", "text.layers.*.attn.proj": "row",
-                     "text.layers.*.mlp.fc": "column", "text.layers.*.mlp.proj": "row"},
-            tp_local={"vision.layers.*.attn": ("h", "kv"), "text.layers.*.attn": ("h", "kv")},
+            # No tp_plan: both towers are the core's transformer layers, split as the core derives.
             throughput=Throughput(unit="samples", count="zoo_vlm.model:count_samples",
                                   flops_of_batch="zoo_vlm.model:clip_flops_of_batch"),
             # ~30 s on 2 cores; zero-shot accuracy on held-out digits in docs/vlm.md.
@@ -250,10 +244,8 @@ def zoo_families() -> list[Family]:
             default_dataset="digits-vqa",
             task_encoder="zoo_vlm.data:llava_task_encoder",
             checkpoint_formats={"hf": "zoo_vlm.convert:HF_LLAVA"},
-            tp_plan={**_TOWER_TP, "projector.fc": "column", "projector.proj": "row", "embed": "vocab_embedding",
-                     "layers.*.attn.qkv": "column", "layers.*.attn.proj": "row", "layers.*.mlp.fc": "column_gated",
-                     "layers.*.mlp.proj": "row", "head": "vocab_head"},
-            tp_local={"vision.layers.*.attn": ("h", "kv"), "layers.*.attn": ("h", "kv")},
+            # The projector is the family's own MLP; the towers and the decoder split as the core derives.
+            tp_plan={"projector.fc": "column", "projector.proj": "row"},
             # The vision tower and projector run on the first stage, which merges the image features
             # into the sequence; later stages see only the decoder's hidden state.
             pipeline=PipelineSpec(layers="layers", first=("vision", "projector", "embed", "pos_embed"),

@@ -288,9 +288,10 @@ def add_prepare_parsers(prep: Any) -> None:
     i.add_argument("--force-overwrite", action="store_true")
     i.set_defaults(func=cmd_images)
 
-    v = prep.add_parser("video", help="the built-in moving-digits clips (captioned, embedded) -> a prepared Energon dataset")
+    v = prep.add_parser("video", help="a built-in video dataset's clips (captioned, embedded) -> a prepared Energon "
+                        "dataset (DiT's moving digits)")
     v.add_argument("output")
-    v.add_argument("--dataset", choices=["moving-digits"], default="moving-digits")
+    v.add_argument("--dataset", default="moving-digits", help="a dataset whose plugin declares a clip source")
     v.add_argument("--count", type=at_least_one, default=2000, help="clips")
     v.add_argument("--num-frames", type=at_least_one, default=8)
     v.add_argument("--size", type=at_least_one, default=16, help="canvas side in pixels")

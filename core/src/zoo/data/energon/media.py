@@ -168,27 +168,29 @@ def prepare_video(out: str | os.PathLike[str], *, dataset: str = "moving-digits"
                   size: int = 16, shard_size: int | None = None, split: Sequence[float] = (18, 1, 1),
                   vae: str | None = None, text_encoder: str | None = None, force_overwrite: bool = False,
                   progress: bool = False) -> PrepareResult:
-    """The built-in ``moving-digits`` clips as a crude dataset: ``npy`` (1, T, H, W) pixels in
-    [-1, 1], ``txt`` caption, ``t5.npy`` its embeddings (``text_encoder``, or the default
-    fixed-seed tiny T5), ``json`` (digit, direction), with ``vae`` also ``latent.npy``
-    (C, T, H/f, W/f, each frame encoded)."""
-    from zoo.data.moving_digits import caption, clips
-
+    """The clips of a built-in video dataset (one a plugin declares with `DatasetSpec.clips`, such as
+    DiT's ``moving-digits``) as a crude dataset: ``npy`` (1, T, H, W) pixels in [-1, 1], ``txt``
+    caption, ``t5.npy`` its embeddings (``text_encoder``, or the default fixed-seed tiny T5), ``json``
+    (what the source says a clip shows), with ``vae`` also ``latent.npy`` (C, T, H/f, W/f, each frame
+    encoded)."""
     out = Path(out)
     if (out / META).exists() and not force_overwrite:
         raise DatasetError(f"{out}: already holds a prepared dataset; pass --force-overwrite to replace it")
-    if dataset != "moving-digits":
-        raise DatasetError(f"--dataset {dataset!r}: the built-in video dataset is 'moving-digits'")
-    if size <= 8:
-        raise DatasetError(f"--size {size}: the 8 x 8 digit needs a larger canvas to move across (16: the default)")
+    source = video_source(dataset)
+    try:  # the source checks its options before anything is written
+        first = next(iter(source(1, frames=frames, size=size)))
+    except ValueError as e:
+        raise DatasetError(str(e)) from None
+    if first[0].ndim != 3:
+        raise DatasetError(f"dataset {dataset!r}: its clips source gave pixels of shape {tuple(first[0].shape)}, "
+                           "not (frames, height, width)")
     enc_vae, enc_text = _encoders(vae, text_encoder, default_text=True)
 
     def samples() -> Iterable[tuple[str, dict[str, Any]]]:
-        for k, (clip, digit, direction) in enumerate(clips(count, frames=frames, size=size)):
-            pixels = (clip * 2 - 1)[None].astype(np.float32)  # (1, T, H, W)
-            yield f"{k:06d}", {"npy": _npy(pixels), "txt": caption(digit, direction).encode(), "pixels": pixels,
-                               "json": json.dumps({"digit": digit, "direction": direction,
-                                                   "text_encoder": enc_text.name}).encode()}
+        for k, (clip, text, info) in enumerate(source(count, frames=frames, size=size)):
+            pixels = (np.asarray(clip, dtype=np.float32) * 2 - 1)[None]  # (1, T, H, W)
+            yield f"{k:06d}", {"npy": _npy(pixels), "txt": text.encode(), "pixels": pixels,
+                               "json": json.dumps({**info, "text_encoder": enc_text.name}).encode()}
 
     _write_then_prepare(out, encode_samples(samples(), vae=enc_vae, text_encoder=enc_text),
                         shard_size or max(1, count // 20))
@@ -197,4 +199,27 @@ def prepare_video(out: str | os.PathLike[str], *, dataset: str = "moving-digits"
     return res
 
 
-__all__ = ["ENCODERS", "encode_samples", "prepare_images", "prepare_video", "read_encoders"]
+def video_sources() -> dict[str, Any]:
+    """The installed datasets that declare a clip source, by name, with the plugin that owns each."""
+    from zoo.registry import get_registry
+
+    return {name: (spec, info) for name, (spec, info) in sorted(get_registry().datasets.items())
+            if spec.clips is not None}
+
+
+def video_source(dataset: str) -> Any:
+    """The clip source of the built-in video dataset ``dataset``; an unknown name lists the installed ones."""
+    from zoo.errors import suggest
+    from zoo.family import resolve
+
+    known = video_sources()
+    if dataset not in known:
+        have = ", ".join(known) or "none: the plugin that ships one (zoo-dit: moving-digits) is not installed"
+        raise DatasetError(f"--dataset {dataset!r}: not a built-in video dataset{suggest(dataset, known)} "
+                           f"(installed: {have})")
+    spec, info = known[dataset]
+    return resolve(spec.clips, owner=str(info))
+
+
+__all__ = ["ENCODERS", "encode_samples", "prepare_images", "prepare_video", "read_encoders", "video_source",
+           "video_sources"]

@@ -47,6 +47,15 @@ def caption(digit: int, direction: str) -> str:
     return f"a {digit} moving {direction}"
 
 
+def source(count: int, *, frames: int, size: int) -> Iterator[tuple[np.ndarray, str, dict[str, Any]]]:
+    """The clip source the ``moving-digits`` dataset declares (`DatasetSpec.clips`), which
+    `zoo prepare video` writes: each clip with its caption and what it shows."""
+    if size <= 8:
+        raise ValueError(f"--size {size}: the 8 x 8 digit needs a larger canvas to move across (16: the default)")
+    for clip, digit, direction in clips(count, frames=frames, size=size):
+        yield clip, caption(digit, direction), {"digit": digit, "direction": direction}
+
+
 def _centre(frame: np.ndarray) -> tuple[float, float]:
     w = np.clip(frame, 0, None)
     total = w.sum() or 1.0
@@ -112,4 +121,4 @@ def judge(clips: np.ndarray, digits: list[int], directions: list[str]) -> dict[s
     return {"digit": digit_ok / len(digits), "direction": direction_ok / len(digits)}
 
 
-__all__ = ["DIRECTIONS", "caption", "clips", "direction_of", "judge"]
+__all__ = ["DIRECTIONS", "caption", "clips", "direction_of", "judge", "source"]
