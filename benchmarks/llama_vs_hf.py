@@ -78,6 +78,9 @@ def build(impl: str, args: argparse.Namespace):
     return model, zoo_loss
 
 
+_HELD: list = []  # the process's kernel selection, entered and kept (a dropped context manager is closed)
+
+
 def zoo_process_settings(malloc_mode: str | None = None) -> None:
     """What `zoo train` sets in a process besides the model: the kernels it selects for the device
     under the default ``train.cpu_*`` settings (`zoo.kernels`; on a CPU with zoo-cpu-kernels freed
@@ -88,7 +91,9 @@ def zoo_process_settings(malloc_mode: str | None = None) -> None:
     from zoo.config import TrainConfig
 
     if malloc_mode is None:
-        kernels.select("cpu", kernels.options(TrainConfig())).use().__enter__()  # (for the process's life)
+        held = kernels.select("cpu", kernels.options(TrainConfig())).use()
+        held.__enter__()  # for the process's life: referenced from _HELD, so never closed
+        _HELD.append(held)
     else:
         from zoo_cpu_kernels import malloc
 
