@@ -93,17 +93,6 @@ def _configs(seed: int) -> list[DecoderConfig]:
     return out
 
 
-def _full_grad(g: torch.Tensor, group, style: str) -> torch.Tensor:
-    from zoo.parallel import comm
-
-    if style == "row":
-        return comm.all_gather(g, group, 1)
-    if style == "column_gated":
-        parts = comm.all_gather(g, group, 0).chunk(comm._size(group) * 2)
-        return torch.cat(parts[0::2] + parts[1::2])  # [g0;u0;g1;u1] -> [g0;g1;u0;u1]
-    return comm.all_gather(g, group, 0)
-
-
 def _run(cfg: DecoderConfig, tp: int) -> dict:
     import torch.distributed as dist
 
@@ -125,8 +114,8 @@ def _run(cfg: DecoderConfig, tp: int) -> dict:
     grads = {}
     for name, p in model.named_parameters():
         style = next((s for pat, s in plan.items() if _matches(name.rpartition(".")[0], pat)), None)
-        if tp > 1 and name in split and style is not None:
-            grads[name] = _full_grad(p.grad, group, "column" if style.startswith("vocab") else style)
+        if tp > 1 and name in split:  # the full gradient from every rank's piece, as the layer splits it
+            grads[name] = split[name].gather(p.grad)
         elif tp > 1 and style == "per_head":  # whole on each rank, its gradient partial per rank's heads
             grads[name] = p.grad.clone()
             dist.all_reduce(grads[name])

@@ -157,11 +157,6 @@ def tensor_parallel_plan(model: nn.Module, declared: Mapping[str, str] | None = 
     return plan, local
 
 
-def splits(model: nn.Module, plan: Mapping[str, str]) -> bool:
-    """Whether ``plan`` splits any module of ``model`` (a plan naming nothing it holds splits nothing)."""
-    return any(any(_matches(n, p) for p in plan) for n, _ in model.named_modules())
-
-
 def per_head_parameters(model: nn.Module, plan: Mapping[str, str]) -> set[str]:
     """The parameters of the modules the plan marks ``per_head``: whole on every TP rank, their
     gradients partial (each rank's heads), so summed over TP after backward."""
